@@ -1,0 +1,209 @@
+"""Engine settings (model, cache, scheduler, parallel), resolved and validated once.
+
+``EngineArgs`` is what a user passes (``LLM(...)`` keywords or ``pagedllm serve`` flags);
+``EngineArgs.create_engine_config()`` turns it into an ``EngineConfig`` or raises ValueError.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+DEMO_MODEL_PATH = str(Path(__file__).parent / "assets" / "shakespeare-llama")
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_model_path(model: Optional[str]) -> str:
+    """Local folder for ``model``: the bundled demo model when None, the path itself when it
+    exists, else a Hugging Face hub id fetched with ``huggingface_hub`` (needs internet).
+
+    Raises:
+        ValueError: the path does not exist and the hub download failed.
+    """
+    if model is None:
+        return DEMO_MODEL_PATH
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
+        raise ValueError(f"model {model!r} is not a local folder and could not be fetched from "
+                         f"the Hugging Face hub ({type(e).__name__}: {e})") from None
+
+
+def get_rope_parameters(hf_config: Any) -> dict:
+    """RoPE settings as one dict with ``rope_theta`` and ``rope_type`` (transformers 4.x keeps
+    them in ``rope_theta``/``rope_scaling``, 5.x in ``rope_parameters``)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    params["rope_type"] = rope_type
+    return params
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    served_model_name: str
+    load_format: str = "auto"
+    seed: int = 0
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else "<none>"
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: Optional[int] = None  # bytes; overrides gpu_memory_utilization
+    enable_prefix_caching: bool = True
+    num_blocks: int = 0  # set once the KV cache is allocated
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: str
+
+
+def _max_len_from_hf(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 2048
+
+
+def _resolve_dtype(dtype: Any, hf_config: Any, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    dtype = (dtype or "auto").lower()
+    if dtype == "auto":
+        if device == "cpu":
+            return torch.float32  # bf16/fp16 matmuls are slower than fp32 on most CPUs
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg, str):
+            cfg = _DTYPES.get(cfg)
+        return cfg if isinstance(cfg, torch.dtype) else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine settings; defaults follow vLLM where it has one."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: Optional[str] = None
+    enable_prefix_caching: bool = True
+    device: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        from transformers import AutoConfig
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model_path = resolve_model_path(self.model)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        max_len_cfg = _max_len_from_hf(hf_config)
+        max_model_len = self.max_model_len or max_len_cfg
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        if max_batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=self.tokenizer or model_path,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
+            load_format=self.load_format,
+            seed=self.seed,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory=self.kv_cache_memory,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device=device,
+        )

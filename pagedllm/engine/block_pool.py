@@ -1,0 +1,118 @@
+"""The block pool: every KV-cache block of the engine, their reference counts, the free queue,
+and the prefix-cache index (block hash -> block).
+
+A block is free when its reference count is 0. Free blocks that still hold a full, hashed block
+stay in the prefix-cache index until they are handed out again, so the free queue doubles as the
+LRU eviction order (Kwon et al., SOSP 2023, section 4; vLLM v1 ``block_pool.py``).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Iterable, Optional
+
+# Hash of the (empty) parent of a request's first block.
+ROOT_HASH = b"pagedllm-root"
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
+    """Chained, collision-resistant hash of one full block: sha256(parent hash || token ids).
+
+    Two blocks share a hash only if their whole prefixes are equal (up to sha256 collisions),
+    so a cache hit never serves K/V of other tokens.
+    """
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class KVCacheBlock:
+    """Metadata of one physical block (its K/V live in the model runner's cache tensors)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[bytes] = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """Owns ``num_blocks`` blocks.
+
+    Raises:
+        ValueError: ``num_blocks`` < 1.
+        RuntimeError: asked for more new blocks than are free (callers check first).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # LRU order: the first entry is evicted/handed out first.
+        self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, possibly holding evictable cached K/V)."""
+        return len(self.free_block_queue)
+
+    def get_usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 - 1.0)."""
+        return 1.0 - len(self.free_block_queue) / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue (evicting their cache entry)."""
+        if num_blocks > len(self.free_block_queue):
+            raise RuntimeError(f"cannot get {num_blocks} free blocks, only {len(self.free_block_queue)} left")
+        out = []
+        for _ in range(num_blocks):
+            _, block = self.free_block_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache-hit blocks (removing free ones from the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_block_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; a block reaching 0 joins the tail of the free queue.
+
+        Pass a request's blocks in reverse order so that its last (least shareable) blocks are
+        evicted first.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Record that ``block`` holds the full block ``block_hash`` (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            self._evict(block)

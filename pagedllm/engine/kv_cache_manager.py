@@ -1,0 +1,115 @@
+"""KV-cache manager: each request's block table, slot allocation, prefix-cache lookups, freeing.
+
+Where are blocks freed? ``KVCacheManager.free`` - called by the scheduler when a request
+finishes, is aborted or is preempted.
+"""
+from __future__ import annotations
+
+from pagedllm.engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedllm.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps requests to physical blocks of one ``BlockPool``.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_caching: automatic prefix caching (reuse full blocks with equal hashed prefixes).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed + cached
+        # Prefix-cache statistics in tokens, counted by the scheduler on admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a request: logical block i -> physical block id."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        toks = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(parent, toks[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a new request: (blocks, number of tokens they hold).
+
+        At least one token is always left to compute, since the last position's logits are
+        needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def can_fit(self, num_blocks: int) -> bool:
+        return num_blocks <= self.block_pool.get_num_free_blocks()
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed ones
+        and after ``new_computed_blocks``, a prefix-cache hit taken on first scheduling).
+
+        Returns False, changing nothing, when the pool has too few free blocks.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Cache hits that sit in the free queue are taken out of it, so they count too.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        """Return every block of ``request`` to the pool (cached ones stay reusable)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()

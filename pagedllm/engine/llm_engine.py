@@ -1,0 +1,232 @@
+"""The synchronous engine: add requests, call ``step()`` until done.
+
+One step = schedule -> build the flat batch -> forward -> sample -> update requests ->
+detokenize -> RequestOutputs for every request that advanced or finished.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterable, Optional, Union
+
+import torch
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler, SchedulerStats
+from pagedllm.layers.sampler import Sampler, SamplingRow, topk_logprobs
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.executor import make_executor
+from pagedllm.worker.input_batch import prepare_inputs
+
+logger = logging.getLogger("pagedllm")
+
+PromptType = Union[str, list[int], dict]
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos_ids(model_path: str) -> set[int]:
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except Exception:  # noqa: BLE001 - generation_config.json is optional
+        return set()
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+class LLMEngine:
+    """Raises ValueError at construction for invalid settings, or when not even one
+    ``max_model_len`` sequence fits in the KV cache."""
+
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        self.config = config
+        mc, cc = config.model_config, config.cache_config
+        self.model_config = mc
+        self.tokenizer = _load_tokenizer(mc.tokenizer)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.generation_eos_ids = _generation_eos_ids(mc.model)
+        self.vocab_size = mc.hf_config.vocab_size
+        self.executor = make_executor(config)
+        try:
+            self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.sampler = Sampler()
+        self.log_stats = log_stats
+        self._counter = itertools.count()
+        self._last_log = time.time()
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
+        return cls(args.create_engine_config(), log_stats=log_stats)
+
+    # ---- start-up ------------------------------------------------------------------------
+    def _init_kv_cache(self) -> None:
+        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        budget, how = self.executor.determine_kv_budget()
+        per_block = self.executor.bytes_per_block()
+        num_blocks = budget // per_block if budget > 0 else 0
+        blocks_per_seq = cdiv(mc.max_model_len, cc.block_size)
+        if self.config.device == "cpu" and cc.kv_cache_memory is None:
+            num_blocks = min(num_blocks, sc.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache ({max(budget, 0) / 2**20:.1f} MiB from {how}) holds {num_blocks} blocks of "
+                f"{cc.block_size} tokens, fewer than the {blocks_per_seq} one sequence of max_model_len="
+                f"{mc.max_model_len} needs; raise gpu_memory_utilization or kv_cache_memory, or lower max_model_len")
+        cc.num_blocks = num_blocks
+        self.executor.allocate_kv_cache(num_blocks)
+        kv_bytes = num_blocks * per_block * self.config.parallel_config.tensor_parallel_size
+        logger.info(
+            "model=%s arch=%s dtype=%s device=%s tp=%d | KV cache: %d blocks x %d tokens = %.1f MiB | "
+            "max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB",
+            mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), self.config.device,
+            self.config.parallel_config.tensor_parallel_size, num_blocks, cc.block_size, kv_bytes / 2**20,
+            mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20)
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(prompt text or None, token ids). Raises ValueError on an empty or invalid prompt."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            else:
+                prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text: Optional[str] = prompt
+        else:
+            ids, text = list(prompt), None
+            if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return text, ids
+
+    def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> str:
+        """Queue a request. Returns its id. Raises ValueError when the prompt is empty, longer
+        than max_model_len, or has ids outside the vocabulary."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._counter))
+        text, ids = self.tokenize_prompt(prompt)
+        max_len = self.model_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
+        arrival_time = arrival_time or time.time()
+        children = []
+        for i in range(params.n):
+            sp = params.clone()
+            if params.n > 1 and params.seed is not None:
+                sp.seed = params.seed + i
+            sp.all_stop_token_ids = set(self.generation_eos_ids)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
+                                    parent_id=request_id, index=i, device=self.config.device))
+        self.output_processor.add_request(request_id, text, ids, children)
+        for c in children:
+            self.scheduler.add_request(c)
+        return request_id
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """Abort requests (by the id given to add_request); their blocks are freed now."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            state = self.output_processor.states.pop(rid, None)
+            if state is not None:
+                self.scheduler.finish_requests([c.request_id for c in state.children], RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device)
+        logits = self.executor.execute_model(plan.model_input)
+        num_sample = len(plan.sampling_requests)
+        sampled: dict[str, int] = {}
+        if num_sample:
+            rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids)
+                    for r in plan.sampling_requests]
+            out = self.sampler(logits[:num_sample], rows)
+            for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
+                sampled[r.request_id] = tok
+                if lp is not None:
+                    r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
+                    r.cumulative_logprob += lp[0]
+        if plan.prompt_logprob_spans:
+            self._collect_prompt_logprobs(plan, logits[num_sample:])
+
+        self.num_prompt_tokens_total += sum(
+            max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
+            for r, n in sched_out.scheduled)
+        updated = self.scheduler.update_from_output(sched_out, sampled)
+        self.num_generation_tokens_total += len(updated)
+        stopped = self.output_processor.process(updated)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = []
+        for parent_id in dict.fromkeys(r.parent_id for r in updated):
+            out_ = self.output_processor.make_output(parent_id)
+            if out_ is not None:
+                outputs.append(out_)
+        if self.log_stats and time.time() - self._last_log > 10.0:
+            self._log_stats()
+        return outputs
+
+    def _collect_prompt_logprobs(self, plan, logits: torch.Tensor) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        row = 0
+        for req, first_pos, count in plan.prompt_logprob_spans:
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            k = req.sampling_params.prompt_logprobs
+            for j in range(count):
+                tok = req.prompt_token_ids[first_pos + j]
+                lp = topk_logprobs(logprobs[row + j], tok, k)
+                req.prompt_logprobs.append(self.output_processor.make_logprobs(lp, tok))
+            row += count
+
+    def _log_stats(self) -> None:
+        s = self.get_stats()
+        self._last_log = time.time()
+        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%",
+                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+__all__ = ["LLMEngine", "Logprob"]

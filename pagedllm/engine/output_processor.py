@@ -1,0 +1,106 @@
+"""Turns engine-internal sequences into ``RequestOutput``s: detokenizes new tokens, applies stop
+strings, collects logprobs, and joins the ``n`` child sequences of a request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.request import Request
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    num_detokenized: list[int] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self._token_text_cache: dict[int, str] = {}
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    children: list[Request]) -> None:
+        dets = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params.skip_special_tokens,
+                                       c.sampling_params.stop, c.sampling_params.include_stop_str_in_output)
+                for c in children]
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children, dets,
+                                               [0] * len(children))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text_cache[token_id] = text
+        return text
+
+    def make_logprobs(self, lp: tuple[float, int, list[int], list[float]], token_id: int) -> dict[int, Logprob]:
+        value, rank, top_ids, top_vals = lp
+        d = {token_id: Logprob(value, rank, self.token_text(token_id))}
+        for r, (tid, v) in enumerate(zip(top_ids, top_vals), start=1):
+            if tid not in d:
+                d[tid] = Logprob(v, r, self.token_text(tid))
+        return d
+
+    def process(self, updated: list[Request]) -> list[str]:
+        """Detokenize the new tokens of ``updated`` sequences; returns ids of sequences that
+        matched a stop string (the engine finishes them)."""
+        stopped = []
+        for req in updated:
+            state = self.states.get(req.parent_id)
+            if state is None:
+                continue
+            i = req.index
+            new = req.output_token_ids[state.num_detokenized[i]:]
+            state.num_detokenized[i] = req.num_output_tokens
+            if req.is_finished and req.status.finish_reason == "stop" and req.stop_reason is None \
+                    or isinstance(req.stop_reason, int):
+                new = new[:-1]  # EOS / stop token ids are not part of the text
+            if not new:
+                continue
+            matched = state.detokenizers[i].update(new)
+            if matched is not None:
+                req.stop_reason = matched
+                if not req.is_finished:
+                    stopped.append(req.request_id)
+        return stopped
+
+    def make_output(self, request_id: str) -> Optional[RequestOutput]:
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        outs = []
+        for req, det in zip(state.children, state.detokenizers):
+            finished = req.is_finished
+            outs.append(CompletionOutput(
+                index=req.index,
+                text=det.visible_text(finished),
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
+                logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+                finish_reason=req.status.finish_reason if finished else None,
+                stop_reason=req.stop_reason if finished else None,
+            ))
+        first = state.children[0]
+        metrics = RequestMetrics(arrival_time=first.metrics.arrival_time)
+        times = [c.metrics for c in state.children]
+        metrics.first_scheduled_time = min((t.first_scheduled_time for t in times if t.first_scheduled_time), default=None)
+        metrics.first_token_time = min((t.first_token_time for t in times if t.first_token_time), default=None)
+        metrics.last_token_time = max((t.last_token_time for t in times if t.last_token_time), default=None)
+        finished = all(c.is_finished for c in state.children)
+        if finished:
+            metrics.finished_time = max(t.finished_time or 0.0 for t in times)
+        plp = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
+        output = RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                               prompt_logprobs=list(plp) if plp is not None else None, outputs=outs,
+                               finished=finished, metrics=metrics, num_cached_tokens=max(0, first.num_cached_tokens))
+        if finished:
+            del self.states[request_id]
+        return output

@@ -1,0 +1,89 @@
+"""State of one sequence inside the engine (one per completion: ``n`` > 1 fans out)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from pagedllm.outputs import RequestMetrics
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return {RequestStatus.FINISHED_STOPPED: "stop",
+                RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """One sequence: prompt, generated tokens, how many of them have K/V in the cache.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the paged cache; the scheduler
+    advances it, and preemption by recompute resets it to 0 (the generated tokens then
+    become part of what is prefilled again).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_id: Optional[int], arrival_time: Optional[float] = None,
+                 max_tokens: int = 16, parent_id: Optional[str] = None, index: int = 0,
+                 device: str = "cpu") -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = max_tokens
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling (-1: not yet)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        # Logprobs, filled by the output processor.
+        self.cumulative_logprob = 0.0
+        self.logprobs: list = []
+        self.prompt_logprobs: list = []  # one entry per prompt position (first is None)
+        self.generator: Optional[torch.Generator] = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling_params.seed)
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,191 @@
+"""Continuous-batching scheduler (FCFS, chunked prefill, preemption by recompute).
+
+Each ``schedule()`` call plans one engine step: every running request gets its next tokens
+(one decode token, or the next chunk of its prompt), then waiting requests are admitted while
+the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and free KV blocks allow.
+When a running request cannot get a block, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed later (prefill of prompt + generated tokens). Design after vLLM v1's unified
+scheduler, where "prefill" and "decode" are just a number of new tokens per request.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: ``scheduled`` lists (request, number of new tokens) in batch order."""
+
+    scheduled: list[tuple[Request, int]]
+    preempted: list[Request] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string) and free their blocks now; unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.metrics.finished_time = time.time()
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first; preempt from the newest end when out of blocks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            ok = True
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            self.kv.prefix_cache_queries += req.num_tokens
+            self.kv.prefix_cache_hits += num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.time()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted,
+                               total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed-token counts, append sampled tokens, finish requests that hit EOS, a
+        stop token id, ``max_tokens`` or ``max_model_len`` (freeing their blocks now).
+
+        Returns the requests that received a new token this step.
+        """
+        updated = []
+        for req, n in out.scheduled:
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            token = sampled[req.request_id]
+            req.append_output_token(token)
+            now = time.time()
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if token == req.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.all_stop_token_ids and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+        )

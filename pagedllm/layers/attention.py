@@ -1,0 +1,102 @@
+"""Paged attention (Kwon et al., SOSP 2023): new K/V are written into the block pool through the
+slot mapping; attention reads each sequence's K/V through its block table.
+
+``AttentionBackend`` is the small interface a faster kernel (FlashAttention, FlashInfer, a CPU
+kernel) replaces; ``TorchPagedAttention`` is the reference, pure PyTorch, for CPU and CUDA.
+
+KV cache of one layer: ``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim];
+the slot of token position p of a request is ``block_table[p // block_size] * block_size +
+p % block_size``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with more than one new token in this step (a prompt or a prompt chunk).
+
+    ``query_start``/``query_end`` index the flat batch; ``seq_len`` counts all its tokens with K/V
+    after this step (cached prefix + new); ``context_slots`` [seq_len] (int64) holds the slots of
+    all of them, or None when the whole sequence is new (no cached prefix: K/V come from the
+    batch itself).
+    """
+
+    query_start: int
+    query_end: int
+    seq_len: int
+    context_slots: Optional[torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout shared by every layer.
+
+    The first ``num_decode_tokens`` tokens are one-token sequences (decode steps);
+    ``decode_slots`` [B, L] (int64) are the slots of their whole context (padded), and
+    ``decode_mask`` [B, 1, 1, L] (bool) marks the valid ones. ``prefills`` follow in order.
+    ``slot_mapping`` [N] (int64) says where each new token's K/V are written.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_slots: Optional[torch.Tensor] = None
+    decode_mask: Optional[torch.Tensor] = None
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+class AttentionBackend:
+    """Computes attention for the flat batch. q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_causal: bool = False,
+          mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, H, Tq, D], k/v [B, Hkv, Tk, D]; grouped-query heads are expanded when needed."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+class TorchPagedAttention(AttentionBackend):
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        out = torch.empty_like(q)
+        if kv_cache is not None:
+            flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])
+            flat_v = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+            # Write first: a sequence's new tokens attend to themselves through the cache.
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
+        nd = meta.num_decode_tokens
+        if nd:
+            b, length = meta.decode_slots.shape
+            idx = meta.decode_slots.view(-1)
+            ck = flat_k.index_select(0, idx).view(b, length, *k.shape[1:]).transpose(1, 2)
+            cv = flat_v.index_select(0, idx).view(b, length, *v.shape[1:]).transpose(1, 2)
+            o = _sdpa(q[:nd].unsqueeze(2), ck, cv, scale, mask=meta.decode_mask)  # [B, H, 1, D]
+            out[:nd] = o.squeeze(2)
+        for p in meta.prefills:
+            qs = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            if p.context_slots is None:
+                ks = k[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+                vs = v[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+                o = _sdpa(qs, ks, vs, scale, is_causal=True)
+            else:
+                ks = flat_k.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0)
+                vs = flat_v.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0)
+                t = p.query_end - p.query_start
+                # Query i sits at position seq_len - t + i and sees keys 0 .. that position.
+                mask = torch.ones(t, p.seq_len, dtype=torch.bool, device=q.device).tril(p.seq_len - t)
+                o = _sdpa(qs, ks, vs, scale, mask=mask)
+            out[p.query_start:p.query_end] = o.squeeze(0).transpose(0, 1)
+        return out

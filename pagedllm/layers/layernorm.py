@@ -1,0 +1,20 @@
+"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Llama's reference implementation does."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x [..., hidden] -> weight * x / sqrt(mean(x^2) + eps), same dtype as x."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

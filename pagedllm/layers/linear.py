@@ -1,0 +1,172 @@
+"""Linear layers sharded for tensor parallelism (Megatron-LM, Shoeybi et al., 2019).
+
+Column-parallel layers split the output features over ranks (no communication); row-parallel
+layers split the input features and all-reduce their partial outputs. Each parameter carries a
+``weight_loader(param, loaded, shard_id=None)`` that copies only this rank's slice; ``loaded``
+is a tensor or a lazy safetensors slice, so a rank reads just its part of the file.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+
+def loaded_shape(loaded: Any) -> list[int]:
+    return list(loaded.shape) if isinstance(loaded, torch.Tensor) else list(loaded.get_shape())
+
+
+def load_narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """Read ``loaded[start:start+size]`` along ``dim`` (0 or 1) from a tensor or safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    index = (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
+    return loaded[index]
+
+
+def load_full(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def _copy(param: torch.Tensor, target: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(target.shape) != tuple(src.shape):
+        raise ValueError(f"weight shape mismatch: expected {tuple(target.shape)}, got {tuple(src.shape)}")
+    with torch.no_grad():
+        target.copy_(src.to(param.dtype))
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b); ``weight`` is [out_features_per_rank, in_features_per_rank]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        _copy(param, param.data, load_full(loaded))
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split evenly over ranks. Input [*, in]; output [*, out / tp_size]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32) -> None:
+        tp = get_tp_size()
+        if out_features % tp:
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp}")
+        super().__init__(in_features, out_features // tp, bias, dtype)
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        _copy(param, param.data, load_narrow(loaded, 0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs fused in one matmul (e.g. gate_proj and up_proj);
+    ``shard_id`` is the index of the fused part being loaded."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32) -> None:
+        tp = get_tp_size()
+        for s in output_sizes:
+            if s % tp:
+                raise ValueError(f"output size {s} is not divisible by tensor_parallel_size {tp}")
+        self.output_sizes = [s // tp for s in output_sizes]
+        super().__init__(in_features, sum(self.output_sizes), bias, dtype)
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        _copy(param, param.data.narrow(0, offset, size), load_narrow(loaded, 0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(LinearBase):
+    """Fused q/k/v projection split by attention heads. When tp_size exceeds the number of KV
+    heads, each KV head is replicated on tp_size / num_kv_heads ranks (as vLLM does)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, dtype=torch.float32) -> None:
+        tp = get_tp_size()
+        if total_num_heads % tp:
+            raise ValueError(f"number of attention heads ({total_num_heads}) must be divisible by "
+                             f"tensor_parallel_size ({tp})")
+        if total_num_kv_heads >= tp and total_num_kv_heads % tp:
+            raise ValueError(f"number of KV heads ({total_num_kv_heads}) must be divisible by "
+                             f"tensor_parallel_size ({tp})")
+        if total_num_kv_heads < tp and tp % total_num_kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of the number of KV heads "
+                             f"({total_num_kv_heads}) when it exceeds it")
+        self.head_dim = head_dim
+        self.num_heads = total_num_heads // tp
+        self.num_kv_heads = max(1, total_num_kv_heads // tp)
+        self.num_kv_replicas = max(1, tp // total_num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str = "q") -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            start = (self.tp_rank // self.num_kv_replicas) * self.kv_size
+        _copy(param, param.data.narrow(0, offset, size), load_narrow(loaded, 0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; partial outputs are all-reduced. Input [*, in / tp_size];
+    output [*, out]. The bias is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32,
+                 reduce_results: bool = True) -> None:
+        tp = get_tp_size()
+        if in_features % tp:
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp}")
+        super().__init__(in_features // tp, out_features, bias, dtype)
+        self.reduce_results = reduce_results
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = self._bias_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = param.shape[1]
+        _copy(param, param.data, load_narrow(loaded, 1, self.tp_rank * size, size))
+
+    def _bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        _copy(param, param.data, load_full(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Optional[Any] = None) -> None:
+    """Copy a whole (replicated) weight."""
+    _copy(param, param.data, load_full(loaded))

@@ -1,0 +1,124 @@
+"""Sampler: penalties, temperature, top-k, top-p (Holtzman et al., 2020), min-p (Nguyen et al.,
+2024), greedy, seeded sampling and logprobs, for a batch of rows with per-row parameters.
+
+Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` (the exponential race, equivalent to
+multinomial sampling); a seeded row draws its ``q`` from its own generator, so its tokens do not
+depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids`` [B]; for rows that asked for logprobs: ``logprobs[i]`` =
+    (sampled token logprob, its rank, top token ids, top logprobs), else None."""
+
+    token_ids: list[int]
+    logprobs: list[Optional[tuple[float, int, list[int], list[float]]]]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty (Keskar et al., 2019; over prompt + output, divides positive logits)
+    and OpenAI presence/frequency penalties (over output tokens) on ``logits`` [B, V], in place."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        sp = row.params
+        if not sp.has_penalties:
+            continue
+        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device)
+            seen = seen[(seen >= 0) & (seen < vocab)].unique()
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if out.numel() and (sp.frequency_penalty or sp.presence_penalty):
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+            logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set. logits [B, V]."""
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        remove = ranks >= k.unsqueeze(1)
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Drop a token when the mass of the tokens strictly before it already reaches top_p.
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= top_p.unsqueeze(1)
+        remove[:, 0] = False
+        logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [B, V] (float32, one row per sequence that samples this step)."""
+        logits = logits.float()
+        need_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+
+        greedy = [r.params.greedy for r in rows]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            dev = logits.device
+            temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=dev)
+            scaled = logits / temps.unsqueeze(1)
+            top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+            top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+            min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+            scaled = _top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+            probs = scaled.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+            if unseeded:
+                q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
+            for i, r in enumerate(rows):
+                if r.generator is not None:
+                    q[i].exponential_(generator=r.generator)
+            sampled = (probs / q).argmax(dim=-1)
+            tokens = torch.where(torch.tensor(greedy, device=dev), tokens, sampled)
+
+        token_list = tokens.tolist()
+        logprobs: list = [None] * len(rows)
+        if raw_logprobs is not None:
+            for i, r in enumerate(rows):
+                if r.params.logprobs is None:
+                    continue
+                logprobs[i] = topk_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+
+def topk_logprobs(row_logprobs: torch.Tensor, token_id: int, k: int) -> tuple[float, int, list[int], list[float]]:
+    """(logprob of ``token_id``, its 1-based rank, top-k ids, top-k logprobs) of one row [V]."""
+    lp = row_logprobs[token_id]
+    rank = int((row_logprobs > lp).sum().item()) + 1
+    if k > 0:
+        vals, ids = row_logprobs.topk(min(k, row_logprobs.shape[-1]))
+        return float(lp), rank, ids.tolist(), vals.tolist()
+    return float(lp), rank, [], []

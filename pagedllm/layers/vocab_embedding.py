@@ -1,0 +1,53 @@
+"""Vocabulary-parallel token embedding and LM head (Megatron-LM): each rank holds a contiguous
+slice of the vocabulary rows."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
+                                                 tensor_model_parallel_all_reduce)
+from pagedllm.layers.linear import _copy, load_narrow, loaded_shape
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids [N] (int64) -> embeddings [N, hidden]. The vocabulary is padded to a multiple of
+    tp_size; a rank embeds the ids in its slice, zeroes the rest, and the ranks all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_size = vocab_size
+        self.padded_vocab = -(-vocab_size // self.tp_size) * self.tp_size
+        self.shard = self.padded_vocab // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard
+        self.vocab_end = min(self.vocab_start + self.shard, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        rows = max(0, self.vocab_end - self.vocab_start)
+        if loaded_shape(loaded)[0] != self.vocab_size:
+            raise ValueError(f"embedding has {loaded_shape(loaded)[0]} rows, config says vocab_size={self.vocab_size}")
+        _copy(param, param.data.narrow(0, 0, rows), load_narrow(loaded, 0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill(mask, 0)
+        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0.0)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states [M, hidden] -> logits [M, vocab_size] (gathered from every rank's slice)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,146 @@
+"""Offline inference API, mirroring vLLM's ``LLM`` class.
+
+    from pagedllm import LLM, SamplingParams
+    llm = LLM()                                   # the bundled demo model
+    outs = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.logger import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batches.
+
+    Args:
+        model: local Hugging Face folder or hub id; None = the bundled demo model.
+        dtype: "auto" (float32 on a CPU, the checkpoint's dtype on CUDA), "float32", "bfloat16", "float16".
+        max_model_len: longest prompt + output in tokens (default: the config's context length).
+        block_size: tokens per KV block.
+        gpu_memory_utilization: fraction of device memory (of RAM on a CPU) the engine may use.
+        kv_cache_memory: KV-cache bytes per rank; overrides gpu_memory_utilization.
+        max_num_seqs, max_num_batched_tokens: scheduler limits per step.
+        tensor_parallel_size: number of ranks (processes) the model is sharded over.
+        seed: seed of the global random state (unseeded sampling).
+        load_format: "auto" (safetensors) or "dummy" (random weights).
+        enable_prefix_caching: reuse K/V of shared prompt prefixes.
+
+    Raises:
+        ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.
+    """
+
+    def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "auto",
+                 max_model_len: Optional[int] = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
+                 load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None) -> None:
+        init_logger()
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+                          block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                          kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
+                          seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
+                          device=device)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion.
+
+        Returns one RequestOutput per prompt, in prompt order. Raises ValueError (before anything
+        runs) for an invalid prompt, e.g. one longer than max_model_len.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, sp))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: Union[Messages, Sequence[Messages]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
+        of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": apply_chat_template(
+            self.get_tokenizer(), conv, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s")
+        except BaseException:
+            engine.abort_request(list(set(request_ids) - set(finished)))
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[str] = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        chat_template_kwargs: Optional[dict] = None) -> list[int]:
+    """Token ids of a conversation rendered with ``chat_template`` or the tokenizer's own.
+
+    Content may be a string or a list of ``{"type": "text", "text": ...}`` parts. Raises
+    ValueError when the tokenizer has no chat template and none is given.
+    """
+    norm = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
+        norm.append({**m, "content": content if content is not None else ""})
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the model's tokenizer has no chat template; pass one (--chat-template)")
+    kwargs = dict(chat_template_kwargs or {})
+    if continue_final_message:
+        add_generation_prompt = False
+    text = tokenizer.apply_chat_template(norm, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,116 @@
+"""Sampling parameters of one request, validated at construction (names follow vLLM)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick output tokens for one request.
+
+    Attributes:
+        n: number of independent completions returned for the prompt (>= 1).
+        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability mass
+            reaches ``top_p`` (0 < top_p <= 1).
+        top_k: keep the ``top_k`` most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's (0..1).
+        seed: per-request random seed; output depends only on the seed, not on the batch.
+        presence_penalty, frequency_penalty: OpenAI penalties over generated tokens (-2..2).
+        repetition_penalty: CTRL-style penalty (Keskar et al., 2019) over prompt and
+            generated tokens; 1.0 disables, > 1 discourages repeats.
+        max_tokens: maximum number of generated tokens (>= 1); None = up to max_model_len.
+        min_tokens: EOS and stop token ids are ignored until this many tokens were generated.
+        stop: strings that end generation; the stop string is not part of the output text.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
+        ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: return the sampled token's logprob plus the top-N (N = logprobs).
+        prompt_logprobs: return top-N logprobs of each prompt token (plus the token itself).
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+
+    Raises:
+        ValueError: on any out-of-range value, with the field named in the message.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine from the tokenizer/generation config (not user-facing).
+    all_stop_token_ids: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0.0:
+            raise bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int):
+            raise bad("top_k", "must be an integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be positive")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)

@@ -1,0 +1,67 @@
+"""Executors run the model runner(s): in this process (tensor_parallel_size 1) or on one worker
+process per rank (``worker/multiproc_executor.py``). The engine only talks to this interface."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.worker.input_batch import ModelInput
+from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes
+from pagedllm.worker.model_runner import ModelRunner
+
+
+class Executor:
+    """determine_kv_budget() -> (bytes per rank, explanation); bytes_per_block() per rank;
+    allocate_kv_cache(num_blocks); execute_model(ModelInput) -> logits [M, V] (float32)."""
+
+    def determine_kv_budget(self) -> tuple[int, str]:
+        raise NotImplementedError
+
+    def bytes_per_block(self) -> int:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if a worker died."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+
+    def determine_kv_budget(self) -> tuple[int, str]:
+        cc = self.config.cache_config
+        return kv_cache_budget_bytes(self.config.device, cc.gpu_memory_utilization, cc.kv_cache_memory,
+                                     self.runner.profile_run)
+
+    def bytes_per_block(self) -> int:
+        return self.runner.bytes_per_block()
+
+    def weight_bytes(self) -> int:
+        return self.runner.weight_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        return self.runner.execute_model(model_input)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel_config.tensor_parallel_size > 1:
+        from pagedllm.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    return UniProcExecutor(config)

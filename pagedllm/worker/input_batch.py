@@ -1,0 +1,110 @@
+"""Builds one step's flat batch from the scheduler's plan: input_ids, positions, slot_mapping,
+the attention metadata (block tables as slots), and which rows of the output need logits.
+
+Batch order: one-token sequences (decodes) first, then multi-token chunks (prefills).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+
+
+@dataclass
+class ModelInput:
+    """Everything a model-runner rank needs for one forward pass (picklable).
+
+    ``input_ids``/``positions`` [N] int64; ``logits_indices`` [M] int64 rows of the hidden states
+    whose logits are computed: first one per sampling request, then prompt-logprob positions.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    """Driver-side bookkeeping that maps logits rows back to requests."""
+
+    model_input: ModelInput
+    sampling_requests: list[Request]
+    # (request, first prompt position whose logprob is computed, number of positions)
+    prompt_logprob_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str) -> StepPlan:
+    bs = kv.block_size
+    decodes = [(r, n) for r, n in out.scheduled if n == 1]
+    prefills = [(r, n) for r, n in out.scheduled if n > 1]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    sample_idx: list[int] = []
+    sampling_requests: list[Request] = []
+    plp_idx: list[int] = []
+    plp_spans: list[tuple[Request, int, int]] = []
+
+    def note_outputs(r: Request, start: int, n: int, offset: int) -> None:
+        if start + n == r.num_tokens:
+            sample_idx.append(offset + n - 1)
+            sampling_requests.append(r)
+        if r.sampling_params.prompt_logprobs is not None:
+            # Logits at position j give the logprob of prompt token j + 1.
+            first = max(start, len(r.prompt_logprobs) - 1)
+            last = min(start + n, r.num_prompt_tokens - 1)
+            if last > first:
+                plp_idx.extend(range(offset + first - start, offset + last - start))
+                plp_spans.append((r, first + 1, last - first))
+
+    # Decodes: one token each, attention over [B, L] gathered slots.
+    decode_tables = []
+    decode_lens = []
+    for r, _ in decodes:
+        pos = r.num_computed_tokens
+        table = kv.get_block_ids(r.request_id)
+        note_outputs(r, pos, 1, len(input_ids))
+        input_ids.append(r.all_token_ids[pos])
+        positions.append(pos)
+        slot_mapping.append(table[pos // bs] * bs + pos % bs)
+        decode_tables.append(table)
+        decode_lens.append(pos + 1)
+    meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes))  # type: ignore[arg-type]
+    if decodes:
+        max_blocks = max(len(t) for t in decode_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+        pos_range = torch.arange(max_blocks * bs)
+        meta.decode_slots = (tables[:, pos_range // bs] * bs + pos_range % bs).to(device)
+        lens = torch.tensor(decode_lens)
+        meta.decode_mask = (pos_range.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1).to(device)
+
+    for r, n in prefills:
+        start = r.num_computed_tokens
+        offset = len(input_ids)
+        note_outputs(r, start, n, offset)
+        table = torch.tensor(kv.get_block_ids(r.request_id), dtype=torch.long)
+        pos = torch.arange(start, start + n)
+        input_ids.extend(r.all_token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        slot_mapping.extend(_slots(table, pos, bs).tolist())
+        context = None if start == 0 else _slots(table, torch.arange(start + n), bs).to(device)
+        meta.prefills.append(PrefillSeq(offset, offset + n, start + n, context))
+
+    meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+    model_input = ModelInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        attn_metadata=meta,
+        logits_indices=torch.tensor(sample_idx + plp_idx, dtype=torch.long, device=device),
+    )
+    return StepPlan(model_input, sampling_requests, plp_spans)

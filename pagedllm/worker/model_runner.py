@@ -1,0 +1,69 @@
+"""Model runner: owns the model weights and this rank's paged KV cache, and runs forward passes.
+
+The number of KV blocks comes from a memory budget (``worker/kv_cache_budget.py``); the cache is
+allocated once, as one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.models.loader import load_model
+from pagedllm.worker.input_batch import ModelInput
+
+logger = logging.getLogger("pagedllm")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        torch.manual_seed(config.model_config.seed)
+        self.model = load_model(config.model_config, self.device)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads = attn.num_kv_heads  # per rank
+        self.head_dim = attn.head_dim
+        self.num_layers = len(self.model.layers)
+        self.dtype = config.model_config.dtype
+        self.kv_caches: list[torch.Tensor] = []
+
+    @property
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def bytes_per_block(self) -> int:
+        """K and V of one block in every layer, on this rank."""
+        bs = self.config.cache_config.block_size
+        return 2 * self.num_layers * bs * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass of ``max_num_batched_tokens`` prompt tokens and logits for
+        ``max_num_seqs`` rows, without a KV cache: the activation peak of a real step."""
+        n = min(self.config.scheduler_config.max_num_batched_tokens, self.config.model_config.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device),
+                                 prefills=[PrefillSeq(0, n, n, None)])
+        hidden = self.model(ids, torch.arange(n, device=self.device), [None] * self.num_layers, meta)
+        rows = min(n, self.config.scheduler_config.max_num_seqs)
+        self.model.compute_logits(hidden[:rows])
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        bs = self.config.cache_config.block_size
+        # Zero-filled: padded slots of a gathered context must hold finite values.
+        self.kv_caches = [torch.zeros(2, num_blocks, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                                      device=self.device) for _ in range(self.num_layers)]
+
+    @torch.inference_mode()
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        """One forward pass; returns float32 logits [len(logits_indices), vocab_size]."""
+        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
+        return self.model.compute_logits(hidden[model_input.logits_indices])

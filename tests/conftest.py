@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random-weight checkpoints (Llama, Qwen2, Qwen3) with a byte-level BPE
+tokenizer, built in a temp dir with transformers and tokenizers. Nothing is downloaded."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+_WORDS = ("the of and to in is was he for it with as his on be at by had are but from or have an they which one "
+          "you were her all she there would their we him been has when who will more no if out so said what up its "
+          "about into than them can only other new some could time these two may then do first any my now such like "
+          "our over man me even most made after also did many before must through back years where much your way "
+          "well down should because each just those people how too little state good very make world still own see "
+          "men work long get here between both life being under never day same another know while last might us great "
+          "old year off come since against go came right used take three king queen lord romeo juliet thou thee thy").split()
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def corpus(n_words: int = 20000, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_words // 10):
+        lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 17))) + rng.choice([".", ",", "!", "?"]))
+    return "\n".join(lines) + " caf\u00e9 na\u00efve \u65e5\u672c \U0001f600"
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>", "<|user|>",
+                                                                         "<|assistant|>", "<|system|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus().split("\n"), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3) saved with save_pretrained."""
+    import transformers
+
+    tok = build_tokenizer(out_dir)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  initializer_range=0.15, tie_word_embeddings=False)
+    common.update(overrides)
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    config = cls_cfg(**common)
+    torch.manual_seed(seed)
+    model = cls_model(config).eval()
+    model.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> str:
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> str:
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen2")), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> str:
+    return build_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3", seed=2)
+
+
+def assert_pool_empty(llm) -> None:
+    """Every block is back in the pool and no request is left inside the engine."""
+    engine = llm.llm_engine if hasattr(llm, "llm_engine") else llm
+    pool = engine.kv_cache_manager.block_pool
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.req_to_blocks == {}
+    assert pool.get_num_free_blocks() == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)

@@ -10,7 +10,8 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(2)
 
 _WORDS = ("the of and to in is was he for it with as his on be at by had are but from or have an they which one "
           "you were her all she there would their we him been has when who will more no if out so said what up its "

@@ -5,6 +5,9 @@ CUDA, gloo on a CPU). Layers ask ``get_tp_rank()``/``get_tp_size()`` for their s
 """
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -20,11 +23,15 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str) -> None:
-    """Join the default process group as ``rank`` of ``world_size`` (all ranks form the TP group)."""
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
+                         timeout: Optional[timedelta] = None) -> None:
+    """Join the default process group as ``rank`` of ``world_size`` (all ranks form the TP group).
+    ``timeout`` bounds the rendezvous and every collective (a hung peer raises instead of hanging)."""
     global _TP_RANK, _TP_SIZE
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size)
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                **kwargs)
     _TP_RANK, _TP_SIZE = rank, world_size
 
 

@@ -28,6 +28,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed + cached
+        # Copy-on-write copies (src block id, dst block id) the runner must do before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache statistics in tokens, counted by the scheduler on admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -84,10 +86,19 @@ class KVCacheManager:
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
         # Cache hits that sit in the free queue are taken out of it, so they count too.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+        # Copy-on-write: the next token goes into a partly filled block shared with a sibling.
+        write_idx = num_computed // self.block_size
+        cow = (num_new_tokens > 0 and num_computed % self.block_size != 0 and not new_computed_blocks
+               and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1)
+        if num_new_blocks + num_evictable_hits + cow > self.block_pool.get_num_free_blocks():
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return False
+        if cow:
+            shared = blocks[write_idx]
+            blocks[write_idx] = self.block_pool.get_new_blocks(1)[0]
+            self.pending_copies.append((shared.block_id, blocks[write_idx].block_id))
+            self.block_pool.free_blocks([shared])
         self.block_pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         if num_new_blocks > 0:
@@ -103,6 +114,19 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the same blocks as ``parent`` (one more reference each): parallel
+        sampling shares the prompt's K/V; a shared block is copied before it is written."""
+        blocks = list(self.req_to_blocks.get(parent.request_id, ()))
+        for b in blocks:
+            b.ref_cnt += 1
+        self.req_to_blocks[child.request_id] = blocks
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         """Return every block of ``request`` to the pool (cached ones stay reusable)."""

@@ -145,8 +145,7 @@ class LLMEngine:
             children.append(Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
                                     parent_id=request_id, index=i, device=self.config.device))
         self.output_processor.add_request(request_id, text, ids, children)
-        for c in children:
-            self.scheduler.add_request(c)
+        self.scheduler.add_request(children[0], forks=children[1:])
         return request_id
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
@@ -168,11 +167,17 @@ class LLMEngine:
         return self.scheduler.get_stats()
 
     # ---- one step ------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise RuntimeError if the model workers are gone (a tensor-parallel rank died)."""
+        self.executor.check_health()
+
     def step(self) -> list[RequestOutput]:
+        """Raises RuntimeError when a tensor-parallel worker died (even with nothing scheduled)."""
+        self.executor.check_health()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device)
+        plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
         num_sample = len(plan.sampling_requests)
         sampled: dict[str, int] = {}

@@ -44,6 +44,8 @@ class Request:
                  device: str = "cpu") -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
+        # The sample that prefills the prompt for all ``n`` samples (itself for sample 0).
+        self.parent_leader_id = request_id if index == 0 else f"{self.parent_id}#0"
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

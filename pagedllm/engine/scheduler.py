@@ -50,18 +50,27 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Leader request id -> sibling samples waiting for the leader's prefill to fork from it.
+        self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
+        """Queue ``request``; ``forks`` (the other samples of an ``n`` > 1 request) join it once its
+        prompt is prefilled, sharing its blocks (one prefill for all samples)."""
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        forks = list(forks)
+        if forks:
+            self.forks[request.request_id] = forks
+            for f in forks:
+                self.requests[f.request_id] = f
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forks)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(len(f) for f in self.forks.values())
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string) and free their blocks now; unknown ids are ignored."""
@@ -72,8 +81,14 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif req in self.waiting:
                 self.waiting.remove(req)
+            else:  # a sibling still waiting to fork
+                siblings = self.forks.get(req.parent_leader_id, [])
+                if req in siblings:
+                    siblings.remove(req)
+                if not siblings:
+                    self.forks.pop(req.parent_leader_id, None)
             self._finish(req, status)
             done.append(req)
         return done
@@ -120,6 +135,9 @@ class Scheduler:
         # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            width = 1 + len(self.forks.get(req.request_id, ()))
+            if self.running and len(self.running) + width > self.config.max_num_seqs:
+                break
             cached_blocks, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, cached_blocks):
@@ -153,17 +171,27 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing sampled
-            token = sampled[req.request_id]
-            req.append_output_token(token)
+            new_reqs = [req]
+            for sibling in self.forks.pop(req.request_id, ()):
+                self.kv.fork(req, sibling)
+                sibling.num_computed_tokens = req.num_computed_tokens
+                sibling.status = RequestStatus.RUNNING
+                sibling.metrics.first_scheduled_time = req.metrics.first_scheduled_time
+                sibling.num_cached_tokens = req.num_cached_tokens
+                self.running.append(sibling)
+                new_reqs.append(sibling)
             now = time.time()
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
-            updated.append(req)
+            for r in new_reqs:
+                token = sampled[r.request_id]
+                r.append_output_token(token)
+                if r.metrics.first_token_time is None:
+                    r.metrics.first_token_time = now
+                r.metrics.last_token_time = now
+                status = self._check_stop(r, token)
+                if status is not None:
+                    self.running.remove(r)
+                    self._finish(r, status)
+                updated.append(r)
         return updated
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

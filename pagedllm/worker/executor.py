@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, set_tp_state
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -39,7 +40,14 @@ class Executor:
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        # Build an unsharded model even if a tensor-parallel engine lives in this process too
+        # (layers read the TP size once, at construction).
+        prev = get_tp_rank(), get_tp_size()
+        set_tp_state(0, 1)
+        try:
+            self.runner = ModelRunner(config)
+        finally:
+            set_tp_state(*prev)
 
     def determine_kv_budget(self) -> tuple[int, str]:
         cc = self.config.cache_config

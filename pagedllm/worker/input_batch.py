@@ -27,6 +27,8 @@ class ModelInput:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
+    # Copy-on-write block copies (src, dst) to do before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -43,7 +45,10 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
-def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str) -> StepPlan:
+def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
+                   forks: dict[str, list[Request]] | None = None) -> StepPlan:
+    """``forks``: leader id -> samples that fork from it once its prompt is done; they sample
+    from the leader's logits row in the same step."""
     bs = kv.block_size
     decodes = [(r, n) for r, n in out.scheduled if n == 1]
     prefills = [(r, n) for r, n in out.scheduled if n > 1]
@@ -57,8 +62,9 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str) -> Ste
 
     def note_outputs(r: Request, start: int, n: int, offset: int) -> None:
         if start + n == r.num_tokens:
-            sample_idx.append(offset + n - 1)
-            sampling_requests.append(r)
+            for s in [r, *(forks or {}).get(r.request_id, ())]:
+                sample_idx.append(offset + n - 1)
+                sampling_requests.append(s)
         if r.sampling_params.prompt_logprobs is not None:
             # Logits at position j give the logprob of prompt token j + 1.
             first = max(start, len(r.prompt_logprobs) - 1)
@@ -106,5 +112,6 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str) -> Ste
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         attn_metadata=meta,
         logits_indices=torch.tensor(sample_idx + plp_idx, dtype=torch.long, device=device),
+        block_copies=kv.take_pending_copies(),
     )
     return StepPlan(model_input, sampling_requests, plp_spans)

@@ -65,5 +65,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         """One forward pass; returns float32 logits [len(logits_indices), vocab_size]."""
+        if model_input.block_copies:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
         return self.model.compute_logits(hidden[model_input.logits_indices])

@@ -1,0 +1,133 @@
+"""Shared pieces of every bench: result files (JSON + PNG), run metadata, percentiles, sizes."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Iterable, Optional
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'268435456', '256MiB', '1.5GiB', '300MB' -> bytes. Raises ValueError."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abgikm")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"cannot parse size {text!r} (e.g. 268435456, 256MiB, 1GiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (like numpy's default); NaN for an empty list."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize(values: Iterable[Optional[float]], scale: float = 1.0) -> dict[str, float]:
+    """mean / median / p99 / min / max (times ``scale``, e.g. 1000 for ms) of the non-None values."""
+    vals = [x * scale for x in values if x is not None]
+    if not vals:
+        return {"count": 0, "mean": float("nan"), "median": float("nan"), "p99": float("nan"),
+                "min": float("nan"), "max": float("nan")}
+    return {"count": len(vals), "mean": sum(vals) / len(vals), "median": percentile(vals, 50),
+            "p99": percentile(vals, 99), "min": min(vals), "max": max(vals)}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(mod: str) -> Optional[str]:
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001 - a missing optional package is just reported as None
+        return None
+
+
+def run_metadata() -> dict[str, Any]:
+    """Command line, package versions and the machine, recorded in every result file."""
+    import torch
+
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = None
+    try:
+        from importlib.metadata import version
+
+        pagedllm_version = version("pagedllm")
+    except Exception:  # noqa: BLE001
+        pagedllm_version = None
+    return {
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "argv": list(sys.argv),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {"pagedllm": pagedllm_version, "torch": torch.__version__,
+                     "transformers": _version("transformers"), "python": platform.python_version()},
+        "machine": {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "ram_bytes": ram,
+                    "torch_num_threads": torch.get_num_threads(),
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                    "platform": platform.platform(),
+                    "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_result(output_dir: str, name: str, result: dict[str, Any], fig=None) -> tuple[str, Optional[str]]:
+    """Write ``<name>.json`` (and ``<name>.png`` from a matplotlib figure) into ``output_dir``.
+    Returns (json path, png path or None)."""
+    os.makedirs(output_dir, exist_ok=True)
+    json_path = os.path.join(output_dir, f"{name}.json")
+    png_path = None
+    if fig is not None:
+        png_path = os.path.join(output_dir, f"{name}.png")
+        fig.savefig(png_path, dpi=90, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        result = {**result, "plot": png_path}
+    with open(json_path, "w") as f:
+        json.dump(_clean(result), f, indent=1)
+    print(f"result written to {json_path}" + (f" and {png_path}" if png_path else ""))
+    return json_path, png_path
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")

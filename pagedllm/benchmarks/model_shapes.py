@@ -1,0 +1,92 @@
+"""Config folders of real model shapes, to run with ``--load-format dummy`` (random weights).
+
+``--model shape:qwen2-0.5b`` in any bench writes (once) a folder with a Qwen2-0.5B-shaped
+``config.json`` and a small byte-level BPE tokenizer. The benches pass prompts as token ids and
+force output lengths, so the tokenizer's vocabulary (smaller than the model's) does not matter:
+ids it does not know decode to empty text.
+
+    python -m pagedllm.benchmarks.model_shapes OUT_DIR [--shape qwen2-0.5b]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from typing import Optional
+
+SHAPES: dict[str, dict] = {
+    # Qwen/Qwen2-0.5B: 494M parameters (136M of them the tied embedding).
+    "qwen2-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # A small Llama for quick checks of the bench itself.
+    "llama-tiny": dict(arch="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=128, vocab_size=4096, tie_word_embeddings=False,
+                       max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0),
+}
+
+_WORDS = ("the of and to in is was he for it with as his on be at by had are but from or have an they which one "
+          "you were her all she there would their we him been has when who will more no if out so said what up its "
+          "about into than them can only other new some could time these two may then do first any my now such like "
+          "king queen lord thou thee thy romeo juliet night day love death sweet fair").split()
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 1024):
+    """A byte-level BPE tokenizer (every string encodes) trained on a seeded word corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 15))) for _ in range(3000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                         "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def write_model_shape(out_dir: str, shape: str = "qwen2-0.5b") -> str:
+    """Write ``config.json`` (+ tokenizer) of ``shape`` into ``out_dir`` unless already there."""
+    import transformers
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(
+            os.path.join(out_dir, "tokenizer.json")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    spec = dict(SHAPES[shape])
+    arch = spec.pop("arch")
+    tok = build_tokenizer(out_dir)
+    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
+    config = cls(**spec, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                 pad_token_id=tok.pad_token_id, architectures=[{"qwen2": "Qwen2ForCausalLM",
+                                                                "llama": "LlamaForCausalLM"}[arch]])
+    config.save_pretrained(out_dir)
+    return out_dir
+
+
+def resolve_model(model: Optional[str], load_format: str, output_dir: str) -> tuple[Optional[str], str]:
+    """``shape:NAME`` -> (written config folder, "dummy"); anything else is returned as is."""
+    if model and model.startswith("shape:"):
+        name = model.split(":", 1)[1]
+        path = write_model_shape(os.path.join(output_dir, "models", name), name)
+        return path, "dummy"
+    return model, load_format
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    a = p.parse_args(argv)
+    print(write_model_shape(a.out_dir, a.shape))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""The async front end over ``LLMEngine``: many asyncio callers, one engine loop thread.
+
+The engine loop runs in its own thread so a forward pass never blocks the HTTP event loop.
+Hand-off is one lock-protected inbox (new requests, aborts) that the engine thread drains
+between steps; outputs go back to each caller's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``. When there is nothing to run the thread sleeps on an Event.
+
+    llm = AsyncLLM(engine); llm.start()
+    async for out in llm.generate(prompt, SamplingParams(...), "req-1"):
+        ...                      # cumulative RequestOutputs; the last has .finished
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.scheduler import SchedulerStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+_HEALTH_CHECK_INTERVAL_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step raised, a worker died, or the engine shut down)."""
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine counters as of the end of the last engine-thread iteration (read by /metrics)."""
+
+    stats: SchedulerStats
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class _Stream:
+    """One caller's queue and the event loop it lives on."""
+
+    __slots__ = ("loop", "queue", "finished")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+
+class AsyncLLM:
+    """Thread-backed async wrapper of an ``LLMEngine``.
+
+    ``on_outputs(outputs)`` and ``on_abort(request_id)``, if given, are called from the engine
+    thread (used by the Prometheus metrics).
+    """
+
+    def __init__(self, engine: LLMEngine,
+                 on_outputs: Optional[Callable[[list[RequestOutput]], None]] = None,
+                 on_abort: Optional[Callable[[str], None]] = None) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_abort = on_abort
+        self._lock = threading.Lock()
+        self._new: list[tuple[str, Any, SamplingParams, float]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self.errored = False
+        self.dead_reason: Optional[str] = None
+        self.snapshot = self._take_snapshot()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
+        return cls(LLMEngine.from_engine_args(args, log_stats=True), **kwargs)
+
+    # ---- convenience accessors -----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    # ---- life cycle ----------------------------------------------------------------------
+    def start(self) -> "AsyncLLM":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (pending requests get EngineDeadError) and the engine. Idempotent."""
+        with self._lock:
+            already = self._stop
+            self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if not already:
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                logger.exception("engine shutdown failed")
+
+    def check_health(self) -> bool:
+        """True while the engine is alive; False (and ``errored`` set) once it died."""
+        if not self.errored:
+            try:
+                self.engine.executor.check_health()
+            except Exception as e:  # noqa: BLE001
+                self._mark_dead(f"engine worker died: {e}")
+        return not self.errored
+
+    # ---- caller side (asyncio) -----------------------------------------------------------
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs of one request as the engine produces them.
+
+        Raises ValueError when the engine rejects the request, EngineDeadError when the engine
+        stops. Closing or cancelling the iterator before the last output aborts the request.
+        """
+        if self.errored or self._stop:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._new.append((request_id, prompt, params, time.time()))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                # Outputs are cumulative: when several are queued, only the newest matters.
+                while not stream.queue.empty() and not isinstance(item, BaseException) and not item.finished:
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (safe from any thread); its KV blocks are freed before the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _take_snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        return EngineSnapshot(e.get_stats(), e.num_prompt_tokens_total, e.num_generation_tokens_total)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        for request_id, prompt, params, arrival in new:
+            try:
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
+                err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
+                self._deliver({request_id: err})
+        for request_id in aborts:
+            if request_id in self.engine.output_processor.states:
+                self.engine.abort_request(request_id)
+                if self.on_abort is not None:
+                    self.on_abort(request_id)
+
+    def _run(self) -> None:
+        last_health = time.monotonic()
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._drain_inbox()
+                if self._stop:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self.snapshot = self._take_snapshot()
+                    self._wake.wait(_HEALTH_CHECK_INTERVAL_S)
+                    if time.monotonic() - last_health >= _HEALTH_CHECK_INTERVAL_S:
+                        last_health = time.monotonic()
+                        self.engine.executor.check_health()
+                    continue
+                outputs = self.engine.step()
+                self.snapshot = self._take_snapshot()
+                if outputs:
+                    if self.on_outputs is not None:
+                        try:
+                            self.on_outputs(outputs)
+                        except Exception:  # noqa: BLE001 - metrics must never stop serving
+                            logger.exception("metrics update failed")
+                    self._deliver({o.request_id: o for o in outputs})
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine loop died")
+            self._mark_dead(f"engine loop died: {type(e).__name__}: {e}")
+            return
+        self._mark_dead("the engine is shutting down", errored=False)
+
+    def _mark_dead(self, reason: str, errored: bool = True) -> None:
+        """Fail every pending request; with ``errored`` /health turns 503."""
+        if errored:
+            self.errored = True
+        self.dead_reason = self.dead_reason or reason
+        with self._lock:
+            self._stop = True
+            pending = list(self._streams)
+            self._new.clear()
+        self._deliver({rid: EngineDeadError(reason) for rid in pending})
+
+    def _deliver(self, items: dict[str, Any]) -> None:
+        """Hand outputs/exceptions to their callers' event loops (one callback per loop)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        with self._lock:
+            for rid, item in items.items():
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    by_loop[stream.loop].append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
+
+def _put_all(batch: list) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

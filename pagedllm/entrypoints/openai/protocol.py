@@ -1,0 +1,330 @@
+"""Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks, errors).
+
+Request models turn themselves into ``SamplingParams``; any out-of-range value becomes a
+``RequestError`` naming the offending field (the server answers 400 with it).
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from pagedllm.sampling_params import SamplingParams
+
+MAX_N = 128                 # completions per prompt
+MAX_LOGPROBS = 20           # top-N logprobs per position
+MAX_CHOICES = 1024          # prompts x n in one request
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N   # torch.Generator range, room for seed + i
+_INT32_MAX = 2 ** 31 - 1
+
+
+class RequestError(ValueError):
+    """A request the server rejects: HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 code: Optional[str] = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields (tools, logit_bias, ...) are ignored, as vLLM does; NaN/inf are rejected.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+
+
+# ---- errors ------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Union[int, str, None] = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---- shared request fields -----------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+_FIELD_RE = re.compile(r"^(\w+)\b")
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
+    min_p: Optional[float] = None
+    seed: Optional[int] = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # accepted, ignored
+
+    def make_sampling_params(self, max_tokens: int, logprobs: Optional[int],
+                             prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        if self.n > MAX_N:
+            raise RequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
+        kwargs: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            m = _FIELD_RE.match(str(e))
+            param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
+            raise RequestError(str(e), param) from None
+
+
+def _check_logprobs(value: Optional[int], name: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt as a list of single prompts (each a string or a token-id list)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        _check_logprobs(self.logprobs, "logprobs")
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.make_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+class ChatTextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ChatTextPart]]] = None
+    name: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            d["content"] = [{"type": "text", "text": p.text} for p in self.content]
+        else:
+            d["content"] = self.content if self.content is not None else ""
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessageParam]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        _check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.make_sampling_params(max_tokens, logprobs)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatLogProbsContent]] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # a delta carries only what changed
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- /v1/models --------------------------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- /tokenize, /detokenize ----------------------------------------------------------------------
+class TokenizeRequest(OpenAIBaseModel):
+    """Either ``prompt`` (plain text) or ``messages`` (rendered with the chat template)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessageParam]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,156 @@
+"""What the completion and chat handlers share: model-name check, tokenization, length checks,
+merging the streams of several prompts, and aborting when the HTTP client goes away."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
+
+from starlette.requests import Request
+
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
+from pagedllm.outputs import RequestOutput
+
+T = TypeVar("T")
+_BIG_PROMPT_CHARS = 16384  # tokenize longer prompts off the event loop
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+               code: Union[int, str, None] = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    if isinstance(e, RequestError):
+        body = error_body(e.message, e.type, e.param, e.code)
+    elif isinstance(e, EngineDeadError):
+        body = error_body(str(e), "service_unavailable", None, "engine_dead")
+    else:
+        body = error_body(str(e), "invalid_request_error")
+    import json
+
+    return sse(json.dumps(body))
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: Optional[str] = None) -> None:
+        self.llm = llm
+        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.model_config.max_model_len
+        self._token_text: dict[int, str] = {}
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.served_model_name:
+            raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
+
+    async def tokenize(self, prompt: Union[str, list[int]], param: str = "prompt") -> list[int]:
+        """Token ids of one prompt (text or ids); RequestError when empty or out of vocabulary."""
+        try:
+            if isinstance(prompt, str) and len(prompt) > _BIG_PROMPT_CHARS:
+                _, ids = await asyncio.to_thread(self.llm.engine.tokenize_prompt, prompt)
+            else:
+                _, ids = self.llm.engine.tokenize_prompt(prompt)
+        except ValueError as e:
+            raise RequestError(str(e), param) from None
+        return ids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int],
+                           prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
+        """max_tokens to use; RequestError when the prompt (plus max_tokens) exceeds max_model_len."""
+        limit = self.max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestError(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+        if num_prompt_tokens > limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                               f"{num_prompt_tokens} tokens.", prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise RequestError(f"The prompt has {num_prompt_tokens} tokens, which leaves no room for output "
+                                   f"within the maximum context length of {limit} tokens.", prompt_param,
+                                   code="context_length_exceeded")
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens} "
+                               f"prompt tokens plus {max_tokens_param}={max_tokens} were requested.",
+                               max_tokens_param, code="context_length_exceeded")
+        return max_tokens
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+
+async def merge_streams(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as ``(stream index, output)``. Closing the merged
+    stream cancels (and so aborts) every request still running."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(drain(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (aborting its requests) and
+    raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise ClientDisconnected()
+    return task.result()

@@ -1,0 +1,107 @@
+"""Prometheus metrics of the server, vLLM-style names under the ``pagedllm:`` prefix.
+
+Gauges and counters are read from the engine's snapshot at scrape time (a custom collector);
+the latency histograms are observed from the engine thread as outputs arrive. Everything lives
+in a private ``CollectorRegistry`` so several servers/tests in one process do not collide.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedllm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineCollector:
+    """Yields the scheduler gauges and the engine's token counters at scrape time."""
+
+    def __init__(self, get_snapshot: Callable, model_name: str) -> None:
+        self.get_snapshot = get_snapshot
+        self.model_name = model_name
+
+    def collect(self):
+        snap = self.get_snapshot()
+        s = snap.stats
+        labels = ["model_name"]
+        val = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(val, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(val, value)
+            return c
+
+        yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).",
+                    s.kv_cache_usage)
+        yield counter("pagedllm:prompt_tokens", "Prompt tokens prefilled.", snap.prompt_tokens_total)
+        yield counter("pagedllm:generation_tokens", "Tokens generated.", snap.generation_tokens_total)
+        yield counter("pagedllm:num_preemptions", "Preemptions (sequences evicted and recomputed).",
+                      s.num_preemptions)
+        yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+
+
+class ServerMetrics:
+    """All collectors of one server. ``record_outputs`` / ``record_abort`` run on the engine thread."""
+
+    def __init__(self, get_snapshot: Callable, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(get_snapshot, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token (TTFT).",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between successive token outputs "
+                             "of a request (ITL).", labels, buckets=_ITL_BUCKETS,
+                             registry=self.registry).labels(model_name)
+        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "End-to-end latency of finished requests.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.request_success = Counter("pagedllm:request_success", "Requests that ended, by finish reason "
+                                       "(stop, length, abort).", labels + ["finished_reason"],
+                                       registry=self.registry)
+        self._last_token_time: dict[str, float] = {}
+
+    def record_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            m = out.metrics
+            if m is None or m.last_token_time is None:
+                continue
+            prev = self._last_token_time.get(out.request_id)
+            if prev is None:
+                if m.first_token_time is not None:
+                    self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            elif m.last_token_time > prev:
+                self.itl.observe(m.last_token_time - prev)
+            self._last_token_time[out.request_id] = m.last_token_time
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+                end = m.finished_time or m.last_token_time
+                self.e2e.observe(max(0.0, end - m.arrival_time))
+                for c in out.outputs:
+                    self.request_success.labels(self.model_name, c.finish_reason or "stop").inc()
+
+    def record_abort(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,383 @@
+"""Tensor-parallel executor: one process per rank, joined by ``torch.distributed``.
+
+Rank 0 runs in the driver (the process that owns the scheduler, as in vLLM); ranks 1..N-1 are
+spawned worker processes. Every rank builds its shard of the model (``layers/linear.py``) and
+keeps the KV cache of its own heads. Each call the driver makes (profile, allocate, forward) is
+broadcast to the workers over a gloo "control" group as one pickled object; every rank runs it,
+the layers' all-reduce/all-gather run over the default group (gloo on a CPU, NCCL on CUDA), and
+rank 0 returns the logits. Replies (budgets) come back with ``gather_object``.
+
+Failure handling: a worker that dies closes its sockets, so the driver's next (or current)
+collective raises; the driver also checks ``Process.is_alive()`` before every call. Either way
+the executor raises RuntimeError, kills the remaining workers and stays failed. Workers ignore
+SIGINT (the driver handles it) and exit when the driver dies (closed sockets, or a watchdog that
+polls ``os.getppid()``). ``shutdown()`` (also run at exit and when the executor is collected)
+terminates them.
+
+Environment: MASTER_ADDR/MASTER_PORT (torchrun style) set the rendezvous address, else a free
+port on 127.0.0.1; PAGEDLLM_TP_TIMEOUT_S bounds each model collective (default 300 s).
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.worker.executor import Executor
+from pagedllm.worker.input_batch import ModelInput
+from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes, physical_memory_bytes
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+STARTUP_TIMEOUT_S = 300.0
+# The control group waits for the driver's next call, which may be hours away on an idle server;
+# a dead peer is still detected at once (closed socket), only a hung-but-alive one is not.
+CONTROL_TIMEOUT = timedelta(days=7)
+
+
+def collective_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "300")))
+
+
+def validate_tensor_parallel(hf_config: Any, tp: int) -> None:
+    """Raise ValueError when the model cannot be split over ``tp`` ranks (checked in the driver,
+    before any process starts; the layers check the same at construction)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads; "
+                         f"use a divisor of {heads}")
+    if kv_heads >= tp and kv_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {kv_heads} KV heads")
+    if kv_heads < tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the model's {kv_heads} KV heads and is not a "
+                         f"multiple of it (KV heads are replicated only a whole number of times)")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the MLP intermediate size {inter}")
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads for each rank: the cores shared out (capped by OMP_NUM_THREADS when set)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    n = max(1, cores // world_size)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        n = min(n, int(omp))
+    return n
+
+
+def rendezvous_url() -> str:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        return f"tcp://{addr}:{port}"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def to_device(obj: Any, device: Any) -> Any:
+    """A copy of ``obj`` (tensors, dataclasses such as ModelInput, lists, tuples) on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            setattr(new, f.name, to_device(getattr(obj, f.name), device))
+        return new
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device) for x in obj)
+    return obj
+
+
+class RankWorker:
+    """What every rank runs: joins the process groups, then owns a ModelRunner (its shard)."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
+        self.config = config
+        self.rank = rank
+        on_cuda = config.device.startswith("cuda")
+        if on_cuda:
+            torch.cuda.set_device(rank)
+        self.device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+        init_tensor_parallel(rank, world_size, init_method, "nccl" if on_cuda else "gloo",
+                             timeout=collective_timeout())
+        # Pickled calls travel over gloo on CPU memory even when the model runs on NCCL.
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.runner = ModelRunner(config)
+
+    def determine_kv_budget(self) -> tuple[int, str]:
+        cc = self.config.cache_config
+        return kv_cache_budget_bytes(self.config.device, cc.gpu_memory_utilization, cc.kv_cache_memory,
+                                     self.runner.profile_run)
+
+    def bytes_per_block(self) -> int:
+        return self.runner.bytes_per_block()
+
+    def weight_bytes(self) -> int:
+        return self.runner.weight_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        if self.device.type != "cpu":
+            model_input = to_device(model_input, self.device)
+        return self.runner.execute_model(model_input)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Any,
+                parent_pid: int, num_threads: int) -> None:
+    """Entry point of a spawned rank: serve the driver's broadcast calls until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    torch.set_num_threads(num_threads)
+    try:
+        conn.send(("ready", None))
+        worker = RankWorker(config, rank, world_size, init_method)
+        while True:
+            call: list[Any] = [None]
+            dist.broadcast_object_list(call, src=0, group=worker.control)
+            method, args = call[0]
+            if method == "shutdown":
+                break
+            result = getattr(worker, method)(*args)
+            if method != "execute_model":
+                dist.gather_object(result, None, dst=0, group=worker.control)
+    except BaseException:  # noqa: BLE001 - report, then die: the driver sees the closed sockets
+        msg = traceback.format_exc()
+        try:
+            conn.send(("error", msg))
+        except Exception:  # noqa: BLE001 - the driver may be gone
+            pass
+        sys.stderr.write(f"pagedllm tensor-parallel rank {rank} failed:\n{msg}")
+        sys.stderr.flush()
+        os._exit(1)
+    try:
+        destroy_tensor_parallel()
+    finally:
+        os._exit(0)
+
+
+def _shutdown_at_exit(ref: "weakref.ref[MultiprocExecutor]") -> None:
+    ex = ref()
+    if ex is not None:
+        ex.shutdown()
+
+
+class MultiprocExecutor(Executor):
+    """Raises ValueError (before starting any process) when the model cannot be split over
+    ``tensor_parallel_size`` ranks, RuntimeError when a worker dies or a collective fails."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.world_size = tp = config.parallel_config.tensor_parallel_size
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self._failed: str | None = None
+        self._closed = False
+        self._owns_group = False
+        self._prev_threads = torch.get_num_threads()
+        validate_tensor_parallel(config.model_config.hf_config, tp)
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this process (another "
+                               "tensor-parallel engine?); shut it down before starting a new one")
+        on_cpu = not config.device.startswith("cuda")
+        if not on_cpu and torch.cuda.device_count() < tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+        threads = threads_per_rank(tp) if on_cpu else self._prev_threads
+        init_method = rendezvous_url()
+        ctx = mp.get_context("spawn")
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        try:
+            for rank in range(1, tp):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
+                                args=(config, rank, tp, init_method, send, os.getpid(), threads))
+                p.start()
+                send.close()
+                self.procs.append(p)
+                self.conns.append(recv)
+            self._wait_ready()
+            if on_cpu:
+                torch.set_num_threads(threads)
+            self._owns_group = True
+            self.driver = RankWorker(config, 0, tp, init_method)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (rank 0 in this process, workers %s), %s, %d threads per rank",
+                    tp, [p.pid for p in self.procs], "gloo" if on_cpu else "nccl", threads)
+
+    # ---- process management ----------------------------------------------------------------
+    def _wait_ready(self) -> None:
+        pending = dict(enumerate(self.conns, start=1))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while pending:
+            for rank, conn in list(pending.items()):
+                try:
+                    msg = conn.recv() if conn.poll(0.05) else None
+                except (EOFError, OSError):
+                    msg = ("exited", None)
+                if msg is not None and msg[0] == "ready":
+                    del pending[rank]
+                elif msg is not None and msg[0] == "error":
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{msg[1]}")
+                elif msg is not None or not self.procs[rank - 1].is_alive():
+                    self.procs[rank - 1].join(timeout=5)
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited during start-up (exit code "
+                        f"{self.procs[rank - 1].exitcode}); its error is on stderr. Worker processes are "
+                        f"spawned: a script that creates the engine must guard its entry point with "
+                        f"`if __name__ == '__main__':`")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks {sorted(pending)} did not start within "
+                                   f"{STARTUP_TIMEOUT_S:.0f} s")
+
+    def _dead_workers(self) -> list[str]:
+        dead = []
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if not p.is_alive():
+                detail = ""
+                try:
+                    while conn.poll(0):
+                        kind, msg = conn.recv()
+                        if kind == "error":
+                            detail = f":\n{msg}"
+                except (EOFError, OSError):
+                    pass
+                dead.append(f"rank {rank} (pid {p.pid}, exit code {p.exitcode}){detail}")
+        return dead
+
+    def _fail(self, cause: BaseException | None) -> RuntimeError:
+        """Record the failure, stop every worker, and return the error to raise."""
+        dead = self._dead_workers()
+        if not dead and cause is not None:
+            # A collective can fail a moment before the peer's exit is visible to waitpid.
+            deadline = time.monotonic() + 2.0
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self._dead_workers()
+        if dead:
+            msg = "tensor-parallel worker died: " + "; ".join(dead)
+        else:
+            msg = f"tensor-parallel collective failed: {type(cause).__name__}: {cause}"
+        self._failed = msg
+        self._kill_workers()
+        return RuntimeError(msg)
+
+    def check_health(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
+        if self._closed:
+            raise RuntimeError("the tensor-parallel executor was shut down")
+        if any(not p.is_alive() for p in self.procs):
+            raise self._fail(None)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run ``method`` on every rank; returns rank 0's result for execute_model, else the list
+        of every rank's result."""
+        self.check_health()
+        try:
+            wire_args = args if self.driver.device.type == "cpu" else to_device(args, "cpu")
+            dist.broadcast_object_list([(method, wire_args)], src=0, group=self.driver.control)
+            result = getattr(self.driver, method)(*args)
+            if method == "execute_model":
+                return result
+            results: list[Any] = [None] * self.world_size
+            dist.gather_object(result, results, dst=0, group=self.driver.control)
+            return results
+        except (RuntimeError, OSError) as e:
+            raise self._fail(e) from e
+        except BaseException:
+            # Ctrl-C or a bug in rank 0 mid-call: the ranks are out of step; nothing can continue.
+            self._fail(None)
+            raise
+
+    def _kill_workers(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def shutdown(self) -> None:
+        """Stop every worker process and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._kill_workers()
+            for conn in self.conns:
+                conn.close()
+        finally:
+            if self._owns_group:
+                try:
+                    destroy_tensor_parallel()
+                except Exception:  # noqa: BLE001 - peers are gone; nothing left to tear down cleanly
+                    pass
+            torch.set_num_threads(self._prev_threads)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- Executor interface -------------------------------------------------------------
+    def determine_kv_budget(self) -> tuple[int, str]:
+        results = self._call("determine_kv_budget")
+        budgets = [b for b, _ in results]
+        cc = self.config.cache_config
+        if self.config.device == "cpu" and cc.kv_cache_memory is None:
+            # All ranks share this host's RAM: each computed (limit - own RSS); split what is left.
+            limit = int(physical_memory_bytes() * cc.gpu_memory_utilization)
+            used = sum(limit - b for b in budgets)
+            return (limit - used) // self.world_size, (
+                f"({cc.gpu_memory_utilization:.2f} x {physical_memory_bytes() / 2**30:.1f} GiB RAM - "
+                f"{used / 2**30:.2f} GiB in use by {self.world_size} ranks) / {self.world_size} ranks")
+        i = min(range(self.world_size), key=lambda r: budgets[r])
+        return budgets[i], f"{results[i][1]} (rank {i}, the smallest of {self.world_size} ranks)"
+
+    def bytes_per_block(self) -> int:
+        return self.driver.bytes_per_block()  # every rank holds the same number of KV heads
+
+    def weight_bytes(self) -> int:
+        return self.driver.weight_bytes()  # per rank (rank 0)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
+        return self._call("execute_model", model_input)

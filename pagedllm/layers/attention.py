@@ -16,6 +16,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+try:  # grouped-query attention inside SDPA (PyTorch >= 2.5)
+    F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                   enable_gqa=True)
+    _HAS_GQA = True
+except TypeError:
+    _HAS_GQA = False
+
 
 @dataclass
 class PrefillSeq:
@@ -60,12 +67,28 @@ class AttentionBackend:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is_causal: bool = False,
           mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [B, H, Tq, D], k/v [B, Hkv, Tk, D]; grouped-query heads are expanded when needed."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
+    """q [B, H, Tq, D], k/v [B, Hkv, Tk, D] (grouped-query attention when Hkv < H)."""
+    if q.shape[1] != k.shape[1]:
+        if _HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                                  enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence. q [B, H, D], k/v [B, Hkv, L, D], mask [B, 1, 1, L] -> [B, H, D].
+
+    The G = H / Hkv query heads that share a KV head are laid out as G queries of that head, so
+    K/V are never expanded (head h reads KV head h // G, as in transformers' ``repeat_kv``).
+    """
+    b, h, d = q.shape
+    hkv = k.shape[1]
+    o = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(b, h, d)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -83,8 +106,7 @@ class TorchPagedAttention(AttentionBackend):
             idx = meta.decode_slots.view(-1)
             ck = flat_k.index_select(0, idx).view(b, length, *k.shape[1:]).transpose(1, 2)
             cv = flat_v.index_select(0, idx).view(b, length, *v.shape[1:]).transpose(1, 2)
-            o = _sdpa(q[:nd].unsqueeze(2), ck, cv, scale, mask=meta.decode_mask)  # [B, H, 1, D]
-            out[:nd] = o.squeeze(2)
+            out[:nd] = _decode_attention(q[:nd], ck, cv, meta.decode_mask, scale)
         for p in meta.prefills:
             qs = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             if p.context_slots is None:

@@ -1,0 +1,122 @@
+"""Model loading: registry errors, sharded checkpoints, RoPE scalings, tied embeddings, dummy
+weights, dtypes, KV budget errors, prompt validation, chat, timing metrics."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from conftest import assert_pool_empty, build_checkpoint
+from pagedllm import LLM, SamplingParams
+from test_correctness import hf_greedy, make_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _assert_matches_hf(model_dir: str, **llm_kw) -> LLM:
+    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    prompts = make_prompts(vocab, [3, 30, 70], seed=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model_dir, kv_cache_memory=2 << 20, **llm_kw)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8)[0] for p in prompts]
+    assert_pool_empty(llm)
+    return llm
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_scaling_and_tied_embeddings(tmp_path, rope):
+    d = build_checkpoint(str(tmp_path), "llama", seed=3, rope_scaling=rope, tie_word_embeddings=True,
+                         rope_theta=500000.0)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    assert cfg["tie_word_embeddings"] is True
+    _assert_matches_hf(d)
+
+
+def test_sharded_checkpoint(tmp_path):
+    d = build_checkpoint(str(tmp_path / "full"), "qwen2", seed=4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    sharded = str(tmp_path / "sharded")
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for f in os.listdir(d):
+        if f.startswith("tokenizer") or f in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(os.path.join(d, f), sharded)
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    _assert_matches_hf(sharded)
+
+
+def test_unsupported_architecture_is_named(tmp_path, llama_dir):
+    d = str(tmp_path / "gpt")
+    shutil.copytree(llama_dir, d)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ValueError, match="FancyNewForCausalLM.*supported.*LlamaForCausalLM"):
+        LLM(d, kv_cache_memory=1 << 20)
+
+
+def test_mistral_sliding_window_refused(tmp_path):
+    d = build_checkpoint(str(tmp_path), "mistral", sliding_window=128)
+    with pytest.raises(ValueError, match="sliding_window=128.*max_model_len"):
+        LLM(d, kv_cache_memory=1 << 20)
+    llm = _assert_matches_hf(d, max_model_len=128)  # within the window: plain causal attention
+    assert llm.llm_engine.model_config.max_model_len == 128
+
+
+def test_dummy_weights_and_bfloat16(llama_dir):
+    llm = LLM(llama_dir, load_format="dummy", kv_cache_memory=1 << 20)
+    out = llm.generate(["the king"], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8
+    llm = LLM(llama_dir, dtype="bfloat16", kv_cache_memory=1 << 20)
+    runner = llm.llm_engine.executor.runner
+    assert runner.model.embed_tokens.weight.dtype == torch.bfloat16 and runner.kv_caches[0].dtype == torch.bfloat16
+    assert len(llm.generate(["the king"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    assert_pool_empty(llm)
+
+
+def test_kv_budget_too_small_names_the_setting(llama_dir):
+    with pytest.raises(ValueError, match="kv_cache_memory|gpu_memory_utilization"):
+        LLM(llama_dir, kv_cache_memory=4096)
+
+
+def test_prompt_validation(llama_dir):
+    llm = LLM(llama_dir, kv_cache_memory=1 << 20, max_model_len=64)
+    assert llm.llm_engine.model_config.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate([list(range(6, 71))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10**6]], GREEDY, use_tqdm=False)
+    # A prompt near the limit stops at max_model_len with finish_reason "length".
+    out = llm.generate([list(range(6, 66))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    assert_pool_empty(llm)
+    default = LLM(llama_dir, kv_cache_memory=1 << 20)
+    assert default.llm_engine.model_config.max_model_len == 1024  # from config.json
+
+
+def test_chat_and_timing_metrics(llama_dir):
+    llm = LLM(llama_dir, kv_cache_memory=1 << 20)
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    out = llm.chat(conv, GREEDY, use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], tokenize=False,
+        add_generation_prompt=True), add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    assert len(out.outputs[0].token_ids) == 8
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    two = llm.chat([conv, conv[1:]], GREEDY, use_tqdm=False)
+    assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
+    assert_pool_empty(llm)

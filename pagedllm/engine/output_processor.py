@@ -72,6 +72,10 @@ class OutputProcessor:
                     stopped.append(req.request_id)
         return stopped
 
+    def is_finished(self, request_id: str) -> bool:
+        state = self.states.get(request_id)
+        return state is not None and all(c.is_finished for c in state.children)
+
     def make_output(self, request_id: str) -> Optional[RequestOutput]:
         state = self.states.get(request_id)
         if state is None:

@@ -112,3 +112,18 @@ def test_eviction_under_memory_pressure_keeps_outputs_correct(llama_dir):
     again = llm.generate([prompts[1]], greedy(), use_tqdm=False)[0]  # just recomputed: cached
     assert again.num_cached_tokens == (100 // BS) * BS and again.outputs[0].token_ids == ref[1]
     assert_pool_empty(llm)
+
+
+def test_prompt_logprobs_bypass_the_cache(llama_dir):
+    llm = LLM(llama_dir, kv_cache_memory=4 << 20)
+    p = questions(1, seed=6)[0]
+    llm.generate([p], greedy(n=2), use_tqdm=False)  # cache the prefix
+    out = llm.generate([p], greedy(n=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+    assert all(out.prompt_logprobs[i][p[i]] is not None for i in range(1, len(p)))
+    plain = LLM(llama_dir, kv_cache_memory=4 << 20, enable_prefix_caching=False)
+    ref = plain.generate([p], greedy(n=2, prompt_logprobs=1), use_tqdm=False)[0]
+    for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert a[max(a, key=lambda t: a[t].logprob)].logprob == pytest.approx(
+            b[max(b, key=lambda t: b[t].logprob)].logprob, abs=1e-5)
+    assert_pool_empty(llm)

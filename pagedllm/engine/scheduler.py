@@ -138,7 +138,10 @@ class Scheduler:
             width = 1 + len(self.forks.get(req.request_id, ()))
             if self.running and len(self.running) + width > self.config.max_num_seqs:
                 break
-            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+                cached_blocks, num_cached = [], 0  # cached positions would have no logits to report
+            else:
+                cached_blocks, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, cached_blocks):
                 break

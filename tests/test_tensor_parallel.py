@@ -176,3 +176,68 @@ def test_worker_exits_when_driver_is_killed(llama_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- the server ------------------------------------------------------------------------------
+SERVER_ARGS = ("--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
+               "--served-model-name", "tiny", "--disable-access-log")
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Worker processes (multiprocessing spawn) whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            found.append(int(entry))
+    return found
+
+
+def chat(url: str):
+    import openai
+
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the king"}],
+                                              max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def test_server_tp2_answers_and_stops_cleanly(llama_dir, tmp_path):
+    from server_utils import RemoteServer
+
+    with RemoteServer(llama_dir, SERVER_ARGS, log_path=str(tmp_path / "server.log")) as srv:
+        pids = spawned_children(srv.proc.pid)
+        assert len(pids) == 1, srv.log()
+        out = chat(srv.url)
+        assert out.usage.completion_tokens == 8
+        assert "tp=2" in srv.log()
+    assert srv.returncode == 0, srv.log()
+    assert wait_gone(pids, 10) == []
+
+
+def test_server_reports_dead_worker(llama_dir, tmp_path):
+    import httpx
+    from server_utils import RemoteServer
+
+    with RemoteServer(llama_dir, SERVER_ARGS, log_path=str(tmp_path / "server.log")) as srv:
+        (pid,) = spawned_children(srv.proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60  # a hang guard: the engine checks its workers every few seconds
+        status = 200
+        while time.monotonic() < deadline and status == 200 and srv.proc.poll() is None:
+            try:
+                status = httpx.get(srv.url + "/health", timeout=5).status_code
+            except httpx.HTTPError:
+                break  # the server may already have exited
+            time.sleep(0.2)
+        assert status == 503 or srv.proc.poll() is not None, srv.log()
+        srv.proc.wait(timeout=30)  # the server stops by itself once its engine is dead
+    assert not pid_alive(pid)
+    assert srv.returncode not in (0, None), srv.log()

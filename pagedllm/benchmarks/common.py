@@ -85,6 +85,7 @@ def run_metadata() -> dict[str, Any]:
                     "torch_num_threads": torch.get_num_threads(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                     "platform": platform.platform(),
+                    "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
     }
 
@@ -120,8 +121,13 @@ def write_result(output_dir: str, name: str, result: dict[str, Any], fig=None) -
 
 
 def pyplot():
-    """matplotlib.pyplot with the Agg backend (no display needed)."""
-    import matplotlib
+    """matplotlib.pyplot with the Agg backend (no display needed), or None (with a warning) when
+    matplotlib is not installed: the JSON result is still written."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'pagedllm[bench]'): no plot written")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

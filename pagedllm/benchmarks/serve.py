@@ -181,6 +181,8 @@ def _vocab(args) -> tuple[int, list[int], Optional[object]]:
 
 def _plot(results: list[RequestResult], title: str):
     plt = pyplot()
+    if plt is None:
+        return None
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     ok = [r for r in results if r.success]
     for ax, (name, vals) in zip(axes, [

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -65,7 +66,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 class Setup:
     """Resolved model, workload and budget shared by every backend of one run."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, default_max_model_len: str = "workload") -> None:
+        """``default_max_model_len``: without --max-model-len, use the workload's longest request
+        ("workload") or the model's context length ("model")."""
         from pagedllm.config import EngineArgs, resolve_model_path
 
         model, self.load_format = resolve_model(args.model, args.load_format, args.output_dir)
@@ -73,7 +76,8 @@ class Setup:
         vocab, special = ds.model_vocab(self.model_path)
         self.requests = ds.sample_requests(args, vocab, special)
         self.max_len = max(r.prompt_len + r.output_len for r in self.requests)
-        cfg = EngineArgs(model=self.model_path, dtype=args.dtype, max_model_len=args.max_model_len or self.max_len,
+        max_model_len = args.max_model_len or (self.max_len if default_max_model_len == "workload" else None)
+        cfg = EngineArgs(model=self.model_path, dtype=args.dtype, max_model_len=max_model_len,
                          block_size=args.block_size).create_engine_config()
         self.max_model_len = cfg.model_config.max_model_len
         if self.max_len > self.max_model_len:
@@ -202,7 +206,9 @@ def _hf_generate(model, batch: list[list[int]], max_new: int, pad_id: int) -> to
     for i, p in enumerate(batch):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    # generate() fills unset (None) fields from the model's generation config, EOS included:
+    # min_new_tokens masks EOS until max_new_tokens, so every row runs the full length.
+    gen = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
 
 
@@ -311,10 +317,13 @@ RUNNERS = {"pagedllm": run_pagedllm, "hf": run_hf, "hf-cb": run_hf_cb}
 # ---- the command -----------------------------------------------------------------------------
 def _plot(results: dict[str, dict], title: str):
     plt = pyplot()
+    if plt is None:
+        return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     names = [n for n, r in results.items() if "skipped" not in r]
     vals = [results[n]["output_tokens_per_s"] for n in names]
-    bars = a1.bar(names, vals, color=["tab:green", "tab:gray", "tab:blue"][:len(names)])
+    colors = {"pagedllm": "tab:green", "hf": "tab:gray", "hf-cb": "tab:blue"}
+    bars = a1.bar(names, vals, color=[colors[n] for n in names])
     for b, v in zip(bars, vals):
         a1.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom")
     a1.set_ylabel("output tokens / s")
@@ -322,7 +331,7 @@ def _plot(results: dict[str, dict], title: str):
     for n in names:
         e2e = sorted(p["e2e_s"] for p in results[n]["per_request"] if p.get("e2e_s") is not None)
         if e2e:
-            a2.step(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], where="post", label=n)
+            a2.step(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], where="post", label=n, color=colors[n])
     a2.set_xlabel("request completion time since start (s)")
     a2.set_ylabel("fraction of requests done")
     a2.legend()
@@ -339,9 +348,11 @@ def run(args: argparse.Namespace) -> dict:
           f"output tokens; KV budget {s.kv_budget / 2**20:.1f} MiB = {s.budget_info['budget_tokens']} tokens")
     results: dict[str, dict] = {}
     for b in backends:
-        t = time.perf_counter()
+        t, load = time.perf_counter(), os.getloadavg()[0]
         res = RUNNERS[b](args, s)
         res["wall_incl_load_s"] = time.perf_counter() - t
+        # 1-minute load average before/after: other processes on the machine skew a comparison.
+        res["loadavg_1min_before_after"] = [load, os.getloadavg()[0]]
         results[b] = res
         if "skipped" in res:
             print(f"[{b}] skipped: {res['skipped']}")
@@ -361,6 +372,6 @@ def run(args: argparse.Namespace) -> dict:
     out = {**run_metadata(), "bench": "throughput", "model": s.model_path, "load_format": s.load_format,
            "workload": wl, "budget": s.budget_info, "results": results, "ratios": ratios}
     title = (f"{args.model or 'demo model'}: {len(s.requests)} requests ({args.dataset}), "
-             f"KV budget {s.kv_budget / 2**20:.0f} MiB")
+             f"KV budget {s.kv_budget / 2**20:.1f} MiB ({s.budget_info['budget_tokens']} tokens)")
     write_result(args.output_dir, name, out, _plot(results, title))
     return out

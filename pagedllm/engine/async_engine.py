@@ -2,8 +2,9 @@
 
 The engine loop runs in its own thread so a forward pass never blocks the HTTP event loop.
 Hand-off is one lock-protected inbox (new requests, aborts) that the engine thread drains
-between steps; outputs go back to each caller's ``asyncio.Queue`` through
-``loop.call_soon_threadsafe``. When there is nothing to run the thread sleeps on an Event.
+between steps; outputs go back to each caller's mailbox (newest output + an asyncio.Event)
+through ``loop.call_soon_threadsafe``, one callback per event loop per step. When there is
+nothing to run, the thread sleeps on an Event (no busy spin).
 
     llm = AsyncLLM(engine); llm.start()
     async for out in llm.generate(prompt, SamplingParams(...), "req-1"):
@@ -44,14 +45,24 @@ class EngineSnapshot:
 
 
 class _Stream:
-    """One caller's queue and the event loop it lives on."""
+    """One caller's mailbox on its event loop. Outputs are cumulative, so only the newest
+    undelivered one is kept: a slow reader never makes the server buffer more than one output."""
 
-    __slots__ = ("loop", "queue", "finished")
+    __slots__ = ("loop", "event", "latest", "error", "finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.event = asyncio.Event()
+        self.latest: Optional[RequestOutput] = None
+        self.error: Optional[BaseException] = None
         self.finished = False
+
+    def push(self, item: Any) -> None:  # runs on ``loop``
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.latest = item
+        self.event.set()
 
 
 class AsyncLLM:
@@ -98,15 +109,16 @@ class AsyncLLM:
             self._thread.start()
         return self
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread (pending requests get EngineDeadError) and the engine. Idempotent."""
+    def shutdown(self, timeout: float = 30.0, shutdown_engine: bool = True) -> None:
+        """Stop the engine thread (pending requests get EngineDeadError) and, with
+        ``shutdown_engine``, the engine and its workers. Idempotent."""
         with self._lock:
             already = self._stop
             self._stop = True
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        if not already:
+        if not already and shutdown_engine:
             try:
                 self.engine.shutdown()
             except Exception:  # noqa: BLE001 - best effort at exit
@@ -116,7 +128,7 @@ class AsyncLLM:
         """True while the engine is alive; False (and ``errored`` set) once it died."""
         if not self.errored:
             try:
-                self.engine.executor.check_health()
+                self.engine.check_health()
             except Exception as e:  # noqa: BLE001
                 self._mark_dead(f"engine worker died: {e}")
         return not self.errored
@@ -129,10 +141,10 @@ class AsyncLLM:
         Raises ValueError when the engine rejects the request, EngineDeadError when the engine
         stops. Closing or cancelling the iterator before the last output aborts the request.
         """
-        if self.errored or self._stop:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            if self.errored or self._stop:
+                raise EngineDeadError(self.dead_reason or "the engine is not running")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -140,18 +152,17 @@ class AsyncLLM:
         self._wake.set()
         try:
             while True:
-                item = await stream.queue.get()
-                # Outputs are cumulative: when several are queued, only the newest matters.
-                while not stream.queue.empty() and not isinstance(item, BaseException) and not item.finished:
-                    item = stream.queue.get_nowait()
-                if isinstance(item, BaseException):
+                await stream.event.wait()
+                stream.event.clear()
+                item, stream.latest = stream.latest, None
+                if item is not None:
+                    stream.finished = item.finished
+                    yield item
+                    if stream.finished:
+                        return
+                if stream.error is not None:
                     stream.finished = True
-                    raise item
-                if item.finished:
-                    stream.finished = True
-                yield item
-                if stream.finished:
-                    return
+                    raise stream.error
         finally:
             if not stream.finished:
                 self.abort(request_id)
@@ -184,7 +195,10 @@ class AsyncLLM:
             if request_id in self.engine.output_processor.states:
                 self.engine.abort_request(request_id)
                 if self.on_abort is not None:
-                    self.on_abort(request_id)
+                    try:
+                        self.on_abort(request_id)
+                    except Exception:  # noqa: BLE001 - metrics must never stop serving
+                        logger.exception("metrics update failed")
 
     def _run(self) -> None:
         last_health = time.monotonic()
@@ -199,7 +213,7 @@ class AsyncLLM:
                     self._wake.wait(_HEALTH_CHECK_INTERVAL_S)
                     if time.monotonic() - last_health >= _HEALTH_CHECK_INTERVAL_S:
                         last_health = time.monotonic()
-                        self.engine.executor.check_health()
+                        self.engine.check_health()
                     continue
                 outputs = self.engine.step()
                 self.snapshot = self._take_snapshot()
@@ -234,7 +248,7 @@ class AsyncLLM:
             for rid, item in items.items():
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    by_loop[stream.loop].append((stream.queue, item))
+                    by_loop[stream.loop].append((stream, item))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
@@ -243,5 +257,5 @@ class AsyncLLM:
 
 
 def _put_all(batch: list) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
+    for stream, item in batch:
+        stream.push(item)

@@ -40,9 +40,9 @@ import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from pagedllm.worker.executor import Executor
+from pagedllm.worker.executor import Executor, UniProcExecutor
 from pagedllm.worker.input_batch import ModelInput
-from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes, physical_memory_bytes
+from pagedllm.worker.kv_cache_budget import physical_memory_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -111,8 +111,9 @@ def to_device(obj: Any, device: Any) -> Any:
     return obj
 
 
-class RankWorker:
-    """What every rank runs: joins the process groups, then owns a ModelRunner (its shard)."""
+class RankWorker(UniProcExecutor):
+    """What every rank runs: joins the process groups, then owns a ModelRunner (its shard). The
+    runner calls are UniProcExecutor's; only construction and device placement differ."""
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
         self.config = config
@@ -125,21 +126,7 @@ class RankWorker:
                              timeout=collective_timeout())
         # Pickled calls travel over gloo on CPU memory even when the model runs on NCCL.
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.runner = ModelRunner(config)
-
-    def determine_kv_budget(self) -> tuple[int, str]:
-        cc = self.config.cache_config
-        return kv_cache_budget_bytes(self.config.device, cc.gpu_memory_utilization, cc.kv_cache_memory,
-                                     self.runner.profile_run)
-
-    def bytes_per_block(self) -> int:
-        return self.runner.bytes_per_block()
-
-    def weight_bytes(self) -> int:
-        return self.runner.weight_bytes
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner = ModelRunner(config)  # sharded: the TP state is set above
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -205,6 +192,7 @@ class MultiprocExecutor(Executor):
         self._failed: str | None = None
         self._closed = False
         self._owns_group = False
+        self._lock = threading.RLock()  # the server checks health from another thread
         self._prev_threads = torch.get_num_threads()
         validate_tensor_parallel(config.model_config.hf_config, tp)
         if dist.is_initialized():
@@ -279,6 +267,12 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, cause: BaseException | None) -> RuntimeError:
         """Record the failure, stop every worker, and return the error to raise."""
+        with self._lock:
+            if self._failed is not None:
+                return RuntimeError(self._failed)
+            return self._fail_locked(cause)
+
+    def _fail_locked(self, cause: BaseException | None) -> RuntimeError:
         dead = self._dead_workers()
         if not dead and cause is not None:
             # A collective can fail a moment before the peer's exit is visible to waitpid.
@@ -334,20 +328,21 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop every worker process and leave the process group (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._kill_workers()
-            for conn in self.conns:
-                conn.close()
-        finally:
-            if self._owns_group:
-                try:
-                    destroy_tensor_parallel()
-                except Exception:  # noqa: BLE001 - peers are gone; nothing left to tear down cleanly
-                    pass
-            torch.set_num_threads(self._prev_threads)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._kill_workers()
+                for conn in self.conns:
+                    conn.close()
+            finally:
+                if self._owns_group:
+                    try:
+                        destroy_tensor_parallel()
+                    except Exception:  # noqa: BLE001 - peers are gone; nothing left to tear down cleanly
+                        pass
+                torch.set_num_threads(self._prev_threads)
 
     def __del__(self) -> None:
         try:

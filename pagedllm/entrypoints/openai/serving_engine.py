@@ -3,6 +3,7 @@ merging the streams of several prompts, and aborting when the HTTP client goes a
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
 
 from starlette.requests import Request
@@ -35,8 +36,6 @@ def sse_error(e: BaseException) -> str:
         body = error_body(str(e), "service_unavailable", None, "engine_dead")
     else:
         body = error_body(str(e), "invalid_request_error")
-    import json
-
     return sse(json.dumps(body))
 
 
@@ -63,6 +62,8 @@ class OpenAIServing:
                 _, ids = self.llm.engine.tokenize_prompt(prompt)
         except ValueError as e:
             raise RequestError(str(e), param) from None
+        except Exception as e:  # noqa: BLE001 - the tokenizer rejects some strings (lone surrogates)
+            raise RequestError(f"cannot tokenize the {param}: {type(e).__name__}", param) from None
         return ids
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int],

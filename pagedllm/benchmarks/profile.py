@@ -1,0 +1,299 @@
+"""Where the time of one decode step goes.
+
+``--batch-size`` requests with ``--context-len``-token prompts are prefilled, then every step is a
+pure decode step of the whole batch. Over ``--steps`` decode steps the bench reports:
+
+1. the wall time of a step without any instrumentation;
+2. a breakdown from timing hooks (``time.perf_counter`` around each part; CPU ops are
+   synchronous, on CUDA the hooks synchronize): engine parts (schedule, prepare_inputs, sampler,
+   update, detokenize/outputs) and, inside the forward pass, each linear layer, paged attention
+   (K/V write + gather + SDPA), rotary, RMSNorm, the SwiGLU activation, the LM head, and the rest
+   (residual adds, reshapes, Python between ops);
+3. a ``torch.profiler`` table of the top operators by self time, and the share of the step spent
+   outside any ATen operator (Python and framework overhead);
+4. the step's FLOPs and bytes (weights + K/V read) against this machine's measured square-GEMM
+   FLOP/s and copy bandwidth: the floor the step could reach (the larger of the two).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
+from pagedllm.benchmarks.model_shapes import resolve_model
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, or shape:qwen2-0.5b; default: the demo model")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
+    p.add_argument("--context-len", type=int, default=256, help="prompt tokens of each sequence")
+    p.add_argument("--steps", type=int, default=5, help="decode steps measured (per method)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-torch-profiler", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="bench_results")
+    p.set_defaults(func=run)
+
+
+class Timers:
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.sync = sync
+        self.enabled = False
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*a, **kw):
+            if not self.enabled:
+                return fn(*a, **kw)
+            self.sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.sync()
+                self.total[name] += time.perf_counter() - t
+        return timed
+
+    def hook_module(self, name: str, module: torch.nn.Module) -> None:
+        starts: list[float] = []
+
+        def pre(_m, _inp):
+            if self.enabled:
+                self.sync()
+                starts.append(time.perf_counter())
+
+        def post(_m, _inp, _out):
+            if self.enabled and starts:
+                self.sync()
+                self.total[name] += time.perf_counter() - starts.pop()
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def instrument(engine, timers: Timers) -> None:
+    """Wrap the engine's parts and hook the model's modules (no core file is changed)."""
+    import pagedllm.engine.llm_engine as le
+
+    sched, op = engine.scheduler, engine.output_processor
+    sched.schedule = timers.wrap("engine: schedule", sched.schedule)
+    sched.update_from_output = timers.wrap("engine: update requests", sched.update_from_output)
+    le.prepare_inputs = timers.wrap("engine: prepare_inputs", le.prepare_inputs)
+    engine.sampler = timers.wrap("sampler", engine.sampler)
+    op.process = timers.wrap("engine: detokenize + outputs", op.process)
+    op.make_output = timers.wrap("engine: detokenize + outputs", op.make_output)
+    engine.executor.execute_model = timers.wrap("forward total", engine.executor.execute_model)
+    model = engine.executor.runner.model
+    model.compute_logits = timers.wrap("lm_head (logits)", model.compute_logits)
+    timers.hook_module("model body", model)
+    backends = {}
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _LINEARS:
+            timers.hook_module(f"linear: {leaf}", m)
+        elif leaf == "embed_tokens":
+            timers.hook_module("embedding", m)
+        elif leaf.endswith("norm"):
+            timers.hook_module("rmsnorm", m)
+        elif leaf == "rotary_emb":
+            timers.hook_module("rotary", m)
+        elif leaf == "mlp":
+            timers.hook_module("_mlp", m)
+        elif leaf == "self_attn":
+            timers.hook_module("_self_attn", m)
+            backends[id(m.backend)] = m.backend
+    for b in backends.values():
+        b.forward = timers.wrap("attention (paged: KV write, gather, SDPA)", b.forward)
+
+
+def breakdown(total: dict[str, float], steps: int) -> dict[str, float]:
+    """Per-step seconds of disjoint parts (derived ones: activation, attention glue, forward rest)."""
+    t = {k: v / steps for k, v in total.items()}
+    out = {k: v for k, v in t.items() if not k.startswith("_") and k not in ("forward total", "model body")}
+    linear_mlp = t.get("linear: gate_up_proj", 0) + t.get("linear: down_proj", 0)
+    out["activation (silu * up)"] = max(0.0, t.get("_mlp", 0) - linear_mlp)
+    attn_parts = t.get("linear: qkv_proj", 0) + t.get("linear: o_proj", 0) + t.get("rotary", 0) + \
+        t.get("attention (paged: KV write, gather, SDPA)", 0)
+    # q/k norms (Qwen3) sit inside self_attn and are counted under rmsnorm already.
+    out["attention glue (split, views)"] = max(0.0, t.get("_self_attn", 0) - attn_parts)
+    inside_body = t.get("embedding", 0) + t.get("_self_attn", 0) + t.get("_mlp", 0) + t.get("rmsnorm", 0)
+    out["forward rest (residual adds, Python)"] = max(0.0, t.get("model body", 0) - inside_body)
+    out["runner rest (logits gather)"] = max(0.0, t.get("forward total", 0) - t.get("model body", 0)
+                                             - t.get("lm_head (logits)", 0))
+    return out
+
+
+def machine_peaks(dtype: torch.dtype) -> dict[str, float]:
+    """Measured matmul FLOP/s (a decode-shaped and a square GEMM) and memory copy bandwidth."""
+    def bench(fn, reps=5):
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps
+
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    sq = 2 * 1024 ** 3 / bench(lambda: a @ b)
+    x, w = torch.randn(32, 896, dtype=dtype), torch.randn(4864 * 2, 896, dtype=dtype)
+    dec = 2 * 32 * 896 * 4864 * 2 / bench(lambda: torch.nn.functional.linear(x, w), 20)
+    src = torch.empty(64 * 2**20 // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src))
+    return {"matmul_flops_1024": sq, "linear_flops_32x896x9728": dec, "copy_bytes_per_s": bw}
+
+
+def step_cost(engine, batch: int, context: int) -> dict[str, float]:
+    """FLOPs and bytes of one decode step of ``batch`` sequences at ``context`` tokens."""
+    model = engine.executor.runner.model
+    cfg = engine.model_config.hf_config
+    seen, weight_bytes, linear_params = set(), 0, 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        weight_bytes += p.numel() * p.element_size()
+        if p.dim() == 2 and "embed_tokens" not in name:
+            linear_params += p.numel()
+    if getattr(cfg, "tie_word_embeddings", False):
+        linear_params += model.lm_head.weight.numel()  # the tied embedding is read again as the LM head
+        weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    mc = engine.model_config
+    heads = cfg.num_attention_heads
+    attn_flops = cfg.num_hidden_layers * 2 * 2 * batch * context * heads * mc.head_dim
+    kv_bytes = 2 * cfg.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize * batch * context
+    return {"linear_flops": 2 * batch * linear_params, "attention_flops": attn_flops,
+            "weight_bytes_read": weight_bytes, "kv_bytes_read": kv_bytes}
+
+
+def _plot(result: dict, parts: dict, args: argparse.Namespace, step_s: float, context: int):
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(parts) + 1))
+    names = list(result["breakdown_s"])[::-1]
+    ax.barh(names, [result["breakdown_s"][n] * 1000 for n in names], color="tab:blue")
+    ax.set_xlabel("ms per decode step")
+    ax.set_title(f"{args.model or 'demo model'}: decode step, batch {args.batch_size}, context ~{context}: "
+                 f"{step_s * 1000:.0f} ms", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    model, load_format = resolve_model(args.model, args.load_format, args.output_dir)
+    warm = 2
+    max_tokens = 1 + warm + 3 * args.steps  # three measured phases, never finishing inside them
+    max_len = args.context_len + max_tokens + 1
+    tokens_needed = args.batch_size * (-(-max_len // args.block_size) + 1) * args.block_size
+    # Size the KV cache from the model shape: enough for the whole batch, no preemption.
+    from pagedllm.config import EngineArgs
+
+    cfg = EngineArgs(model=model, dtype=args.dtype, max_model_len=max_len).create_engine_config()
+    mc = cfg.model_config
+    per_token = 2 * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    llm = LLM(model, dtype=args.dtype, load_format=load_format, max_model_len=max_len, block_size=args.block_size,
+              max_num_seqs=args.batch_size, max_num_batched_tokens=max(2048, args.context_len),
+              kv_cache_memory=tokens_needed * per_token, seed=args.seed, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    cuda = engine.config.device.startswith("cuda")
+    timers = Timers(torch.cuda.synchronize if cuda else (lambda: None))
+    rng = random.Random(args.seed)
+    vocab = mc.hf_config.vocab_size
+    for i in range(args.batch_size):
+        engine.add_request(str(i), [rng.randrange(10, vocab) for _ in range(args.context_len)],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    try:
+        # Prefill everything (chunked), then warm-up decodes.
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+                engine.scheduler.waiting:
+            engine.step()
+        for _ in range(warm):
+            engine.step()
+
+        def decode_steps(n: int) -> float:
+            t = time.perf_counter()
+            for _ in range(n):
+                assert len(engine.step()) == args.batch_size, "not a pure decode step of the whole batch"
+            if cuda:
+                torch.cuda.synchronize()
+            return (time.perf_counter() - t) / n
+
+        plain = decode_steps(args.steps)
+        instrument(engine, timers)
+        timers.enabled = True
+        hooked = decode_steps(args.steps)
+        timers.enabled = False
+        parts = breakdown(timers.total, args.steps)
+        top_ops, aten_self = [], None
+        profiled = None
+        if not args.no_torch_profiler:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts) as prof:
+                profiled = decode_steps(args.steps)
+            ka = prof.key_averages()
+            ops = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
+            aten_self = sum(e.self_cpu_time_total for e in ka if e.key.startswith("aten::")) / 1e6 / args.steps
+            top_ops = [{"op": e.key, "calls_per_step": e.count / args.steps,
+                        "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / args.steps} for e in ops[:25]]
+            table = ka.table(sort_by="self_cpu_time_total", row_limit=30)
+        context = args.context_len + warm + args.steps  # mean context of the measured steps, roughly
+        cost = step_cost(engine, args.batch_size, context)
+    finally:
+        engine.shutdown()
+    peaks = machine_peaks(mc.dtype) if not cuda else {}
+    flops = cost["linear_flops"] + cost["attention_flops"]
+    bytes_ = cost["weight_bytes_read"] + cost["kv_bytes_read"]
+    floor = {}
+    if peaks:
+        floor = {"compute_floor_s": flops / peaks["matmul_flops_1024"],
+                 "memory_floor_s": bytes_ / peaks["copy_bytes_per_s"]}
+        floor["floor_s"] = max(floor.values())
+        floor["step_over_floor"] = plain / floor["floor_s"]
+    total_parts = sum(parts.values())
+    result = {
+        **run_metadata(), "bench": "profile", "model": model, "load_format": load_format,
+        "batch_size": args.batch_size, "context_len": args.context_len, "steps": args.steps,
+        "step_s": plain, "step_s_instrumented": hooked, "step_s_torch_profiler": profiled,
+        "decode_tokens_per_s": args.batch_size / plain,
+        "breakdown_s": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+        "breakdown_fraction": {k: v / total_parts for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "unaccounted_s": hooked - total_parts,
+        "aten_self_s_per_step": aten_self,
+        "outside_aten_fraction": (1 - aten_self / profiled) if aten_self is not None and profiled else None,
+        "top_ops": top_ops, "cost": cost, "flops_per_step": flops, "bytes_per_step": bytes_,
+        "machine_peaks": peaks, "floor": floor,
+    }
+    print(f"decode step, batch {args.batch_size}, context ~{context}: {plain * 1000:.1f} ms "
+          f"({args.batch_size / plain:.1f} tok/s); instrumented {hooked * 1000:.1f} ms")
+    for k, v in result["breakdown_s"].items():
+        print(f"  {k:44s} {v * 1000:8.2f} ms  {100 * v / total_parts:5.1f}%")
+    if aten_self is not None:
+        print(f"  time outside ATen ops (Python/framework): {100 * result['outside_aten_fraction']:.1f}% "
+              f"of a profiled step")
+    if floor:
+        print(f"  FLOPs {flops / 1e9:.2f} G, bytes {bytes_ / 2**20:.0f} MiB per step; floor "
+              f"{floor['floor_s'] * 1000:.1f} ms (compute {floor['compute_floor_s'] * 1000:.1f}, memory "
+              f"{floor['memory_floor_s'] * 1000:.1f}); step is {floor['step_over_floor']:.2f}x the floor")
+    fig = _plot(result, parts, args, plain, context)
+    name = f"profile-{stamp()}"
+    write_result(args.output_dir, name, result, fig)
+    if top_ops:
+        import os
+
+        with open(os.path.join(args.output_dir, f"{name}-ops.txt"), "w") as f:
+            f.write(table)
+    return result

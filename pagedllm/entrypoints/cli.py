@@ -1,0 +1,118 @@
+"""The ``pagedllm`` command: ``pagedllm serve [MODEL] ...`` (and ``pagedllm bench ...`` when the
+benchmarks package is installed). Heavy imports (torch, the engine) happen only in the handler."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Optional
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "kib": 2 ** 10, "m": 2 ** 20, "mib": 2 ** 20, "g": 2 ** 30,
+               "gib": 2 ** 30, "t": 2 ** 40, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9,
+               "tb": 10 ** 12}
+
+
+def parse_size(value: str) -> int:
+    """Bytes from '1073741824', '512MiB', '4M', '2G', '1.5GB' (K/M/G/KiB.. binary, KB/MB/GB decimal)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {value!r} (e.g. 1073741824, 512MiB, 2GiB)")
+    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {value!r}")
+    return n
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already explains it."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="start the OpenAI-compatible API server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+        formatter_class=_HelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face model folder or hub id; omitted = the bundled demo model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the MODEL argument)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights of the model's shape (no weight files needed)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output); default: the model's max_position_embeddings")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + activations + KV cache")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV-cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="maximum sequences in the running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default: max(2048, min(max_model_len, 8192)))")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--seed", type=int, default=0, help="random seed (weights of --load-format dummy, sampling)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (or inline template); default: the tokenizer's")
+    p.add_argument("--max-request-bytes", type=parse_size, default=4 * 2 ** 20,
+                   help="largest accepted request body; bigger ones get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds to let in-flight requests finish on SIGINT/SIGTERM before aborting them")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level of pagedllm and uvicorn")
+    p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
+    p.set_defaults(func=_serve)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", formatter_class=_HelpFormatter,
+        description="pagedllm: LLM inference and serving with PagedAttention and continuous batching.")
+    from pagedllm import __version__
+
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_serve_parser(subparsers)
+    try:
+        from pagedllm.benchmarks import cli as bench_cli
+    except ImportError as e:
+        if e.name is None or not e.name.startswith("pagedllm.benchmarks"):
+            print(f"pagedllm: warning: benchmarks unavailable ({e})", file=sys.stderr)
+        bench_cli = None
+    if bench_cli is not None and hasattr(bench_cli, "register_subparser"):
+        bench_cli.register_subparser(subparsers)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    rc = args.func(args)
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory (``build_app``) and ``run_server``.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /version, /metrics,
+/tokenize, /detokenize. With an API key, every /v1/* route needs ``Authorization: Bearer KEY``.
+Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from pagedllm import __version__
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    RequestError, TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, error_body
+from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                 503: "service_unavailable"}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that never fails to encode: a lone surrogate from the client becomes U+FFFD."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8", errors="replace")
+
+
+def _error(status: int, message: str, param: Optional[str] = None, code=None, type_: Optional[str] = None,
+           headers: Optional[dict] = None) -> JSONResponse:
+    return SafeJSONResponse(error_body(message, type_ or _STATUS_TYPES.get(status, "server_error"), param, code),
+                        status_code=status, headers=headers)
+
+
+class GuardMiddleware:
+    """Pure-ASGI gate in front of the app: API key on /v1/*, and a request-body size limit
+    (Content-Length checked first, then the bytes actually received; the body is buffered and
+    replayed so the app still sees the client's later ``http.disconnect``)."""
+
+    def __init__(self, app, api_key: Optional[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected_auth is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected_auth):
+                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body_bytes
+            except ValueError:
+                await _error(400, "invalid Content-Length header")(scope, receive, send)
+                return
+            if too_big:
+                await self._too_large(scope, receive, send)
+                return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+        full = b"".join(chunks)
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": full, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes.",
+                      code="request_too_large")
+        resp.headers["Connection"] = "close"
+        await resp(scope, receive, send)
+
+
+# Union members add their type to an error's location (e.g. prompt.list[int]); keep the field path.
+_UNION_TAG = re.compile(r"(str|int|float|bool|none|"
+                        r"(list|dict|tuple|set|union|tagged-union|nullable|function-\w+)\[.*\])")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
+    if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "The request body must be a JSON object.", None
+    param = ".".join(loc) or None
+    msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return msg, param
+
+
+def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+              chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              shutdown_engine: bool = True) -> FastAPI:
+    """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
+    shutdown also stops the engine."""
+    served = served_model_name or llm.model_config.served_model_name
+    metrics = ServerMetrics(lambda: llm.snapshot, served)
+    llm.on_outputs = metrics.record_outputs
+    llm.on_abort = metrics.record_abort
+    completions = OpenAIServingCompletion(llm, served, chat_template)
+    chat = OpenAIServingChat(llm, served, chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if shutdown_engine:
+            llm.shutdown()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.llm = llm
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError):
+        return _error(exc.status, exc.message, exc.param, exc.code, exc.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return _error(400, msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError):
+        return _error(503, f"The engine is not running: {exc}", code="engine_dead")
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("unhandled error while serving a request")
+        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error")
+
+    @app.get("/health")
+    async def health():
+        if llm.check_health():
+            return Response(status_code=200)
+        return _error(503, f"The engine is not running: {llm.dead_reason}", code="engine_dead")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models():
+        card = ModelCard(id=served, root=llm.model_config.model, max_model_len=llm.model_config.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request):
+        return await completions.create_completion(body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(body, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        chat.check_model(body.model)
+        if body.messages is not None:
+            ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message,
+                              body.chat_template_kwargs)
+        else:
+            try:
+                ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate in the text
+                raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}", "prompt") from None
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        chat.check_model(body.model)
+        vocab = llm.engine.vocab_size
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            raise RequestError(f"token ids must be integers in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens)).model_dump()
+
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+# ---- running the server ----------------------------------------------------------------------
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (bound before the model loads, so a busy port fails fast)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, socktype, proto, _, addr = infos[0]
+    sock = socket.socket(family, socktype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+def _read_chat_template(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value  # an inline template
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def _exit_when_engine_dies(llm: AsyncLLM, server, died: threading.Event, poll_s: float = 1.0,
+                           grace_s: float = 2.0) -> None:
+    """Watch the engine; once it is dead, let /health answer 503 for ``grace_s`` seconds (so
+    load balancers see it), then stop the server, which then exits non-zero."""
+    while not server.should_exit:
+        if not llm.check_health():
+            died.set()
+            time.sleep(grace_s)
+            server.should_exit = True
+            return
+        time.sleep(poll_s)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``pagedllm serve``: load the engine, serve until SIGINT/SIGTERM, return the exit code."""
+    import uvicorn
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.logger import init_logger
+
+    log_level = args.log_level.upper()
+    init_logger(log_level)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    host = args.host
+    try:
+        sock = _bind(host, args.port)
+    except OSError as e:
+        print(f"pagedllm serve: error: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+    def interrupted(signum, frame):
+        raise _Interrupted()
+
+    old_handlers = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    llm: Optional[AsyncLLM] = None
+    try:
+        try:
+            chat_template = _read_chat_template(args.chat_template)
+            engine_args = EngineArgs(
+                model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
+                served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
+                device=None if args.device == "auto" else args.device)
+            llm = AsyncLLM.from_engine_args(engine_args).start()
+        except _Interrupted:
+            return 0
+        except (ValueError, OSError) as e:
+            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            return 1
+
+        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes)
+        config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        shown_host = host if ":" not in host else f"[{host}]"
+        url = f"http://{shown_host}:{sock.getsockname()[1]}"
+        logger.info("serving %s at %s (OpenAI API: %s/v1)%s", llm.model_config.served_model_name, url, url,
+                    " with API key" if api_key else "")
+        # uvicorn handles SIGINT/SIGTERM (stop accepting, drain, lifespan shutdown) and then re-raises
+        # the signal to the handler that was installed before it: make that one a no-op so we exit 0.
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, frame: None)
+        engine_died = threading.Event()
+        threading.Thread(target=_exit_when_engine_dies, args=(llm, server, engine_died), daemon=True,
+                         name="pagedllm-health").start()
+        server.run(sockets=[sock])
+        if engine_died.is_set():
+            logger.error("exiting: %s", llm.dead_reason)
+            return 1
+        return 0
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, frame: None)
+        if llm is not None:
+            llm.shutdown()
+        sock.close()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)

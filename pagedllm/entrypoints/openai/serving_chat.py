@@ -1,0 +1,150 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template, ``n`` choices,
+streamed as ``chat.completion.chunk`` deltas (the first per choice carries the role) or whole."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
+    ChatMessageParam, DeltaMessage, RequestError, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
+from pagedllm.llm import apply_chat_template
+from pagedllm.outputs import PositionLogprobs
+
+_BIG_CONVERSATION_CHARS = 16384
+
+
+class OpenAIServingChat(OpenAIServing):
+    def render(self, messages: list[ChatMessageParam], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> list[int]:
+        """Token ids of the conversation; RequestError when the template cannot render it."""
+        kwargs = dict(chat_template_kwargs or {})
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+        try:
+            return apply_chat_template(self.tokenizer, [m.to_dict() for m in messages], self.chat_template,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors come from user content/kwargs
+            raise RequestError(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
+
+    async def render_async(self, req) -> list[int]:
+        args = (req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+        if size > _BIG_CONVERSATION_CHARS:
+            return await asyncio.to_thread(self.render, *args)
+        return self.render(*args)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
+        self.check_model(req.model)
+        ids = await self.render_async(req)
+        if not ids:
+            raise RequestError("the rendered conversation is empty", "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", param)
+        params = req.to_sampling_params(max_tokens)
+        request_id = random_id("chatcmpl")
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id)
+        model = self.served_model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(req, request_id, model, gen, len(ids), include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+
+        async def collect():
+            final = None
+            async for out in gen:
+                final = out
+            return final
+
+        out = await run_unless_disconnected(raw_request, collect())
+        choices = []
+        completion_tokens = 0
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            logprobs = None
+            if req.logprobs:
+                logprobs = ChatCompletionLogProbs(content=self._logprobs(c.token_ids, c.logprobs,
+                                                                         req.top_logprobs or 0))
+            choices.append(ChatCompletionResponseChoice(index=c.index, message=ChatMessage(content=c.text),
+                                                        logprobs=logprobs, finish_reason=c.finish_reason,
+                                                        stop_reason=c.stop_reason))
+        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                          total_tokens=len(ids) + completion_tokens)
+        resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    def _logprobs(self, token_ids: list[int], positions: Optional[list[PositionLogprobs]],
+                  top_n: int) -> list[ChatLogProbsContent]:
+        out = []
+        positions = positions or []
+        for tid, pos in zip(token_ids, positions):
+            if pos is None or tid not in pos:
+                continue
+            entry = pos[tid]
+            tok = entry.decoded_token if entry.decoded_token is not None else self.token_text(tid)
+            tops = sorted(pos.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
+            top = [ChatLogProb(token=(v.decoded_token if v.decoded_token is not None else self.token_text(t)),
+                               logprob=max(v.logprob, -9999.0),
+                               bytes=list((v.decoded_token or "").encode("utf-8")))
+                   for t, v in tops]
+            out.append(ChatLogProbsContent(token=tok, logprob=max(entry.logprob, -9999.0),
+                                           bytes=list(tok.encode("utf-8")), top_logprobs=top))
+        return out
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, gen,
+                      num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = req.n
+        sent_text = [0] * n
+        sent_tokens = [0] * n
+        done = [False] * n
+        completion_tokens = [0] * n
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                    choices=[choice]).model_dump_json())
+
+        try:
+            for i in range(n):
+                yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            async for out in gen:
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    new_text = c.text[sent_text[i]:]
+                    new_ids = c.token_ids[sent_tokens[i]:]
+                    has_lp = req.logprobs and bool(new_ids)
+                    if not new_text and not has_lp and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if req.logprobs:
+                        new_lps = (c.logprobs or [])[sent_tokens[i]:]
+                        logprobs = ChatCompletionLogProbs(content=self._logprobs(new_ids, new_lps,
+                                                                                 req.top_logprobs or 0))
+                    sent_text[i] = len(c.text)
+                    sent_tokens[i] = len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done[i] = True
+                        completion_tokens[i] = len(c.token_ids)
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(content=new_text), logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if include_usage:
+                total = sum(completion_tokens)
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
+                                    total_tokens=num_prompt_tokens + total)).model_dump_json())
+        except Exception as e:  # noqa: BLE001 - report in-band; headers are already sent
+            yield sse_error(e)
+        yield sse("[DONE]")

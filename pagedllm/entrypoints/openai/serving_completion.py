@@ -1,0 +1,156 @@
+"""``POST /v1/completions``: one engine request per prompt, ``n`` choices each (choice index =
+prompt index * n + i), streamed as SSE deltas or returned whole."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.protocol import (
+    MAX_CHOICES, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionStreamResponse, RequestError, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIServing, merge_streams, run_unless_disconnected, sse, sse_error)
+from pagedllm.outputs import PositionLogprobs, RequestOutput
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, req: CompletionRequest, raw_request: Request):
+        self.check_model(req.model)
+        prompts = req.prompts()
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts x n={req.n} exceeds the limit of {MAX_CHOICES} "
+                               f"completions per request", "n")
+        prompt_ids: list[list[int]] = []
+        params = []
+        for p in prompts:
+            ids = await self.tokenize(p)
+            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens)
+            prompt_ids.append(ids)
+            params.append(req.to_sampling_params(max_tokens))
+        prompt_texts: list[Optional[str]] = [
+            (p if isinstance(p, str) else self.tokenizer.decode(ids)) if req.echo else None
+            for p, ids in zip(prompts, prompt_ids)]
+        request_id = random_id("cmpl")
+        gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}")
+                for i, (ids, sp) in enumerate(zip(prompt_ids, params))]
+        model = self.served_model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(req, request_id, model, gens, prompt_ids, prompt_texts, include_usage),
+                media_type="text/event-stream", headers=SSE_HEADERS)
+
+        async def collect() -> list[RequestOutput]:
+            final: list = [None] * len(gens)
+            async for i, out in merge_streams(gens):
+                final[i] = out
+            return final
+
+        finals = await run_unless_disconnected(raw_request, collect())
+        choices = []
+        completion_tokens = 0
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text = c.text
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogProbs()
+                    if req.echo:
+                        self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0)
+                    offset = len(prompt_texts[i]) if req.echo else 0
+                    self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset)
+                if req.echo:
+                    text = prompt_texts[i] + text
+                choices.append(CompletionResponseChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
+                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=num_prompt_tokens + completion_tokens)
+        resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    def _add_logprobs(self, lp: CompletionLogProbs, token_ids: list[int],
+                      positions: Optional[list[Optional[PositionLogprobs]]], offset: int) -> int:
+        """Append one entry per token to ``lp``; returns the text offset after the last token."""
+        positions = positions or []
+        for j, tid in enumerate(token_ids):
+            pos = positions[j] if j < len(positions) else None
+            if pos is None or tid not in pos:
+                tok = self.token_text(tid)
+                lp.tokens.append(tok)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                tok = pos[tid].decoded_token if pos[tid].decoded_token is not None else self.token_text(tid)
+                lp.tokens.append(tok)
+                lp.token_logprobs.append(max(pos[tid].logprob, -9999.0))
+                top: dict[str, float] = {}
+                for t, v in sorted(pos.items(), key=lambda kv: kv[1].rank or 0):
+                    s = v.decoded_token if v.decoded_token is not None else self.token_text(t)
+                    top.setdefault(s, max(v.logprob, -9999.0))
+                lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return offset
+
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str, gens: list,
+                      prompt_ids: list[list[int]], prompt_texts: list[Optional[str]],
+                      include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = req.n
+        num_choices = len(gens) * n
+        sent_text = [0] * num_choices
+        sent_tokens = [0] * num_choices
+        offsets = [0] * num_choices
+        done = [False] * num_choices
+        completion_tokens = [0] * num_choices
+        try:
+            async for i, out in merge_streams(gens):
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    if done[idx]:
+                        continue
+                    new_text = c.text[sent_text[idx]:]
+                    new_ids = c.token_ids[sent_tokens[idx]:]
+                    if not new_text and not new_ids and c.finish_reason is None:
+                        continue
+                    first = sent_tokens[idx] == 0 and sent_text[idx] == 0
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = CompletionLogProbs()
+                        if first and req.echo:
+                            self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0)
+                            offsets[idx] = len(prompt_texts[i])
+                        new_lps = (c.logprobs or [])[sent_tokens[idx]:]
+                        offsets[idx] = self._add_logprobs(logprobs, new_ids, new_lps, offsets[idx])
+                    elif not new_text and c.finish_reason is None:
+                        continue  # text held back (partial stop string / UTF-8); nothing to show yet
+                    sent_text[idx] = len(c.text)
+                    sent_tokens[idx] = len(c.token_ids)
+                    text = (prompt_texts[i] + new_text) if (first and req.echo) else new_text
+                    if c.finish_reason is not None:
+                        done[idx] = True
+                        completion_tokens[idx] = len(c.token_ids)
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=model,
+                        choices=[CompletionResponseChoice(index=idx, text=text, logprobs=logprobs,
+                                                          finish_reason=c.finish_reason,
+                                                          stop_reason=c.stop_reason)])
+                    yield sse(chunk.model_dump_json())
+            if include_usage:
+                num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+                total = sum(completion_tokens)
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
+                                    total_tokens=num_prompt_tokens + total))
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - report in-band; headers are already sent
+            yield sse_error(e)
+        yield sse("[DONE]")

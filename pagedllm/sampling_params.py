@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _SAMPLING_EPS = 1e-5
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -34,7 +37,8 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
 
     Raises:
-        ValueError: on any out-of-range value, with the field named in the message.
+        ValueError: on any out-of-range or wrongly typed value (NaN, None, a float where an integer
+            is needed), with the field named in the message.
     """
 
     n: int = 1
@@ -74,8 +78,21 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in ("min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if value is None and name != "min_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise bad(name, "must be an integer")
+            setattr(self, name, int(value))  # e.g. numpy integers, which torch.Generator refuses
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX - (self.n - 1):
+            raise bad("seed", f"must be in [{_SEED_MIN}, {_SEED_MAX - (self.n - 1)}] (n={self.n})")
         if self.temperature < 0.0:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
@@ -100,8 +117,12 @@ class SamplingParams:
             raise bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be >= 0")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integers")
 
     @property
     def greedy(self) -> bool:

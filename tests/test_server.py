@@ -4,6 +4,7 @@ and not) and with ``httpx`` for the error paths."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -309,6 +310,8 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "presence_penalty": 9}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": [f"s{i}" for i in range(10000)]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop": ["x"] * 257}, 400, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -348,6 +351,26 @@ def test_body_too_large(http):
 
     r = http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
+
+
+def test_big_inputs_do_not_block_the_event_loop(server, http):
+    """Tokenizing ~1 MB of text takes a while: /tokenize and chat content parts must do it off
+    the event loop, so /health keeps answering meanwhile."""
+    text = "the king of " * 85000
+    bodies = [("/tokenize", {"prompt": text}), ("/tokenize", {"messages": [{"role": "user", "content": text}]}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]})]
+    for path, body in bodies:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(httpx.post, server.url + path, json=body, timeout=120)
+            time.sleep(0.2)  # let the server read the body
+            answered = 0
+            while not fut.done():
+                t0 = time.time()
+                assert http.get("/health", timeout=120).status_code == 200
+                answered += not fut.done() and time.time() - t0 < 0.5
+                time.sleep(0.02)
+            assert fut.result().status_code in (200, 400), fut.result().text
+        assert answered >= 2, (path, answered)
 
 
 def test_unknown_route_and_method(http):

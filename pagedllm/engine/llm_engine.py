@@ -111,8 +111,10 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
-            else:
+            elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs a 'prompt' or 'prompt_token_ids' key, got {list(prompt)}")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             text: Optional[str] = prompt

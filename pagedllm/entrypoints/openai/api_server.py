@@ -7,7 +7,9 @@ Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "co
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -32,7 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
     RequestError, TokenizeRequest, TokenizeResponse)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, error_body
+from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagedllm")
@@ -226,11 +228,11 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def tokenize(body: TokenizeRequest):
         chat.check_model(body.model)
         if body.messages is not None:
-            ids = chat.render(body.messages, body.add_generation_prompt, body.continue_final_message,
-                              body.chat_template_kwargs)
+            ids = await chat.render_async(body)
         else:
-            try:
-                ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            encode = functools.partial(chat.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            try:  # a long text is tokenized off the event loop, as for completions
+                ids = await asyncio.to_thread(encode) if len(body.prompt) > BIG_PROMPT_CHARS else encode()
             except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate in the text
                 raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}", "prompt") from None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len).model_dump()

@@ -17,6 +17,7 @@ from pagedllm.sampling_params import SamplingParams
 MAX_N = 128                 # completions per prompt
 MAX_LOGPROBS = 20           # top-N logprobs per position
 MAX_CHOICES = 1024          # prompts x n in one request
+MAX_STOP = 256              # stop strings per request (each is matched against every new token's text)
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N   # torch.Generator range, room for seed + i
 _INT32_MAX = 2 ** 31 - 1
 
@@ -85,6 +86,8 @@ class _SamplingRequest(OpenAIBaseModel):
                              prompt_logprobs: Optional[int] = None) -> SamplingParams:
         if self.n > MAX_N:
             raise RequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise RequestError(f"stop must have at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
         kwargs: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,

@@ -38,7 +38,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def render_async(self, req) -> list[int]:
         args = (req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
-        size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+        size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+                   for m in req.messages)
         if size > _BIG_CONVERSATION_CHARS:
             return await asyncio.to_thread(self.render, *args)
         return self.render(*args)

@@ -12,7 +12,7 @@ from pagedllm.entrypoints.openai.protocol import (
     MAX_CHOICES, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionStreamResponse, RequestError, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (
-    OpenAIServing, merge_streams, run_unless_disconnected, sse, sse_error)
+    BIG_PROMPT_CHARS, OpenAIServing, merge_streams, run_unless_disconnected, sse, sse_error)
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -27,8 +27,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                f"completions per request", "n")
         prompt_ids: list[list[int]] = []
         params = []
+        # Many short prompts add up: tokenize them off the event loop too.
+        offload = sum(len(p) for p in prompts if isinstance(p, str)) > BIG_PROMPT_CHARS
         for p in prompts:
-            ids = await self.tokenize(p)
+            ids = await self.tokenize(p, offload=offload)
             max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens)
             prompt_ids.append(ids)
             params.append(req.to_sampling_params(max_tokens))

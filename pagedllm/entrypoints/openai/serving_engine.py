@@ -13,7 +13,7 @@ from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, Reque
 from pagedllm.outputs import RequestOutput
 
 T = TypeVar("T")
-_BIG_PROMPT_CHARS = 16384  # tokenize longer prompts off the event loop
+BIG_PROMPT_CHARS = 16384  # tokenize longer prompts off the event loop
 
 
 class ClientDisconnected(Exception):
@@ -53,10 +53,11 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
 
-    async def tokenize(self, prompt: Union[str, list[int]], param: str = "prompt") -> list[int]:
-        """Token ids of one prompt (text or ids); RequestError when empty or out of vocabulary."""
+    async def tokenize(self, prompt: Union[str, list[int]], param: str = "prompt", offload: bool = False) -> list[int]:
+        """Token ids of one prompt (text or ids); RequestError when empty or out of vocabulary.
+        A long text (or any text with ``offload``) is tokenized off the event loop."""
         try:
-            if isinstance(prompt, str) and len(prompt) > _BIG_PROMPT_CHARS:
+            if isinstance(prompt, str) and (offload or len(prompt) > BIG_PROMPT_CHARS):
                 _, ids = await asyncio.to_thread(self.llm.engine.tokenize_prompt, prompt)
             else:
                 _, ids = self.llm.engine.tokenize_prompt(prompt)

@@ -92,3 +92,11 @@ def test_chat_odd_messages(llm):
         with pytest.raises(ValueError):
             llm.chat(bad, sp, use_tqdm=False)
     assert_pool_empty(llm)
+
+
+def test_chat_rejects_a_bare_string(llama_dir):
+    from pagedllm import LLM
+
+    llm = LLM(llama_dir, kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat("hi")

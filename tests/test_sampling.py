@@ -53,12 +53,17 @@ def test_stop_token_ids_and_min_tokens(llm):
     out = greedy_out(llm, n=24, stop_token_ids=[stop_tok])
     assert out.token_ids == ref[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
-    # min_tokens: the stop token is ignored until min_tokens tokens exist.
-    later = [i for i, t in enumerate(ref) if t == stop_tok and i + 1 >= 10]
-    out = greedy_out(llm, n=24, stop_token_ids=[stop_tok], min_tokens=10)
-    expected = ref[: later[0] + 1] if later else ref
-    assert out.token_ids == expected
-    assert len(out.token_ids) >= 10
+    # min_tokens: the stop token cannot be sampled before 10 tokens exist (its logit is masked),
+    # so the output first diverges from greedy where greedy picked it.
+    out = greedy_out(llm, n=24, stop_token_ids=[stop_tok], min_tokens=10, logprobs=1)
+    assert len(out.token_ids) >= 10 and stop_tok not in out.token_ids[:9]
+    assert out.token_ids[:first] == ref[:first] and out.token_ids[first] != stop_tok
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == stop_tok and out.token_ids.count(stop_tok) == 1
+    else:
+        assert len(out.token_ids) == 24 and stop_tok not in out.token_ids
+    # The masked position picked the runner-up: its raw rank is 2.
+    assert out.logprobs[first][out.token_ids[first]].rank == 2
     assert_pool_empty(llm)
 
 

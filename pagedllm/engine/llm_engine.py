@@ -187,8 +187,8 @@ class LLMEngine:
         num_sample = len(plan.sampling_requests)
         sampled: dict[str, int] = {}
         if num_sample:
-            rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids)
-                    for r in plan.sampling_requests]
+            rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
+                                self._banned_token_ids(r)) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
             for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
                 sampled[r.request_id] = tok
@@ -216,6 +216,18 @@ class LLMEngine:
         if self.log_stats and time.time() - self._last_log > 10.0:
             self._log_stats()
         return outputs
+
+    def _banned_token_ids(self, req: Request) -> Optional[list[int]]:
+        """Before ``min_tokens`` outputs, EOS and stop token ids cannot be sampled (as in vLLM)."""
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            return None
+        banned = list(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            banned += list(sp.all_stop_token_ids)
+            if self.eos_token_id is not None:
+                banned.append(self.eos_token_id)
+        return banned or None
 
     def _collect_prompt_logprobs(self, plan, logits: torch.Tensor) -> None:
         logprobs = logits.log_softmax(dim=-1)

@@ -21,6 +21,8 @@ class SamplingRow:
     generator: Optional[torch.Generator]
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Token ids that may not be sampled yet (EOS and stop token ids before min_tokens).
+    banned_token_ids: Optional[list[int]] = None
 
 
 @dataclass
@@ -82,6 +84,11 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
+        banned = [(i, t) for i, r in enumerate(rows) for t in (r.banned_token_ids or ()) if t < logits.shape[-1]]
+        if banned:
+            logits = logits.clone()  # logits come from inference mode: write to a copy
+            rows_idx, tok_idx = zip(*banned)
+            logits[list(rows_idx), list(tok_idx)] = float("-inf")
 
         greedy = [r.params.greedy for r in rows]
         tokens = logits.argmax(dim=-1)

@@ -92,7 +92,9 @@ class LLM:
              continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
         of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
-        if isinstance(messages, (str, dict)) or not messages:
+        if not messages:
+            return []
+        if isinstance(messages, (str, dict)):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": apply_chat_template(

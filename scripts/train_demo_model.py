@@ -12,8 +12,8 @@ What it does:
   decoder, vocabulary <= 4096 including the special tokens ``<s>``, ``</s>``,
   ``<pad>``) on the training text only.
 * Trains a ``transformers.LlamaForCausalLM`` (RMSNorm, RoPE, SwiGLU, grouped-query
-  attention, tied embeddings) with AdamW, linear warmup then cosine decay, on
-  random 256-token windows of the training token stream. Half of the windows start
+  attention, tied embeddings) with AdamW and a warmup / constant / linear-decay
+  learning-rate schedule, on random 256-token windows of the training token stream. Half of the windows start
   at a speech boundary (after a blank line) and are prefixed with ``<s>``, so the
   model works both with and without a leading BOS. Dropout is applied during
   training only, through forward hooks, so the saved architecture is a plain Llama.
@@ -24,14 +24,15 @@ What it does:
   special_tokens_map.json), a loss curve and a model card (README.md).
 
 Determinism: with ``--steps N`` the run is a pure function of the arguments and the
-seed (on the same machine / thread count / torch version). With ``--minutes`` (the
-default) the number of steps is chosen from the measured speed of the first steps;
-the card and log print the resolved ``--steps`` so the run can be repeated exactly.
+seed (same machine, thread count and torch version). With ``--minutes`` (the default)
+the run fits a wall-clock budget on a loaded machine: it decays the learning rate over
+the last ``--decay-frac`` of the time, with a step count fixed from the measured speed
+when the decay starts; the log and the card print the resulting ``--steps N
+--decay-steps D``, which repeat that run exactly.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -39,8 +40,12 @@ import shlex
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+# Two busy-waiting OpenMP threads on a shared 2-core machine can be several times slower than
+# threads that sleep while they wait; must be set before torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2
 USER_NAME = "ROMEO"
@@ -68,8 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output folder (Hugging Face format)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--minutes", type=float, default=32.0,
-                   help="time budget for tokenizer + training loop (incl. periodic evals); "
-                        "the final evaluation, saving and samples come on top (~2-3 min)")
+                   help="time budget from start to the end of the training loop (tokenizer, compilation, "
+                        "periodic evals included); the final evaluation, saving and samples come on top "
+                        "(~2-4 min)")
     p.add_argument("--steps", type=int, default=None,
                    help="fixed number of optimizer steps (overrides --minutes; fully deterministic)")
     p.add_argument("--val-frac", type=float, default=0.1)
@@ -87,11 +93,15 @@ def parse_args(argv=None):
     p.add_argument("--ctx", type=int, default=256, help="training context (tokens)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr-frac", type=float, default=0.1, help="final lr = lr * this (cosine)")
+    p.add_argument("--min-lr-frac", type=float, default=0.02, help="final lr = lr * this")
+    p.add_argument("--decay-frac", type=float, default=0.25,
+                   help="fraction of the run (time under --minutes, steps under --steps) in the final linear decay")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="with --steps: length of the final linear decay (default round(decay_frac * steps))")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=0.1,
+    p.add_argument("--dropout", type=float, default=0.2,
                    help="training-only dropout on embeddings and on each residual branch")
     p.add_argument("--bos-frac", type=float, default=0.5,
                    help="fraction of training windows that are <s> + text starting at a speech")
@@ -273,15 +283,17 @@ def plot_curve(history, path, chars_per_tok):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    tr = history["train"]
+    tr = history["train_fine"] or history["train"]
     ax.plot([h["tokens"] / 1e6 for h in tr], [h["loss_tok"] / chars_per_tok for h in tr],
-            lw=1, alpha=0.8, label="train (running mean, per token / train chars per token)")
+            lw=0.8, alpha=0.7, label="train batches (dropout on), 10-step mean, nats/token / train chars per token")
     va = history["val"]
     ax.plot([h["tokens"] / 1e6 for h in va], [h["val_nats_per_char"] for h in va],
             "o-", ms=3, label="validation (last 10 %, exact per char)")
     ax.set_xlabel("training tokens seen (millions)")
     ax.set_ylabel("loss (nats per character)")
-    ax.set_ylim(bottom=1.0, top=min(4.0, max(h["val_nats_per_char"] for h in va) + 0.2))
+    lows = [h["loss_tok"] / chars_per_tok for h in tr] + [h["val_nats_per_char"] for h in va]
+    ax.set_ylim(bottom=max(0.0, math.floor(10 * min(lows)) / 10 - 0.1),
+                top=min(4.0, max(h["val_nats_per_char"] for h in va) + 0.2))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("shakespeare-llama training")
@@ -327,7 +339,6 @@ def main(argv=None):
           f"{starts.numel():,} speech starts", flush=True)
     bos = torch.tensor([0], dtype=torch.long)
     val_eval_ids = torch.cat([bos, val_ids])
-    train_eval_ids = torch.cat([bos, train_ids])
 
     model = build_model(args, V)
     n_params = sum(p.numel() for p in model.parameters())
@@ -366,33 +377,52 @@ def main(argv=None):
 
     step_fn = train_step if args.no_compile else torch.compile(train_step)
 
-    def lr_at(step, total):
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        prog = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
-        return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
+    # Learning rate: linear warmup, constant, then a linear decay over the last --decay-frac of
+    # the run ("warmup-stable-decay"). The stable phase does not depend on the run length, so a
+    # time budget can decide when to start decaying: under --minutes the decay starts when
+    # (1 - decay_frac) of the training time is used, and its length in steps is fixed then from
+    # the measured speed. With --steps N the decay covers the last --decay-steps (default
+    # round(decay_frac * N)) steps, which makes the run a pure function of the arguments.
+    decay_start = None
+    decay_steps = None
+    total = None
+    if args.steps is not None:
+        total = args.steps
+        decay_steps = args.decay_steps or max(1, round(args.decay_frac * total))
+        decay_start = total - decay_steps
 
-    history = {"train": [], "val": []}
+    def lr_at(step):
+        if step < args.warmup:
+            lr = args.lr * (step + 1) / args.warmup
+        else:
+            lr = args.lr
+        if decay_start is not None and step >= decay_start:
+            frac = (step - decay_start + 1) / decay_steps
+            lr = min(lr, args.lr * (1 - (1 - args.min_lr_frac) * frac))
+        return lr
+
+    history = {"train": [], "train_fine": [], "val": []}
     t0 = time.time()
     v0 = nll_per_char(model, val_eval_ids, len(val_text), ctx, ctx)
     eval_secs = time.time() - t0
-    history["val"].append({"step": 0, "tokens": 0, "val_nats_per_char": v0})
+    history["val"].append({"step": 0, "tokens": 0, "val_nats_per_char": v0, "elapsed_s": time.time() - t_start})
     print(f"step 0: validation {v0:.4f} nats/char (eval takes {eval_secs:.1f}s)", flush=True)
 
-    total = args.steps
-    calib_steps = 12  # steps 0-1 include compilation; time steps 2..11
-    if total is None:
-        total = 10**9  # resolved after calibration
-    model.train()
-    eval_every = None if args.steps is None else max(1, total // args.evals)
-    running, run_n = 0.0, 0
-    ema = None
-    bar = tqdm(total=total if args.steps else None, desc="train", mininterval=2.0, dynamic_ncols=True,
-               file=sys.stderr)
     t_train = time.time()
+    t_end = t_start + args.minutes * 60  # --minutes mode: the training loop ends by then
+    eval_interval_s = (t_end - t_train) / args.evals
+    next_eval_t = t_train + eval_interval_s
+    eval_every = None if args.steps is None else max(1, total // args.evals)
+    step_secs = []  # wall time of each optimizer step (not counting evaluations)
+    running, run_n = 0.0, 0
+    fine_sum = 0.0
+    ema = None
+    model.train()
+    bar = tqdm(total=total, desc="train", mininterval=2.0, dynamic_ncols=True, file=sys.stderr)
     step = 0
-    while step < total:
-        lr = lr_at(step, total)
+    while total is None or step < total:
+        ts = time.time()
+        lr = lr_at(step)
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = get_batch()
@@ -403,41 +433,55 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         li = loss.item()
         step += 1
+        step_secs.append(time.time() - ts)
         ema = li if ema is None else 0.98 * ema + 0.02 * li
         running += li
         run_n += 1
+        fine_sum += li
+        if step % 10 == 0:
+            history["train_fine"].append({"step": step, "tokens": step * args.batch_size * ctx,
+                                          "loss_tok": fine_sum / 10})
+            fine_sum = 0.0
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", nats_char=f"{ema / train_cpt:.3f}", lr=f"{lr:.2e}", refresh=False)
-        if step == 2:
-            t_calib = time.time()
-        if args.steps is None and step == calib_steps:
-            sec_per_step = (time.time() - t_calib) / (calib_steps - 2)
-            remaining = args.minutes * 60 - (time.time() - t_start)
-            # each periodic eval costs eval_secs; keep 3 % slack for noise
-            total = calib_steps + int((0.97 * remaining - args.evals * eval_secs) / sec_per_step)
-            total = max(total, args.warmup + 10)
-            eval_every = max(1, total // args.evals)
+        now = time.time()
+        if total is None and now >= t_train + (1 - args.decay_frac) * (t_end - t_train):
+            # fix the decay length from the recent speed (the first 2 steps include compilation)
+            recent = step_secs[2:][-100:] or step_secs
+            sec_per_step = sum(recent) / len(recent)
+            evals_left = max(0, int((t_end - now) / eval_interval_s))
+            decay_steps = max(1, int((t_end - now - evals_left * eval_secs) / sec_per_step))
+            decay_start = step
+            total = step + decay_steps
             bar.total = total
             bar.refresh()
-            print(f"\ncalibration: {sec_per_step:.3f} s/step ({args.batch_size * ctx / sec_per_step:,.0f} tokens/s); "
-                  f"resolved --steps {total}", flush=True)
-        if eval_every and (step % eval_every == 0 or step == total):
+            bar.write(f"decay: {sec_per_step:.3f} s/step ({args.batch_size * ctx / sec_per_step:,.0f} tokens/s); "
+                      f"linear decay over {decay_steps} steps, total {total} steps")
+        if eval_every is not None:
+            do_eval = step % eval_every == 0 or step == total
+        else:
+            do_eval = now >= next_eval_t or step == total
+            while next_eval_t <= now:
+                next_eval_t += eval_interval_s
+        if do_eval:
             history["train"].append({"step": step, "tokens": step * args.batch_size * ctx,
                                      "loss_tok": running / run_n, "lr": lr})
             running, run_n = 0.0, 0
-            if step % eval_every == 0 and step // eval_every <= args.evals or step == total:
-                v = nll_per_char(model, val_eval_ids, len(val_text), ctx, ctx)
-                history["val"].append({"step": step, "tokens": step * args.batch_size * ctx, "val_nats_per_char": v,
-                                       "elapsed_s": time.time() - t_start})
-                bar.write(f"step {step}/{total}: train {history['train'][-1]['loss_tok']:.4f} nats/token "
-                          f"(~{history['train'][-1]['loss_tok'] / train_cpt:.3f} nats/char), validation {v:.4f} "
-                          f"nats/char, {time.time() - t_start:.0f}s elapsed")
-                if args.log:
-                    with open(args.log, "w") as f:
-                        json.dump(history, f, indent=1)
+            te = time.time()
+            v = nll_per_char(model, val_eval_ids, len(val_text), ctx, ctx)
+            eval_secs = time.time() - te
+            history["val"].append({"step": step, "tokens": step * args.batch_size * ctx, "val_nats_per_char": v,
+                                   "elapsed_s": time.time() - t_start})
+            bar.write(f"step {step}/{total or '?'}: train {history['train'][-1]['loss_tok']:.4f} nats/token "
+                      f"(~{history['train'][-1]['loss_tok'] / train_cpt:.3f} nats/char), validation {v:.4f} "
+                      f"nats/char, lr {lr:.2e}, {time.time() - t_start:.0f}s elapsed")
+            if args.log:
+                with open(args.log, "w") as f:
+                    json.dump(history, f, indent=1)
     bar.close()
     train_secs = time.time() - t_train
     tokens_seen = total * args.batch_size * ctx
+    print(f"resolved schedule: --steps {total} --decay-steps {decay_steps}", flush=True)
     print(f"training: {total} steps, {tokens_seen:,} tokens ({tokens_seen / train_ids.numel():.1f} epochs) in "
           f"{train_secs:.0f}s ({tokens_seen / train_secs:,.0f} tokens/s)", flush=True)
 
@@ -445,7 +489,18 @@ def main(argv=None):
     model.eval()
     t0 = time.time()
     val_final = nll_per_char(model, val_eval_ids, len(val_text), ctx, ctx // 2)
-    train_final = nll_per_char(model, train_eval_ids, len(train_text), ctx, ctx // 2)
+    # train: the same measurement on 10 evenly spaced slices of the training stream, as many
+    # tokens in all as the validation text (the full training text would take ~10x longer)
+    n_slices = 10
+    slice_len = val_ids.numel() // n_slices
+    train_nll, train_chars = 0.0, 0
+    for k in range(n_slices):
+        a = k * (train_ids.numel() - slice_len) // (n_slices - 1)
+        piece = train_ids[a:a + slice_len]
+        chars = len(tok.decode(piece.tolist()))
+        train_nll += chars * nll_per_char(model, torch.cat([bos, piece]), chars, ctx, ctx // 2)
+        train_chars += chars
+    train_final = train_nll / train_chars
     val_chunks = history["val"][-1]["val_nats_per_char"]
     print(f"final: train {train_final:.4f} nats/char, validation {val_final:.4f} nats/char "
           f"(stride {ctx // 2}; {time.time() - t0:.0f}s)", flush=True)
@@ -460,6 +515,16 @@ def main(argv=None):
 
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2)
     model.save_pretrained(out, safe_serialization=True)
+    # also spell dtype and rope theta the pre-v5 way, for readers of config.json that predate
+    # transformers 5 (transformers 5 accepts and ignores the duplicates)
+    cfg_path = os.path.join(out, "config.json")
+    with open(cfg_path) as f:
+        cfg_json = json.load(f)
+    cfg_json.setdefault("torch_dtype", "float32")
+    cfg_json.setdefault("rope_theta", args.rope_theta)
+    with open(cfg_path, "w") as f:
+        json.dump(dict(sorted(cfg_json.items())), f, indent=2)
+        f.write("\n")
     save_tokenizer(tok, out, args.max_pos)
     if args.log:
         with open(args.log, "w") as f:
@@ -490,6 +555,9 @@ def main(argv=None):
 
     wall = time.time() - t_start
     cfg = model.config
+    repro = ("" if args.steps is not None else
+             f"; the time budget resolved to `--steps {total} --decay-steps {decay_steps}`, add those to repeat "
+             "this run exactly")
     card = f"""# shakespeare-llama
 
 A tiny Llama-architecture causal language model trained from scratch on Tiny Shakespeare,
@@ -543,14 +611,14 @@ beginning of a speech (after a blank line) and are prefixed with `<s>`, the rest
 without `<s>`, so prompts work with or without a leading `<s>`.
 
 Optimisation: AdamW (betas 0.9/0.95, weight decay {args.weight_decay} on matrices), peak
-learning rate {args.lr:g}, {args.warmup} warmup steps then cosine decay to {args.min_lr_frac:g} x peak,
+learning rate {args.lr:g}: {args.warmup} linear warmup steps, constant, then linear decay to {args.min_lr_frac:g} x peak
+over the last {decay_steps} steps,
 batch {args.batch_size} x {ctx} tokens, gradient clipping {args.grad_clip}, dropout {args.dropout}
 on embeddings and residual branches during training only (applied with hooks; the saved model
 has no dropout), seed {args.seed}, {total} steps = {tokens_seen:,} tokens
 ({tokens_seen / train_ids.numel():.1f} epochs), `torch.compile`d training step, fp32, {args.threads} CPU threads.
 
-Command (run from the repository root; `--minutes` resolved to `--steps {total}`, pass that
-instead to repeat the run exactly):
+Command (run from the repository root){repro}:
 
 ```
 {command}
@@ -568,7 +636,7 @@ comparable across tokenizers (a character-level model's loss is already per char
 
 | | nats / character | bits / character |
 |---|---|---|
-| train (all {len(train_text):,} characters) | {train_final:.4f} | {train_final / math.log(2):.4f} |
+| train (10 evenly spaced slices, {train_chars:,} characters) | {train_final:.4f} | {train_final / math.log(2):.4f} |
 | validation (last {args.val_frac:.0%}, {len(val_text):,} characters) | **{val_final:.4f}** | {val_final / math.log(2):.4f} |
 
 Target: validation < 1.7 nats/character ({"reached" if val_final < 1.7 else "NOT reached"}).

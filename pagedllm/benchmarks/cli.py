@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,memory,profile}``.
+"""``pagedllm bench {throughput,serve,memory,profile,prefix-caching}``.
 
 ``pagedllm/entrypoints/cli.py`` calls ``register_subparser``; ``python -m pagedllm.benchmarks.cli``
 runs the same commands without it.
@@ -18,13 +18,15 @@ COMMANDS = {
     "memory": ("pagedllm.benchmarks.memory",
                "KV-cache memory efficiency: paged cache vs contiguous per-request preallocation"),
     "profile": ("pagedllm.benchmarks.profile", "where the time of one decode step goes"),
+    "prefix-caching": ("pagedllm.benchmarks.prefix_caching",
+                       "shared-prefix workload: TTFT and throughput with prefix caching on vs off"),
 }
 
 
 def register_subparser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` (with its subcommands) to a parent CLI's ``add_subparsers()`` object. Every
     leaf parser sets ``func`` (called with the parsed args)."""
-    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile)",
+    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, prefix-caching)",
                                   description="Benchmarks. Each run writes a JSON result and a PNG plot into "
                                               "--output-dir (default bench_results/).")
     sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}")

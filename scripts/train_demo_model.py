@@ -277,7 +277,7 @@ def save_tokenizer(tok, out: str, model_max_length: int):
     return hf
 
 
-def plot_curve(history, path, chars_per_tok):
+def plot_curve(history, path, chars_per_tok, decay_tokens=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -285,17 +285,20 @@ def plot_curve(history, path, chars_per_tok):
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     tr = history["train_fine"] or history["train"]
     ax.plot([h["tokens"] / 1e6 for h in tr], [h["loss_tok"] / chars_per_tok for h in tr],
-            lw=0.8, alpha=0.7, label="train batches (dropout on), 10-step mean, nats/token / train chars per token")
+            lw=0.8, alpha=0.7,
+            label="train batches (dropout on), running mean (EMA 0.98), nats/token / train chars per token")
     va = history["val"]
     ax.plot([h["tokens"] / 1e6 for h in va], [h["val_nats_per_char"] for h in va],
             "o-", ms=3, label="validation (last 10 %, exact per char)")
+    if decay_tokens is not None:
+        ax.axvline(decay_tokens / 1e6, color="gray", lw=0.8, ls=":", label="start of linear LR decay")
     ax.set_xlabel("training tokens seen (millions)")
     ax.set_ylabel("loss (nats per character)")
     lows = [h["loss_tok"] / chars_per_tok for h in tr] + [h["val_nats_per_char"] for h in va]
     ax.set_ylim(bottom=max(0.0, math.floor(10 * min(lows)) / 10 - 0.1),
                 top=min(4.0, max(h["val_nats_per_char"] for h in va) + 0.2))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7.5)
     ax.set_title("shakespeare-llama training")
     fig.tight_layout()
     fig.savefig(path)
@@ -415,7 +418,6 @@ def main(argv=None):
     eval_every = None if args.steps is None else max(1, total // args.evals)
     step_secs = []  # wall time of each optimizer step (not counting evaluations)
     running, run_n = 0.0, 0
-    fine_sum = 0.0
     ema = None
     model.train()
     bar = tqdm(total=total, desc="train", mininterval=2.0, dynamic_ncols=True, file=sys.stderr)
@@ -437,11 +439,8 @@ def main(argv=None):
         ema = li if ema is None else 0.98 * ema + 0.02 * li
         running += li
         run_n += 1
-        fine_sum += li
         if step % 10 == 0:
-            history["train_fine"].append({"step": step, "tokens": step * args.batch_size * ctx,
-                                          "loss_tok": fine_sum / 10})
-            fine_sum = 0.0
+            history["train_fine"].append({"step": step, "tokens": step * args.batch_size * ctx, "loss_tok": ema})
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", nats_char=f"{ema / train_cpt:.3f}", lr=f"{lr:.2e}", refresh=False)
         now = time.time()
@@ -529,7 +528,7 @@ def main(argv=None):
     if args.log:
         with open(args.log, "w") as f:
             json.dump(history, f, indent=1)
-    plot_curve(history, os.path.join(out, "loss_curve.png"), train_cpt)
+    plot_curve(history, os.path.join(out, "loss_curve.png"), train_cpt, decay_start * args.batch_size * ctx)
 
     # reload exactly as users will, and generate the greedy samples from the saved files
     tok2 = AutoTokenizer.from_pretrained(out)

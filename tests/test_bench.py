@@ -148,7 +148,7 @@ def test_memory(llama_dir, tmp_path):
     assert cmax["max_requests_held"] == min(10, slots // 512)
     assert oracle["max_requests_held"] >= cmax["max_requests_held"]
     # The schedule does not depend on the forward pass: --skip-forward gives the same steps.
-    r2 = bench(args + ["--skip-forward"], str(tmp_path))
+    r2 = bench(args + ["--skip-forward"], str(tmp_path / "stubbed"))  # own dir: result files are named by the second
     assert [s["running"] for s in r2["steps"]["paged (pagedllm)"]] == \
         [s["running"] for s in r["steps"]["paged (pagedllm)"]]
     assert r2["schemes"]["paged (pagedllm)"]["forward"] == "stubbed"

@@ -105,6 +105,9 @@ def write_result(output_dir: str, name: str, result: dict[str, Any], fig=None) -
     """Write ``<name>.json`` (and ``<name>.png`` from a matplotlib figure) into ``output_dir``.
     Returns (json path, png path or None)."""
     os.makedirs(output_dir, exist_ok=True)
+    base, n = name, 1
+    while os.path.exists(os.path.join(output_dir, f"{name}.json")):  # two runs in the same second
+        name, n = f"{base}-{n}", n + 1
     json_path = os.path.join(output_dir, f"{name}.json")
     png_path = None
     if fig is not None:

@@ -137,30 +137,35 @@ def simulate_contiguous(reqs: list[ds.BenchRequest], budget_tokens: int, max_mod
     return steps
 
 
-def _plot(schemes: dict[str, list[dict]], budget_tokens: int, title: str):
+def _plot(schemes: dict[str, list[dict]], summaries: dict[str, dict], title: str):
     plt = pyplot()
     if plt is None:
         return None
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.6))
     colors = {"paged (pagedllm)": "tab:green", "contiguous-max": "tab:red", "contiguous-oracle": "tab:orange"}
     for name, steps in schemes.items():
-        x = range(len(steps))
+        n = max(1, len(steps))
+        x = [i / n for i in range(len(steps))]  # schemes take different numbers of steps
         c = colors.get(name)
-        a1.plot(x, [s["live"] / s["reserved"] if s["reserved"] else float("nan") for s in steps], label=name, color=c)
-        a2.plot(x, [s["running"] for s in steps], label=name, color=c)
-        if name != "contiguous-oracle":  # (kept out of the third panel for legibility)
-            a3.plot(x, [s["reserved"] / budget_tokens for s in steps], color=c, label=f"{name} reserved")
-            a3.plot(x, [s["live"] / budget_tokens for s in steps], color=c, linestyle="--", label=f"{name} live")
+        a1.plot(x, [s["live"] / s["reserved"] if s["reserved"] else float("nan") for s in steps], label=name, color=c,
+                lw=1)
+        a2.plot(x, [s["running"] for s in steps], label=f"{name} ({len(steps)} steps)", color=c, lw=1)
     a1.set_ylabel("live tokens / reserved KV slots")
     a1.set_ylim(0, 1.05)
     a2.set_ylabel("requests held at once")
-    a3.set_ylabel("fraction of the KV budget")
-    a3.set_ylim(0, 1.05)
-    for a in (a1, a2, a3):
-        a.set_xlabel("engine step")
+    for a in (a1, a2):
+        a.set_xlabel("fraction of the run (engine steps)")
         a.grid(alpha=0.3)
     a1.legend(fontsize=7)
-    a3.legend(fontsize=6)
+    a2.legend(fontsize=7)
+    names = list(summaries)
+    waste = [100 * summaries[k]["waste"] for k in names]
+    bars = a3.bar([k.split(" ")[0].replace("-", "\n") for k in names], waste, color=[colors.get(k) for k in names])
+    for b, k, w in zip(bars, names, waste):
+        a3.annotate(f"{w:.1f}%\nmax {summaries[k]['max_requests_held']} held", (b.get_x() + b.get_width() / 2, w),
+                    ha="center", va="bottom", fontsize=8)
+    a3.set_ylabel("KV waste: reserved but not live (%)")
+    a3.set_ylim(0, 115)
     fig.suptitle(title, fontsize=9)
     return fig
 
@@ -189,5 +194,5 @@ def run(args: argparse.Namespace) -> dict:
            "steps": schemes}
     title = (f"{args.model or 'demo model'}: {len(s.requests)} requests ({args.dataset}), KV budget {slots} tokens, "
              f"max_model_len {s.max_model_len}, block {args.block_size}")
-    write_result(args.output_dir, f"memory-{stamp()}", out, _plot(schemes, slots, title))
+    write_result(args.output_dir, f"memory-{stamp()}", out, _plot(schemes, summaries, title))
     return out

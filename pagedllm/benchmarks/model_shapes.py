@@ -1,15 +1,16 @@
 """Config folders of real model shapes, to run with ``--load-format dummy`` (random weights).
 
 ``--model shape:qwen2-0.5b`` in any bench writes (once) a folder with a Qwen2-0.5B-shaped
-``config.json`` and a small byte-level BPE tokenizer. The benches pass prompts as token ids and
-force output lengths, so the tokenizer's vocabulary (smaller than the model's) does not matter:
-ids it does not know decode to empty text.
+``config.json`` and a small byte-level BPE tokenizer (1,024 trained tokens; the rest of the model's
+vocabulary decodes to placeholder words `` t<id>``). The benches pass prompts as token ids and force
+output lengths, so the tokenizer only matters for streaming and detokenization cost.
 
     python -m pagedllm.benchmarks.model_shapes OUT_DIR [--shape qwen2-0.5b]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 from typing import Optional
@@ -31,8 +32,10 @@ _WORDS = ("the of and to in is was he for it with as his on be at by had are but
           "king queen lord thou thee thy romeo juliet night day love death sweet fair").split()
 
 
-def build_tokenizer(out_dir: str, vocab_size: int = 1024):
-    """A byte-level BPE tokenizer (every string encodes) trained on a seeded word corpus."""
+def build_tokenizer(out_dir: str, model_vocab_size: int, bpe_vocab_size: int = 1024):
+    """A byte-level BPE tokenizer (every string encodes) trained on a seeded word corpus, its
+    vocabulary padded to ``model_vocab_size`` with tokens `` t<id>`` that encoding never produces
+    but that decode to text, so every id a random-weight model samples shows up in a stream."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,33 +44,44 @@ def build_tokenizer(out_dir: str, vocab_size: int = 1024):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                         "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=min(bpe_vocab_size, model_vocab_size),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(lines, trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(tok.get_vocab_size(), model_vocab_size):
+        vocab[f"\u0120t{i}"] = i  # "\u0120" is the byte-level alphabet's space
+    tok = Tokenizer.from_str(json.dumps(data))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(out_dir)
     return fast
 
 
 def write_model_shape(out_dir: str, shape: str = "qwen2-0.5b") -> str:
-    """Write ``config.json`` (+ tokenizer) of ``shape`` into ``out_dir`` unless already there."""
+    """Write ``config.json`` (+ tokenizer) of ``shape`` into ``out_dir`` unless it is already there
+    (``shape.json`` records what was written)."""
     import transformers
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(
-            os.path.join(out_dir, "tokenizer.json")):
-        return out_dir
+    marker = os.path.join(out_dir, "shape.json")
+    stamp = {"shape": shape, "spec": SHAPES[shape], "tokenizer": "bpe1024+padded-v2"}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == stamp:
+                return out_dir
     os.makedirs(out_dir, exist_ok=True)
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
-    tok = build_tokenizer(out_dir)
+    tok = build_tokenizer(out_dir, spec["vocab_size"])
     cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
     config = cls(**spec, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
                  pad_token_id=tok.pad_token_id, architectures=[{"qwen2": "Qwen2ForCausalLM",
                                                                 "llama": "LlamaForCausalLM"}[arch]])
     config.save_pretrained(out_dir)
+    with open(marker, "w") as f:
+        json.dump(stamp, f)
     return out_dir
 
 

@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> dict:
 
     model, load_format = resolve_model(args.model, args.load_format, args.output_dir)
     warm = 2
-    max_tokens = 1 + warm + 3 * args.steps  # three measured phases, never finishing inside them
+    # Three measured phases, never finishing inside them; the margin covers the requests whose
+    # (chunked) prefill ended in an earlier step and that are a few tokens ahead.
+    max_tokens = 1 + warm + 3 * args.steps + 16
     max_len = args.context_len + max_tokens + 1
     tokens_needed = args.batch_size * (-(-max_len // args.block_size) + 1) * args.block_size
     # Size the KV cache from the model shape: enough for the whole batch, no preemption.
@@ -224,8 +226,11 @@ def run(args: argparse.Namespace) -> dict:
 
         def decode_steps(n: int) -> float:
             t = time.perf_counter()
+            sched = engine.scheduler
             for _ in range(n):
-                assert len(engine.step()) == args.batch_size, "not a pure decode step of the whole batch"
+                assert not sched.waiting and len(sched.running) == args.batch_size and all(
+                    r.num_tokens - r.num_computed_tokens == 1 for r in sched.running), "not a pure decode step"
+                engine.step()
             if cuda:
                 torch.cuda.synchronize()
             return (time.perf_counter() - t) / n
@@ -267,6 +272,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         **run_metadata(), "bench": "profile", "model": model, "load_format": load_format,
         "batch_size": args.batch_size, "context_len": args.context_len, "steps": args.steps,
+        "final_outputs_only": getattr(engine, "final_outputs_only", None),
         "step_s": plain, "step_s_instrumented": hooked, "step_s_torch_profiler": profiled,
         "decode_tokens_per_s": args.batch_size / plain,
         "breakdown_s": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
@@ -289,11 +295,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{floor['floor_s'] * 1000:.1f} ms (compute {floor['compute_floor_s'] * 1000:.1f}, memory "
               f"{floor['memory_floor_s'] * 1000:.1f}); step is {floor['step_over_floor']:.2f}x the floor")
     fig = _plot(result, parts, args, plain, context)
-    name = f"profile-{stamp()}"
-    write_result(args.output_dir, name, result, fig)
+    json_path, _ = write_result(args.output_dir, f"profile-{stamp()}", result, fig)
     if top_ops:
-        import os
-
-        with open(os.path.join(args.output_dir, f"{name}-ops.txt"), "w") as f:
+        with open(json_path[:-len(".json")] + "-ops.txt", "w") as f:
             f.write(table)
     return result

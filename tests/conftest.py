@@ -99,3 +99,19 @@ def assert_pool_empty(llm) -> None:
     assert engine.kv_cache_manager.req_to_blocks == {}
     assert pool.get_num_free_blocks() == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def record_schedule(llm, monkeypatch) -> list[tuple[str, int, int, int]]:
+    """Record every (request id, computed tokens before, new tokens, prompt tokens) the scheduler
+    sends to the model, in order, for the rest of the test."""
+    sched = llm.llm_engine.scheduler
+    log: list[tuple[str, int, int, int]] = []
+    real = sched.schedule
+
+    def recording():
+        out = real()
+        log.extend((r.request_id, r.num_computed_tokens, n, r.num_prompt_tokens) for r, n in out.scheduled)
+        return out
+
+    monkeypatch.setattr(sched, "schedule", recording)
+    return log

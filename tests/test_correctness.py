@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_pool_empty
+from conftest import assert_pool_empty, record_schedule
 from pagedllm import LLM, SamplingParams
 
 PROMPT_LENS = [1, 2, 5, 17, 40, 96, 150, 231]
@@ -101,21 +101,11 @@ def test_chunked_prefill(llama_dir, monkeypatch):
     prompts = make_prompts(vocab)
     ref = reference(llama_dir, prompts)
     llm = LLM(llama_dir, kv_cache_memory=4 << 20, max_num_batched_tokens=48)
-    sched = llm.llm_engine.scheduler
-    chunks: dict[str, int] = {}
-    real_schedule = sched.schedule
-
-    def recording_schedule():
-        out = real_schedule()
-        for req, n in out.scheduled:
-            if req.num_computed_tokens + n <= req.num_prompt_tokens and n > 1:
-                chunks[req.request_id] = chunks.get(req.request_id, 0) + 1
-        return out
-
-    monkeypatch.setattr(sched, "schedule", recording_schedule)
+    log = record_schedule(llm, monkeypatch)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    assert chunks[outs[longest].request_id] >= 4  # 231 tokens in chunks of <= 48
+    chunks = [n for rid, done, n, prompt in log if rid == outs[longest].request_id and n > 1 and done + n <= prompt]
+    assert len(chunks) >= 4 and max(chunks) <= 48  # 231 tokens in chunks of <= 48
     assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref]
     assert_pool_empty(llm)
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import assert_pool_empty
+from conftest import assert_pool_empty, record_schedule
 from pagedllm import LLM, SamplingParams
 
 BS = 16
@@ -19,22 +19,6 @@ def questions(k: int, seed: int = 0) -> list[list[int]]:
 
 def greedy(n=10, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
-
-
-def record_scheduled(llm, monkeypatch) -> dict[str, int]:
-    """Count tokens the scheduler sends to the model, per request."""
-    sched = llm.llm_engine.scheduler
-    counts: dict[str, int] = {}
-    real = sched.schedule
-
-    def wrapped():
-        out = real()
-        for r, n in out.scheduled:
-            counts[r.request_id] = counts.get(r.request_id, 0) + n
-        return out
-
-    monkeypatch.setattr(sched, "schedule", wrapped)
-    return counts
 
 
 def test_outputs_equal_with_and_without_caching(llama_dir):
@@ -56,14 +40,14 @@ def test_outputs_equal_with_and_without_caching(llama_dir):
 
 def test_second_request_computes_only_uncached_tokens(llama_dir, monkeypatch):
     llm = LLM(llama_dir, kv_cache_memory=4 << 20)
-    counts = record_scheduled(llm, monkeypatch)
+    log = record_schedule(llm, monkeypatch)
     a, b = questions(2, seed=1)
     llm.generate([a], greedy(n=4), use_tqdm=False)
     out = llm.generate([b], greedy(n=4), use_tqdm=False)[0]
     cached = (len(SYSTEM) // BS) * BS
     assert out.num_cached_tokens == cached
     # Prompt tokens after the cache hit, plus one decode step per generated token after the first.
-    assert counts[out.request_id] == (len(b) - cached) + (4 - 1)
+    assert sum(n for rid, _, n, _ in log if rid == out.request_id) == (len(b) - cached) + (4 - 1)
     assert_pool_empty(llm)
 
 

@@ -82,11 +82,13 @@ class Sampler:
         logits = logits.float()
         need_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
-        if any(r.params.has_penalties for r in rows):
-            logits = apply_penalties(logits.clone(), rows)
+        penalize = any(r.params.has_penalties for r in rows)
         banned = [(i, t) for i, r in enumerate(rows) for t in (r.banned_token_ids or ()) if t < logits.shape[-1]]
+        if penalize or banned:
+            logits = logits.clone()  # logits come from inference mode: edit one copy
+        if penalize:
+            logits = apply_penalties(logits, rows)
         if banned:
-            logits = logits.clone()  # logits come from inference mode: write to a copy
             rows_idx, tok_idx = zip(*banned)
             logits[list(rows_idx), list(tok_idx)] = float("-inf")
 

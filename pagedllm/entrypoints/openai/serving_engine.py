@@ -46,7 +46,6 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.model_config.max_model_len
-        self._token_text: dict[int, str] = {}
 
     # ---- checks --------------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
@@ -89,11 +88,8 @@ class OpenAIServing:
         return max_tokens
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
+        """Text of one token, from the engine's cache of decoded tokens (shared with logprobs)."""
+        return self.llm.engine.output_processor.token_text(token_id)
 
 
 async def merge_streams(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -47,6 +47,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from pagedllm.benchmarks.common import cpu_model  # noqa: E402
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2
 USER_NAME = "ROMEO"
 ASSISTANT_NAME = "JULIET"
@@ -624,7 +626,7 @@ Command (run from the repository root){repro}:
 ```
 
 Wall time: {wall / 60:.1f} minutes in all ({train_secs / 60:.1f} minutes in the training loop) on
-{args.threads} CPU cores ({_cpu_name()}), shared with other work; torch {torch.__version__}.
+{args.threads} CPU cores ({cpu_model()}), shared with other work; torch {torch.__version__}.
 
 ## Results
 
@@ -668,17 +670,6 @@ print(tok.decode(model.generate(ids, max_new_tokens=60, do_sample=False)[0], ski
         f.write(card)
     print(f"wrote {out} in {wall / 60:.1f} minutes: params {n_params:,}, train {train_final:.4f}, "
           f"validation {val_final:.4f} nats/char", flush=True)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

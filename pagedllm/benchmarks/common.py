@@ -43,7 +43,8 @@ def summarize(values: Iterable[Optional[float]], scale: float = 1.0) -> dict[str
             "p99": percentile(vals, 99), "min": min(vals), "max": max(vals)}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -81,7 +82,7 @@ def run_metadata() -> dict[str, Any]:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {"pagedllm": pagedllm_version, "torch": torch.__version__,
                      "transformers": _version("transformers"), "python": platform.python_version()},
-        "machine": {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "ram_bytes": ram,
+        "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "ram_bytes": ram,
                     "torch_num_threads": torch.get_num_threads(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                     "platform": platform.platform(),

@@ -84,6 +84,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
+    sliding_window_by_default = False
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                       ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
@@ -100,6 +102,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def verify_config(cls, config: Any, max_model_len: int) -> None:
+        """Raise ValueError when a sliding window would be shorter than ``max_model_len``: these
+        blocks attend to the whole context, which equals the window's result only within it."""
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", cls.sliding_window_by_default)
+        if window and uses_window and window < max_model_len:
+            arch = (getattr(config, "architectures", None) or [cls.__name__])[0]
+            raise ValueError(
+                f"{arch} uses sliding-window attention (sliding_window={window}), which pagedllm does not "
+                f"implement for this family; set max_model_len <= {window} (got {max_model_len})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -144,4 +158,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    sliding_window_by_default = True

@@ -3,6 +3,7 @@ it with random weights (``load_format="dummy"``)."""
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 from typing import Any, Iterator
@@ -42,8 +43,10 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
 def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype`` and load it."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
+    # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
+    extra = {"max_model_len": model_config.max_model_len} if "max_model_len" in inspect.signature(cls).parameters else {}
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype)
+        model = cls(model_config.hf_config, model_config.dtype, **extra)
     if model_config.load_format == "dummy":
         gen = torch.Generator(device="cpu").manual_seed(model_config.seed)
         for name, p in model.named_parameters():

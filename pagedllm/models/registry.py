@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 

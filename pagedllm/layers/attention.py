@@ -58,10 +58,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Computes attention for the flat batch. q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
+    """Computes attention for the flat batch. q [N, H, D], k/v [N, Hkv, D] -> [N, H, D].
+
+    ``sliding_window`` W: a query at position p sees keys at positions p - W < j <= p
+    (transformers' ``sliding_window_overlay``). ``logits_soft_cap`` c: scores become
+    c * tanh(scores / c) before the mask and softmax (Gemma 2; transformers' eager attention).
+    """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, sliding_window: Optional[int] = None,
+                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -78,6 +84,40 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, is
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+                        soft_cap: Optional[float]) -> torch.Tensor:
+    """Attention with scores materialised, for what SDPA cannot do (soft-capping). q [B, H, Tq, D],
+    k/v [B, Hkv, Tk, D], mask (bool, True = visible) broadcastable to [B, H, Tq, Tk]."""
+    if q.shape[1] != k.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if soft_cap:
+        s = torch.tanh(s / soft_cap) * soft_cap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Optional[torch.Tensor],
+            soft_cap: Optional[float]) -> torch.Tensor:
+    """Causal attention when ``mask`` is None, else attention under ``mask`` (see
+    ``_explicit_attention`` for shapes)."""
+    if not soft_cap:
+        return _sdpa(q, k, v, scale, is_causal=mask is None, mask=mask)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    return _explicit_attention(q, k, v, scale, mask, soft_cap)
+
+
+def _window_mask(q_pos: torch.Tensor, num_keys: int, window: Optional[int]) -> torch.Tensor:
+    """[Tq, Tk] bool: key j visible to the query at position q_pos[i] iff q_pos[i] - W < j <= q_pos[i]."""
+    j = torch.arange(num_keys, device=q_pos.device)
+    mask = j.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window:
+        mask &= j.unsqueeze(0) > (q_pos - window).unsqueeze(1)
+    return mask
+
+
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """One query per sequence. q [B, H, D], k/v [B, Hkv, L, D], mask [B, 1, 1, L] -> [B, H, D].
@@ -92,7 +132,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 class TorchPagedAttention(AttentionBackend):
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
         out = torch.empty_like(q)
         if kv_cache is not None:
             flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])
@@ -106,19 +146,31 @@ class TorchPagedAttention(AttentionBackend):
             idx = meta.decode_slots.view(-1)
             ck = flat_k.index_select(0, idx).view(b, length, *k.shape[1:]).transpose(1, 2)
             cv = flat_v.index_select(0, idx).view(b, length, *v.shape[1:]).transpose(1, 2)
-            out[:nd] = _decode_attention(q[:nd], ck, cv, meta.decode_mask, scale)
+            mask = meta.decode_mask
+            if sliding_window:  # the query sits at the last valid slot
+                last = mask.view(b, length).sum(-1) - 1
+                mask = mask & (torch.arange(length, device=q.device) > (last - sliding_window).unsqueeze(1)).view(
+                    b, 1, 1, length)
+            if logits_soft_cap:
+                hkv = ck.shape[1]
+                out[:nd] = _explicit_attention(q[:nd].view(b, hkv, -1, q.shape[-1]), ck, cv, scale, mask,
+                                               logits_soft_cap).reshape(b, *q.shape[1:])
+            else:
+                out[:nd] = _decode_attention(q[:nd], ck, cv, mask, scale)
         for p in meta.prefills:
             qs = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             if p.context_slots is None:
                 ks = k[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
                 vs = v[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
-                o = _sdpa(qs, ks, vs, scale, is_causal=True)
+                t = p.query_end - p.query_start
+                mask = _window_mask(torch.arange(t, device=q.device), t, sliding_window) if sliding_window else None
+                o = _attend(qs, ks, vs, scale, mask, logits_soft_cap)
             else:
                 ks = flat_k.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0)
                 vs = flat_v.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0)
                 t = p.query_end - p.query_start
                 # Query i sits at position seq_len - t + i and sees keys 0 .. that position.
-                mask = torch.ones(t, p.seq_len, dtype=torch.bool, device=q.device).tril(p.seq_len - t)
-                o = _sdpa(qs, ks, vs, scale, mask=mask)
+                mask = _window_mask(torch.arange(p.seq_len - t, p.seq_len, device=q.device), p.seq_len, sliding_window)
+                o = _attend(qs, ks, vs, scale, mask, logits_soft_cap)
             out[p.query_start:p.query_end] = o.squeeze(0).transpose(0, 1)
         return out

@@ -44,6 +44,20 @@ FAMILIES = {
              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=32,
                   rope_scaling=_LONGROPE, initializer_range=0.15, tie_word_embeddings=False), {}),
+    # Sliding window 16 < most prompts; small caps so soft-capping changes the result.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, max_position_embeddings=512,
+                    initializer_range=0.1), {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                        "rope_theta": 1000000.0}},
+                    max_position_embeddings=512, initializer_range=0.1), {}),
 }
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
 PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
@@ -155,7 +169,7 @@ def test_prefix_caching_matches_transformers(family):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "phi3"], indirect=True)
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "gemma3"], indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
     prompts = prompts_for(name, model.config.vocab_size, seed=3)[-3:]
@@ -181,7 +195,8 @@ def test_phi3_short_factors_within_original_length(tokenizer_dir, tmp_path_facto
 def test_registry_lists_and_imports_on_first_use(monkeypatch):
     from pagedllm.models import registry
 
-    assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM"} <= set(supported_architectures())
+    assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM"} <= set(supported_architectures())
     calls: list[str] = []
     real = registry.importlib.import_module
     monkeypatch.setattr(registry.importlib, "import_module", lambda n: calls.append(n) or real(n))

@@ -14,14 +14,26 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from pagedllm.config import get_rope_parameters
-from pagedllm.layers.attention import AttentionBackend
+from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.linear import load_narrow, loaded_shape
 from pagedllm.layers.rotary_longrope import get_phi3_rope
 from pagedllm.models.llama import LlamaForCausalLM
 
 
+class SlidingWindowBackend(AttentionBackend):
+    """Passes ``sliding_window`` to ``inner`` on every call, for blocks (Llama's) that do not."""
+
+    def __init__(self, inner: AttentionBackend, window: int) -> None:
+        self.inner, self.window = inner, window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata, scale: float, **kw: Any) -> torch.Tensor:
+        return self.inner.forward(q, k, v, kv_cache, meta, scale, **{"sliding_window": self.window, **kw})
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
-    sliding_window_by_default = True  # Phi3Config has ``sliding_window`` but no ``use_sliding_window``
+    """Every layer attends within ``config.sliding_window`` when the config sets one (Phi-3-mini-4k:
+    2047), as transformers' Phi-3 does."""
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None,
                  max_model_len: Optional[int] = None) -> None:
@@ -32,12 +44,18 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         plain = copy.copy(config)
         plain.rope_parameters = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
         plain.rope_scaling = None
-        super().__init__(plain, dtype, backend)
+        backend = backend or TorchPagedAttention()
+        window = getattr(config, "sliding_window", None)
+        super().__init__(plain, dtype, SlidingWindowBackend(backend, window) if window else backend)
         self.config = config
         for layer in self.layers:
             attn = layer.self_attn
             attn.rotary_emb = get_phi3_rope(attn.head_dim, config.max_position_embeddings, rope, dtype,
                                             max_model_len or config.max_position_embeddings)
+
+    @classmethod
+    def verify_config(cls, config: Any, max_model_len: int) -> None:
+        """Sliding windows are implemented: any ``max_model_len`` is served."""
 
     def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """qkv_proj -> q_proj, k_proj, v_proj and gate_up_proj -> gate_proj, up_proj (row blocks)."""

@@ -203,3 +203,23 @@ def test_registry_lists_and_imports_on_first_use(monkeypatch):
     monkeypatch.setattr(registry.importlib, "import_module", lambda n: calls.append(n) or real(n))
     cls = registry.get_model_class(type("C", (), {"architectures": ["Nope", "GPT2LMHeadModel"]})(), 128)
     assert cls.__name__ == "GPT2LMHeadModel" and calls == ["pagedllm.models.gpt2"]
+
+
+@pytest.mark.parametrize("name,prefix", [("gpt2", "transformer."), ("opt", "model.")])
+def test_hub_checkpoint_names_without_prefix(name, prefix, tokenizer_dir, tmp_path_factory, tmp_path):
+    """The original hub files of gpt2 and facebook/opt-* name tensors without ``transformer.`` /
+    ``model.``, and old GPT-2 files carry ``attn.bias`` causal-mask buffers."""
+    from safetensors.torch import load_file, save_file
+
+    fam = (name, *build(name, tokenizer_dir, str(tmp_path_factory.getbasetemp())))
+    d = str(tmp_path / name)
+    shutil.copytree(fam[1], d)
+    path = os.path.join(d, "model.safetensors")
+    tensors = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in load_file(path).items()}
+    if name == "gpt2":
+        tensors["h.0.attn.bias"] = torch.ones(1, 1, 512, 512).tril()
+    save_file(tensors, path, metadata={"format": "pt"})
+    prompts = prompts_for(name, fam[2].config.vocab_size, seed=4)[2:4]
+    llm = LLM(d, kv_cache_memory=1 << 20)
+    assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected(fam, prompts)
+    assert_pool_empty(llm)

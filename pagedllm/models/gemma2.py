@@ -35,12 +35,14 @@ def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return torch.tanh(x / cap) * cap if cap else x
 
 
-def layer_types(config: Any) -> list[str]:
-    """``sliding_attention`` or ``full_attention`` for each layer."""
+def layer_types(config: Any, default_pattern: int) -> list[str]:
+    """``sliding_attention`` or ``full_attention`` for each layer: ``config.layer_types``, else
+    every ``sliding_window_pattern``-th layer global, the others sliding (older configs)."""
     types = getattr(config, "layer_types", None)
     if types:
         return list(types)
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+    pattern = getattr(config, "sliding_window_pattern", None) or default_pattern
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
 
 
 class GemmaMLP(nn.Module):
@@ -99,7 +101,8 @@ class Gemma2DecoderLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = self.attention_cls(config, layer_type, rope, dtype, backend)
-        self.mlp = GemmaMLP(h, config.intermediate_size, config.hidden_activation, dtype)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
+        self.mlp = GemmaMLP(h, config.intermediate_size, act, dtype)
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
@@ -115,6 +118,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     compute_logits: hidden [M, hidden] -> soft-capped logits [M, vocab_size] (float32)."""
 
     decoder_layer_cls = Gemma2DecoderLayer
+    sliding_window_pattern = 2  # when the config has no layer_types: one global layer in 2
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         nn.Module.__init__(self)  # Llama's checkpoint layout and loader, not its blocks
@@ -124,7 +128,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         # transformers keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
         self.register_buffer("normalizer", torch.tensor(config.hidden_size ** 0.5, dtype=dtype), persistent=False)
         self.layers = nn.ModuleList([self.decoder_layer_cls(config, t, self.rope_for(config, t), dtype, backend)
-                                     for t in layer_types(config)])
+                                     for t in layer_types(config, self.sliding_window_pattern)])
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", True):
@@ -137,7 +141,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:
-        """Sliding windows are implemented: any ``max_model_len`` is served."""
+        """Sliding windows are implemented, so any ``max_model_len`` is served; bidirectional
+        attention (embedding models built on Gemma 3) is not causal generation and is refused."""
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(f"{cls.__name__}: use_bidirectional_attention=True (an embedding model) is not supported")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:

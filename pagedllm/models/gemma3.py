@@ -22,6 +22,7 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     decoder_layer_cls = Gemma3DecoderLayer
+    sliding_window_pattern = 6
 
     @staticmethod
     def rope_for(config: Any, layer_type: str) -> dict:

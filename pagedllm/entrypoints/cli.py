@@ -54,6 +54,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="paged-attention backend; auto = the compiled CPU kernel on a CPU when it builds, "
+                        "else the pure-PyTorch reference (torch)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the model's shape (no weight files needed)")

@@ -80,6 +80,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM before aborting them")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="Responses API: most responses kept for previous_response_id and GET (oldest evicted)")
+    p.add_argument("--stored-response-ttl", type=float, default=3600.0,
+                   help="Responses API: seconds a stored response is kept")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

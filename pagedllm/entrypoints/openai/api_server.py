@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (``build_app``) and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /version, /metrics,
-/tokenize, /detokenize. With an API key, every /v1/* route needs ``Authorization: Bearer KEY``.
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (+ GET/DELETE/cancel by
+id), /health, /version, /metrics, /tokenize, /detokenize. With an API key, every /v1/* route needs ``Authorization: Bearer KEY``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -32,8 +32,11 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -150,15 +153,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
-    shutdown also stops the engine."""
+    shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
+    responses for an hour)."""
     served = served_model_name or llm.model_config.served_model_name
     metrics = ServerMetrics(lambda: llm.snapshot, served)
     llm.on_outputs = metrics.record_outputs
     llm.on_abort = metrics.record_abort
     completions = OpenAIServingCompletion(llm, served, chat_template)
     chat = OpenAIServingChat(llm, served, chat_template)
+    responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -223,6 +228,22 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         return await chat.create_chat_completion(body, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request):
+        return await responses.create(body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -306,7 +327,11 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     host = args.host
     try:
+        store = ResponseStore(args.max_stored_responses, args.stored_response_ttl)
         sock = _bind(host, args.port)
+    except ValueError as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"pagedllm serve: error: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -335,7 +360,8 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
 
-        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes)
+        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
+                        response_store=store)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
         server = uvicorn.Server(config)

@@ -77,6 +77,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM before aborting them")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

@@ -84,6 +84,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="Responses API: most responses kept for previous_response_id and GET (oldest evicted)")
     p.add_argument("--stored-response-ttl", type=float, default=3600.0,
                    help="Responses API: seconds a stored response is kept")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

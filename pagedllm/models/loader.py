@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.attention import get_attention_backend
 from pagedllm.models.registry import get_model_class
 
 
@@ -40,13 +41,16 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
-    """Instantiate the registered architecture on ``device`` in ``model_config.dtype`` and load it."""
+def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
+    """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
+    attention backend ``model_config.attention_backend`` selects for it, and load its weights."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
+    backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
+                                    head_dim=model_config.head_dim, block_size=block_size)
     # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
     extra = {"max_model_len": model_config.max_model_len} if "max_model_len" in inspect.signature(cls).parameters else {}
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype, **extra)
+        model = cls(model_config.hf_config, model_config.dtype, backend=backend, **extra)
     if model_config.load_format == "dummy":
         gen = torch.Generator(device="cpu").manual_seed(model_config.seed)
         for name, p in model.named_parameters():

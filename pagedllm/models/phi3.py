@@ -25,6 +25,7 @@ class SlidingWindowBackend(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend, window: int) -> None:
         self.inner, self.window = inner, window
+        self.name, self.needs_zeroed_cache = inner.name, inner.needs_zeroed_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, scale: float, **kw: Any) -> torch.Tensor:

@@ -223,3 +223,9 @@ def test_hub_checkpoint_names_without_prefix(name, prefix, tokenizer_dir, tmp_pa
     llm = LLM(d, kv_cache_memory=1 << 20)
     assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected(fam, prompts)
     assert_pool_empty(llm)
+
+
+def test_learned_positions_bound_max_model_len(tokenizer_dir, tmp_path_factory):
+    d, _, _ = build("gpt2", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
+    with pytest.raises(ValueError, match="learns 512 positions; max_model_len=600"):
+        LLM(d, max_model_len=600, kv_cache_memory=1 << 20)

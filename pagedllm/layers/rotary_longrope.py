@@ -55,14 +55,15 @@ class PartialRotaryEmbedding(nn.Module):
 def get_phi3_rope(head_dim: int, max_position: int, rope: dict, dtype: torch.dtype,
                   max_model_len: int) -> PartialRotaryEmbedding:
     """The rotary embedding for ``rope`` (``get_rope_parameters`` output; default or LongRoPE)
-    sized for positions below ``max(max_position, max_model_len)``.
+    for positions below ``max_model_len``; ``max_position`` is the config's
+    ``max_position_embeddings`` (it sets LongRoPE's default factor).
 
     Raises:
         ValueError: a rope type other than default/longrope/su.
     """
     rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
     base = float(rope.get("rope_theta", 10000.0))
-    size = max(max_position, max_model_len)
+    size = max_model_len
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         return PartialRotaryEmbedding(rotary_dim, size, base, dtype)

@@ -45,6 +45,10 @@ def layer_types(config: Any, default_pattern: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
 
 
+def gemma_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class GemmaMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with act = GELU (tanh approximation in Gemma 2/3 configs)."""
 
@@ -62,9 +66,9 @@ class GemmaMLP(nn.Module):
 class Gemma2Attention(nn.Module):
     qk_norm = False
 
-    def __init__(self, config: Any, layer_type: str, rope: dict, dtype, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, layer_type: str, rotary: RotaryEmbedding, dtype, backend: AttentionBackend) -> None:
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = gemma_head_dim(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=getattr(config, "attention_bias", False),
                                           dtype=dtype)
@@ -73,7 +77,7 @@ class Gemma2Attention(nn.Module):
                                         bias=getattr(config, "attention_bias", False), dtype=dtype)
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if self.qk_norm else None
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if self.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope, dtype)
+        self.rotary_emb = rotary  # shared by the layers of one type
         self.scale = config.query_pre_attn_scalar ** -0.5
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
         self.logits_soft_cap = getattr(config, "attn_logit_softcapping", None)
@@ -97,10 +101,10 @@ class Gemma2Attention(nn.Module):
 class Gemma2DecoderLayer(nn.Module):
     attention_cls = Gemma2Attention
 
-    def __init__(self, config: Any, layer_type: str, rope: dict, dtype, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, layer_type: str, rotary: RotaryEmbedding, dtype, backend: AttentionBackend) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = self.attention_cls(config, layer_type, rope, dtype, backend)
+        self.self_attn = self.attention_cls(config, layer_type, rotary, dtype, backend)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
         self.mlp = GemmaMLP(h, config.intermediate_size, act, dtype)
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
@@ -120,15 +124,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Gemma2DecoderLayer
     sliding_window_pattern = 2  # when the config has no layer_types: one global layer in 2
 
-    def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None,
+                 max_model_len: Optional[int] = None) -> None:
         nn.Module.__init__(self)  # Llama's checkpoint layout and loader, not its blocks
         self.config = config
         backend = backend or TorchPagedAttention()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         # transformers keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
         self.register_buffer("normalizer", torch.tensor(config.hidden_size ** 0.5, dtype=dtype), persistent=False)
-        self.layers = nn.ModuleList([self.decoder_layer_cls(config, t, self.rope_for(config, t), dtype, backend)
-                                     for t in layer_types(config, self.sliding_window_pattern)])
+        types = layer_types(config, self.sliding_window_pattern)
+        # One cos/sin table per layer type, for the positions the engine can reach.
+        positions = max_model_len or config.max_position_embeddings
+        rotary = {t: RotaryEmbedding(gemma_head_dim(config), positions, self.rope_for(config, t), dtype)
+                  for t in sorted(set(types))}
+        self.layers = nn.ModuleList([self.decoder_layer_cls(config, t, rotary[t], dtype, backend) for t in types])
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", True):

@@ -33,6 +33,7 @@ class GPT2LMHeadModel(OPTForCausalLM):
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:
+        super().verify_config(config, max_model_len)
         if not getattr(config, "scale_attn_weights", True):
             raise ValueError("GPT-2 with scale_attn_weights=False is not supported")
 

@@ -106,6 +106,14 @@ class OPTForCausalLM(nn.Module):
             embed_dim=getattr(config, "word_embed_proj_dim", None) or config.hidden_size,
             tie_word_embeddings=getattr(config, "tie_word_embeddings", True))
 
+    @classmethod
+    def verify_config(cls, config: Any, max_model_len: int) -> None:
+        """Raises ValueError when ``max_model_len`` exceeds the learned position table."""
+        limit = cls.decoder_spec(config).max_positions
+        if max_model_len > limit:
+            raise ValueError(f"{cls.__name__} learns {limit} positions; max_model_len={max_model_len} exceeds them "
+                             f"(set max_model_len <= {limit})")
+
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         super().__init__()
         self.config = config

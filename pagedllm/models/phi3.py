@@ -41,18 +41,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         rope = get_rope_parameters(config)
         if "original_max_position_embeddings" not in rope and hasattr(config, "original_max_position_embeddings"):
             rope["original_max_position_embeddings"] = config.original_max_position_embeddings  # transformers 4.x
-        # The Llama blocks are built with plain RoPE, then each layer gets Phi-3's.
+        # The Llama blocks are built with a placeholder RoPE (one position: nothing large is
+        # allocated), then every layer shares one Phi-3 rotary embedding.
         plain = copy.copy(config)
         plain.rope_parameters = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
-        plain.rope_scaling = None
+        if "rope_scaling" in vars(plain):  # transformers 4.x keeps it apart (5.x: an alias of the above)
+            plain.rope_scaling = None
+        plain.max_position_embeddings = 1
         backend = backend or TorchPagedAttention()
         window = getattr(config, "sliding_window", None)
         super().__init__(plain, dtype, SlidingWindowBackend(backend, window) if window else backend)
         self.config = config
+        attn = self.layers[0].self_attn
+        rotary = get_phi3_rope(attn.head_dim, config.max_position_embeddings, rope, dtype,
+                               max_model_len or config.max_position_embeddings)
         for layer in self.layers:
-            attn = layer.self_attn
-            attn.rotary_emb = get_phi3_rope(attn.head_dim, config.max_position_embeddings, rope, dtype,
-                                            max_model_len or config.max_position_embeddings)
+            layer.self_attn.rotary_emb = rotary
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:

@@ -10,6 +10,7 @@ import transformers
 from conftest import assert_pool_empty, build_tokenizer, record_schedule
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import set_tp_state
+from pagedllm.layers import fused_moe
 from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock, fused_experts, select_experts
 from test_correctness import make_prompts, reference
 
@@ -80,8 +81,20 @@ def naive_moe(x, w13, w2, router_logits, top_k, renormalize):
     return out
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_fused_experts_match_per_token_reference(renormalize):
+def _grouped_mm_on_cpu() -> bool:
+    try:
+        fused_moe._GROUPED_MM(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except Exception:  # noqa: BLE001 - torch without the op or without its CPU kernel
+        return False
+
+
+@pytest.mark.parametrize("renormalize,impl", [
+    (True, "loop"), (False, "loop"),
+    pytest.param(True, "grouped", marks=pytest.mark.skipif(
+        fused_moe._GROUPED_MM is None or not _grouped_mm_on_cpu(), reason="this torch has no CPU grouped_mm")),
+])
+def test_fused_experts_match_per_token_reference(renormalize, impl):
     g = torch.Generator().manual_seed(0)
     n, hidden, inter, experts, top_k = 37, 16, 12, 8, 3
     x = torch.randn(n, hidden, generator=g)
@@ -93,9 +106,10 @@ def test_fused_experts_match_per_token_reference(renormalize):
     assert weights.dtype == torch.float32 and chosen.shape == (n, top_k) and not (chosen == 5).any()
     if renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(n))
-    got = fused_experts(x, w13, w2, weights, chosen)
+    assert not fused_moe.grouped_mm_supported(x, w13, w2)  # fp32 on CPU: the loop by default
+    got = fused_experts(x, w13, w2, weights, chosen, impl=impl)
     torch.testing.assert_close(got, naive_moe(x, w13, w2, logits, top_k, renormalize), rtol=1e-5, atol=1e-5)
-    assert fused_experts(x[:0], w13, w2, weights[:0], chosen[:0]).shape == (0, hidden)
+    assert fused_experts(x[:0], w13, w2, weights[:0], chosen[:0], impl=impl).shape == (0, hidden)
 
 
 def test_expert_tp_shards_sum_to_the_whole():

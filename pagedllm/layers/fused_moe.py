@@ -5,7 +5,8 @@ Each token's router logits pick ``top_k`` of ``num_experts`` SwiGLU experts; the
 the routing-weighted sum of theirs. Computation is grouped by expert, as vLLM's ``fused_moe`` does:
 the (token, expert) pairs are sorted by expert id, each expert runs one matmul over all of its
 tokens (gathered with ``index_select``), and the weighted results are scattered back with one
-``index_add_``. The Python loop runs over experts that received tokens, never over tokens.
+``index_add_``. The Python loop runs over experts that received tokens, never over tokens; on
+CUDA in bf16, torch's grouped GEMM (``F.grouped_mm``) replaces that loop with one kernel.
 
 Tensor parallelism (Megatron-style, as vLLM shards experts): every rank holds every expert's slice
 of the intermediate dimension, gate/up split column-wise and down row-wise, so each rank produces a
@@ -17,6 +18,7 @@ Weights are stacked at load time: ``w13`` [E, 2 * I / tp, H] (gate rows, then up
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -44,8 +46,28 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return topk_weights, topk_ids
 
 
+# torch >= 2.10 names it F.grouped_mm; 2.8-2.9 have torch._grouped_mm; older torch has neither.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: Optional[int]) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM kernel takes these operands: bf16 on CUDA, SM 8.0+ with
+    ``F.grouped_mm`` (SM 9.x with the older ``torch._grouped_mm``), 16-byte aligned rows."""
+    if _GROUPED_MM is None or not x.is_cuda or not (x.dtype == w13.dtype == w2.dtype == torch.bfloat16):
+        return False
+    if w2.shape[1] % 8 or w2.shape[2] % 8:
+        return False
+    cap = _cuda_capability(x.device.index)
+    return cap >= (8, 0) if hasattr(F, "grouped_mm") else cap[0] == 9
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, impl: Optional[str] = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 
     Args:
@@ -54,6 +76,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2: [E, H, I].
         topk_weights: [N, k] routing weights (any float dtype; applied in ``x.dtype``).
         topk_ids: [N, k] expert ids in [0, E).
+        impl: "loop" (one matmul per expert that has tokens: the reference, any device and dtype),
+            "grouped" (torch's grouped GEMM, one kernel for all experts and no host sync), or None to
+            take "grouped" where ``grouped_mm_supported`` says so.
     Returns:
         [N, H] in ``x.dtype``.
     """
@@ -63,18 +88,25 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     # Sort the N*k (token, expert) pairs by expert; stable keeps token order inside an expert.
     order = torch.argsort(flat_ids, stable=True)
     token_idx = order // k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0])
     xs = x.index_select(0, token_idx)
-    ys = torch.empty(num_tokens * k, x.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        gate_up = F.linear(xs[start:end], w13[e])
-        ys[start:end] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
-        start = end
-    ys.mul_(topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1))
+    if impl is None:
+        impl = "grouped" if grouped_mm_supported(x, w13, w2) else "loop"
+    if impl == "grouped":
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end of each expert's rows
+        gate_up = _GROUPED_MM(xs, w13.transpose(1, 2), offs=offs)
+        ys = _GROUPED_MM(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2.transpose(1, 2), offs=offs)
+    else:
+        ys = torch.empty(num_tokens * k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, count in enumerate(counts.tolist()):  # one host sync per layer
+            if count == 0:
+                continue
+            end = start + count
+            gate_up = F.linear(xs[start:end], w13[e])
+            ys[start:end] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
+            start = end
+    ys = ys * topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token_idx, ys)
 
 

@@ -13,6 +13,7 @@ from pagedllm.distributed.parallel_state import set_tp_state
 from pagedllm.layers import fused_moe
 from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock, fused_experts, select_experts
 from test_correctness import make_prompts, reference
+from test_tensor_parallel import KV_BYTES, wait_gone, worker_pids
 
 MOE_CONFIGS = {
     # 8 experts, top-2, renormalized over the top-k; 3 layers.
@@ -189,7 +190,8 @@ def test_tp2_matches_transformers(arch, tmp_path):
     vocab = transformers.AutoConfig.from_pretrained(d).vocab_size
     prompts = make_prompts(vocab, [3, 17, 60], seed=6)
     ref = [r[0] for r in reference(d, prompts, n=8)]
-    llm = LLM(d, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    llm = LLM(d, tensor_parallel_size=2, kv_cache_memory=KV_BYTES)
+    pids = worker_pids(llm)
     try:
         runner = llm.llm_engine.executor.driver.runner
         experts = next(m for m in runner.model.modules() if isinstance(m, FusedMoE))
@@ -199,11 +201,17 @@ def test_tp2_matches_transformers(arch, tmp_path):
         assert_pool_empty(llm)
     finally:
         llm.llm_engine.shutdown()
+    assert wait_gone(pids, 10) == []
 
 
-def test_expert_shape_mismatch_is_a_clear_error(tmp_path):
+def test_dummy_bfloat16_then_expert_shape_mismatch_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
     d = build_moe_checkpoint(str(tmp_path), "qwen3_moe", seed=3)
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", kv_cache_memory=1 << 20)
+    experts = next(m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, FusedMoE))
+    assert experts.w13.weight.dtype == torch.bfloat16 and experts.w13.weight.abs().max() > 0  # dummy-filled
+    assert len(llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert_pool_empty(llm)
     path = f"{d}/model.safetensors"
     tensors = load_file(path)
     tensors["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.zeros(47, 64)

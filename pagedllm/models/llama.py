@@ -106,11 +106,6 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
 
-    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
-        """The feed-forward block of layer ``layer_idx``; None builds the dense SwiGLU MLP (MoE
-        families return their sparse block here)."""
-        return None
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -120,6 +115,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
+
+    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
+        """The feed-forward block of layer ``layer_idx``; None builds the dense SwiGLU MLP (MoE
+        families return their sparse block here)."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load (checkpoint name, tensor or safetensors slice) pairs; returns the parameter names

@@ -204,7 +204,7 @@ def test_tp2_matches_transformers(arch, tmp_path):
     assert wait_gone(pids, 10) == []
 
 
-def test_dummy_bfloat16_then_expert_shape_mismatch_is_a_clear_error(tmp_path):
+def test_dummy_bfloat16_then_missing_or_misshapen_expert_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
     d = build_moe_checkpoint(str(tmp_path), "qwen3_moe", seed=3)
     llm = LLM(d, load_format="dummy", dtype="bfloat16", kv_cache_memory=1 << 20)
@@ -214,7 +214,11 @@ def test_dummy_bfloat16_then_expert_shape_mismatch_is_a_clear_error(tmp_path):
     assert_pool_empty(llm)
     path = f"{d}/model.safetensors"
     tensors = load_file(path)
-    tensors["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.zeros(47, 64)
+    up = tensors.pop("model.layers.1.mlp.experts.2.up_proj.weight")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing expert weights .*: \['layers.1.mlp.experts.2.w3'\]"):
+        LLM(d, kv_cache_memory=1 << 20)
+    tensors["model.layers.1.mlp.experts.2.up_proj.weight"] = up[:47]
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"shape mismatch for expert 2 w3: expected \(48, 64\), got \(47, 64\)"):
         LLM(d, kv_cache_memory=1 << 20)

@@ -146,6 +146,7 @@ class FusedMoE(nn.Module):
         inter = self.intermediate_size_per_rank
         self.w13 = _StackedExpertWeight((num_experts, 2 * inter, hidden_size), dtype, self.weight_loader)
         self.w2 = _StackedExpertWeight((num_experts, hidden_size, inter), dtype, self.weight_loader)
+        self.loaded_shards: set[tuple[int, str]] = set()  # (expert, "w1" | "w2" | "w3") filled so far
 
     @staticmethod
     def expert_params_mapping(gate_name: str, up_name: str, down_name: str,
@@ -179,11 +180,27 @@ class FusedMoE(nn.Module):
         else:
             offset = 0 if which == "w1" else size
             _copy(param, param.data[expert].narrow(0, offset, size), load_narrow(loaded, 0, start, size))
+        self.loaded_shards.add((expert, which))
+
+    def missing_shards(self) -> list[str]:
+        """``"<expert>.<w1|w2|w3>"`` for every expert tensor not loaded yet."""
+        return [f"{e}.{w}" for e in range(self.num_experts) for w in ("w1", "w2", "w3")
+                if (e, w) not in self.loaded_shards]
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         out = fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
+
+
+def verify_experts_loaded(model: nn.Module) -> None:
+    """Raise ValueError naming the expert tensors a checkpoint lacked (a stacked parameter counts as
+    loaded once any expert of it is, so the model's own missing-weight check cannot see these)."""
+    missing = [f"{name}.{shard}" for name, m in model.named_modules() if isinstance(m, FusedMoE)
+               for shard in m.missing_shards()]
+    if missing:
+        raise ValueError(f"checkpoint is missing expert weights (w1 = gate, w3 = up, w2 = down): {missing[:8]}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
 class SparseMoeBlock(nn.Module):

@@ -203,7 +203,8 @@ def test_registry_lists_and_imports_on_first_use(monkeypatch):
     calls: list[str] = []
     real = registry.importlib.import_module
     monkeypatch.setattr(registry.importlib, "import_module", lambda n: calls.append(n) or real(n))
-    cls = registry.get_model_class(type("C", (), {"architectures": ["Nope", "GPT2LMHeadModel"]})(), 128)
+    config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
+    cls = registry.get_model_class(config, 128)
     assert cls.__name__ == "GPT2LMHeadModel" and calls == ["pagedllm.models.gpt2"]
 
 

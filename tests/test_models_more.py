@@ -200,10 +200,10 @@ def test_registry_lists_and_imports_on_first_use(monkeypatch):
 
     assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "Gemma2ForCausalLM",
             "Gemma3ForCausalLM"} <= set(supported_architectures())
+    config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
     calls: list[str] = []
     real = registry.importlib.import_module
-    monkeypatch.setattr(registry.importlib, "import_module", lambda n: calls.append(n) or real(n))
-    config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
+    monkeypatch.setattr(registry.importlib, "import_module", lambda n, *a: calls.append(n) or real(n, *a))
     cls = registry.get_model_class(config, 128)
     assert cls.__name__ == "GPT2LMHeadModel" and calls == ["pagedllm.models.gpt2"]
 

@@ -60,7 +60,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:
-        """Sliding windows are implemented: any ``max_model_len`` is served."""
+        """Sliding windows are implemented, so any ``max_model_len`` is served; the MLP is Llama's
+        SwiGLU, so ``hidden_act`` must be silu."""
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Phi3ForCausalLM with hidden_act={act!r} is not supported (only silu)")
 
     def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """qkv_proj -> q_proj, k_proj, v_proj and gate_up_proj -> gate_proj, up_proj (row blocks)."""

@@ -136,6 +136,9 @@ class LLMEngine:
         max_len = self.model_config.max_model_len
         if len(ids) > max_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.n > max_num_seqs:  # its samples could never run together
+            raise ValueError(f"n={params.n} is more than max_num_seqs={max_num_seqs} sequences can run at once")
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens

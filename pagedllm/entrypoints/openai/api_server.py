@@ -139,6 +139,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if err.get("type") == "json_invalid":
         return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
+    raised = (err.get("ctx") or {}).get("error")
+    if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
+        return raised.message, ".".join(loc) or raised.param
     if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "The request body must be a JSON object.", None
     param = ".".join(loc) or None

@@ -23,6 +23,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 logger = logging.getLogger("pagedllm")
 
 _LOG_EVERY_S = 10.0
+_LINGER_S = 1.0  # a refused connection is closed this long after its 503 (its input is discarded)
 
 
 class _RateLimitedLog:
@@ -64,7 +65,11 @@ def guarded_http_protocol(limit_concurrency: Optional[int], timeout_request_read
                 self._refused = True
                 log_refused(len(self.connections))
                 transport.write(busy)
-                transport.close()
+                # Half-close and linger briefly: closing with the client's request unread would
+                # send a TCP reset, which can destroy the 503 before the client reads it.
+                if transport.can_write_eof():
+                    transport.write_eof()
+                asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
                 return
             super().connection_made(transport)
             self._arm()

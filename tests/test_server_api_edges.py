@@ -176,7 +176,8 @@ def test_documented_field_refused_on_chat(http, field, value):
     assert err["param"] == field, err
 
 
-@pytest.mark.parametrize("field,value", REFUSED_COMMON + [("suffix", "!"), ("best_of", 1)])
+@pytest.mark.parametrize("field,value", REFUSED_COMMON + [("suffix", "!"), ("best_of", 1),
+                                                          ("prompt_embeds", "AAAA"), ("stream_options", {})])
 def test_documented_field_refused_on_completions(http, field, value):
     body = {"prompt": "the king", "max_tokens": 2, "n": 2, field: value}
     assert error_of(http.post("/v1/completions", json=body))["param"] == field
@@ -199,6 +200,12 @@ def test_documented_fields_applied_or_harmless(client, http):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the king"}], max_tokens=2,
                                        extra_body={"truncate_prompt_tokens": 4})
     assert r.usage.prompt_tokens == 4
+    # vLLM's request_id names the response (the engine keeps a unique id of its own)
+    for _ in range(2):
+        assert http.post("/v1/completions", json={**base, "request_id": "abc"}).json()["id"] == "cmpl-abc"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the"}], max_tokens=1,
+                                       extra_body={"request_id": "xyz", "include_reasoning": True})
+    assert r.id == "chatcmpl-xyz"
     err = error_of(http.post("/v1/completions", json={**base, "stream": True,
                                                       "stream_options": {"continuous_usage_stats": True}}))
     assert err["param"] == "stream_options.continuous_usage_stats"

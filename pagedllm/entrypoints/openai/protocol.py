@@ -170,6 +170,8 @@ class _SamplingRequest(_DocumentedFields):
     def make_sampling_params(self, max_tokens: int, logprobs: Optional[int],
                              prompt_logprobs: Optional[int] = None) -> SamplingParams:
         self.check_documented_fields(self.n)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options can only be given when stream is true", "stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise RequestError("stream_options.continuous_usage_stats is not supported; use include_usage",
                                "stream_options.continuous_usage_stats")
@@ -221,6 +223,7 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     add_special_tokens: bool = True
+    prompt_embeds: Optional[Any] = None  # vLLM's; refused
 
     @property
     def scores_prompt_only(self) -> bool:
@@ -229,6 +232,8 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         _check_logprobs(self.logprobs, "logprobs")
+        if self.prompt_embeds is not None:
+            raise RequestError("prompt_embeds is not supported; send the prompt as text or token ids", "prompt_embeds")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -331,6 +336,7 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: Optional[list[dict[str, Any]]] = None
     chat_template: Optional[str] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True  # vLLM's; accepted: without a reasoning parser there is none to include
 
     def check_chat_fields(self) -> None:
         refused = {

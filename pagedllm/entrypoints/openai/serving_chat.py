@@ -32,10 +32,11 @@ class OpenAIServingChat(OpenAIServing):
             raise RequestError("continue_final_message and add_generation_prompt cannot both be true: the first "
                                "continues the last message, the second starts a new one", "continue_final_message")
         # None = not given: on, unless the final message is continued
-        add_generation_prompt = not continue_final_message if add_generation_prompt is None else bool(add_generation_prompt)
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         try:
             return apply_chat_template(self.tokenizer, [m.to_dict() for m in messages], self.chat_template,
-                                       add_generation_prompt=add_generation_prompt,
+                                       add_generation_prompt=bool(add_generation_prompt),
                                        continue_final_message=continue_final_message,
                                        chat_template_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - template errors come from user content/kwargs
@@ -69,6 +70,7 @@ class OpenAIServingChat(OpenAIServing):
         params = req.to_sampling_params(max_tokens)
         request_id = random_id("chatcmpl")
         gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id)
+        request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

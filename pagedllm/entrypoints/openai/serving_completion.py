@@ -48,6 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}")
                 for i, (ids, sp) in enumerate(zip(prompt_ids, params))]
+        request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -90,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """echo with max_tokens 0: each prompt back, with its logprobs when asked (prompt scoring, as the
         legacy OpenAI completions API allowed). The engine runs only when logprobs are wanted."""
         request_id = random_id("cmpl")
+        response_id = self.response_id(req, request_id)
         finals: list = [None] * len(prompt_ids)
         if req.logprobs is not None:
             gens = []
@@ -117,17 +119,17 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens)
         model = self.served_model_name
         if not req.stream:
-            resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+            resp = CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
             return Response(resp.model_dump_json(), media_type="application/json")
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def stream() -> AsyncIterator[str]:
             for c in choices:
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
+                yield sse(CompletionStreamResponse(id=response_id, created=created, model=model,
                                                    choices=[c]).model_dump_json())
             if include_usage:
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                yield sse(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
                                                    usage=usage).model_dump_json())
             yield sse("[DONE]")
 

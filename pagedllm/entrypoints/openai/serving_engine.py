@@ -108,6 +108,13 @@ class OpenAIServing:
             raise RequestError(f"n={req.n} is more than the server runs at once (--max-num-seqs {max_num_seqs})",
                                "n")
 
+    @staticmethod
+    def response_id(req, engine_request_id: str) -> str:
+        """The id the client sees: vLLM's ``request_id`` field when given (prefixed like ours), else
+        the engine's id. The engine keeps its own unique id, so two clients may reuse one."""
+        given = getattr(req, "request_id", None)
+        return f"{engine_request_id.split('-', 1)[0]}-{given}" if given else engine_request_id
+
     def token_text(self, token_id: int) -> str:
         """Text of one token, from the engine's cache of decoded tokens (shared with logprobs)."""
         return self.llm.engine.output_processor.token_text(token_id)

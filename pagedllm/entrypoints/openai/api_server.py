@@ -35,7 +35,7 @@ from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse)
-from pagedllm.entrypoints.openai.http_server import GracefulServer, guarded_http_protocol
+from pagedllm.entrypoints.openai.http_server import GracefulServer, ensure_file_limit, guarded_http_protocol
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -416,6 +416,7 @@ def run_server(args: argparse.Namespace) -> int:
             return 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
                         response_store=store, dashboard=args.dashboard, cors=cors)
+        ensure_file_limit(args.limit_concurrency)
         http = guarded_http_protocol(args.limit_concurrency or None, args.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
                                 timeout_keep_alive=args.timeout_keep_alive, http=http,

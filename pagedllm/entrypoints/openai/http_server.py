@@ -110,6 +110,28 @@ def guarded_http_protocol(limit_concurrency: Optional[int], timeout_request_read
     return GuardedHTTPProtocol
 
 
+def ensure_file_limit(limit_concurrency: Optional[int], spare: int = 256) -> None:
+    """Raise the soft open-files limit so ``limit_concurrency`` connections (plus ``spare`` for the
+    model, logs and libraries) fit, as vLLM does at start-up; warn when the hard limit is lower."""
+    if not limit_concurrency:
+        return
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = limit_concurrency + spare
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            target = soft
+        if target < need:
+            logger.warning("the open-files limit (%d) is below --limit-concurrency %d + %d; lower "
+                           "--limit-concurrency or raise ulimit -n", target, limit_concurrency, spare)
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server whose shutdown, once ``shutdown_timeout`` seconds have passed with requests
     still running, calls ``abort_in_flight()`` (which ends them with finish_reason "abort", so a

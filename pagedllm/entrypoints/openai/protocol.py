@@ -37,7 +37,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields (tools, logit_bias, ...) are ignored, as vLLM does; NaN/inf are rejected.
+    # Unknown fields are ignored, as vLLM does (request models log each name once); NaN/inf are rejected.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
 
 

@@ -86,6 +86,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="Responses API: seconds a stored response is kept")
     p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
+    # HTTP limits (uvicorn's names) and CORS (vLLM's flags and defaults)
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    p.add_argument("--timeout-request-read", type=float, default=30.0,
+                   help="seconds a client has to send a whole request (headers and body) before its connection "
+                        "is closed; 0 = no limit")
+    p.add_argument("--limit-concurrency", type=int, default=1000,
+                   help="most open HTTP connections; more get 503 and are closed; 0 = no limit")
+    p.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=16 * 2 ** 10,
+                   help="largest request line plus headers in bytes (larger requests get 400)")
+    p.add_argument("--allowed-origins", default='["*"]',
+                   help="CORS: origins allowed to call the API from a browser (JSON list or comma-separated)")
+    p.add_argument("--allowed-methods", default='["*"]', help="CORS: allowed HTTP methods")
+    p.add_argument("--allowed-headers", default='["*"]', help="CORS: allowed request headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

@@ -34,3 +34,8 @@ def get_model_class(hf_config: Any, max_model_len: int) -> type:
             return MODEL_REGISTRY[arch]
     raise ValueError(f"model architecture {archs or '<none>'} is not supported; supported architectures: "
                      f"{', '.join(sorted(MODEL_REGISTRY))}")
+
+
+def supported_architectures() -> list[str]:
+    """The Hugging Face ``architectures`` names pagedllm can load, sorted."""
+    return sorted(MODEL_REGISTRY)

@@ -103,6 +103,9 @@ def open_gguf(path: str):
     try:
         reader = GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - corrupt headers fail in many ways inside the reader
+        if "GGMLQuantizationType" in str(e):
+            raise ValueError(f"{name}: a tensor has an unknown quant type ({one_line(e)}); the gguf library "
+                             f"dequantizes {', '.join(dequantizable_types())}") from None
         raise ValueError(f"cannot read GGUF file {path} (corrupt or truncated?): {one_line(e)}") from None
     size = os.path.getsize(path)
     ok = set(dequantizable_types())

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.linear import loaded_shape
 from pagedllm.models.gguf import is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 
@@ -49,15 +50,35 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-class _NamedWeights:
-    """Iterates ``weights`` and remembers the last name, so a load error can say which tensor failed."""
+def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape the config implies, from transformers' model built on the meta device
+    (no memory). Our tensor-parallel loaders narrow what they read, so a matrix larger than the config
+    says would otherwise load silently. Empty when transformers cannot build the model."""
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, weights: Iterator[tuple[str, Any]]) -> None:
-        self.weights, self.name = weights, None
+    try:
+        with torch.device("meta"):
+            hf_model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # noqa: BLE001 - no check rather than no model
+        return {}
+    return {n: tuple(t.shape) for n, t in hf_model.state_dict().items()}
+
+
+class _CheckedWeights:
+    """Iterates ``weights``, checks each shape against ``shapes`` and remembers the last name, so a
+    load error can say which tensor failed."""
+
+    def __init__(self, weights: Iterator[tuple[str, Any]], shapes: dict[str, tuple[int, ...]]) -> None:
+        self.weights, self.shapes, self.name = weights, shapes, None
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         for name, w in self.weights:
             self.name = name
+            want = self.shapes.get(name)
+            if want is not None and (isinstance(w, torch.Tensor) or hasattr(w, "get_shape")):
+                got = tuple(loaded_shape(w))
+                if got != want:
+                    raise ValueError(f"shape {got} does not match the {want} the config implies")
             yield name, w
 
 
@@ -76,10 +97,8 @@ def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
                 p.data.copy_(torch.empty(p.shape).uniform_(-0.02, 0.02, generator=gen).to(p.dtype))
     else:
         path = model_config.model
-        if is_gguf_file(path):
-            weights = _NamedWeights(iterate_gguf_weights(path, model_config.hf_config))
-        else:
-            weights = _NamedWeights(iterate_weights(path))
+        raw = iterate_gguf_weights(path, model_config.hf_config) if is_gguf_file(path) else iterate_weights(path)
+        weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)
         except ValueError as e:

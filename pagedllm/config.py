@@ -40,8 +40,10 @@ def resolve_model_path(model: Optional[str]) -> str:
 
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
-        raise ValueError(f"model {model!r} is not a local folder and could not be fetched from "
-                         f"the Hugging Face hub ({type(e).__name__}: {e})") from None
+        from pagedllm.models.gguf import one_line
+
+        raise ValueError(f"model {model!r} is not a local path and could not be fetched from "
+                         f"the Hugging Face hub ({type(e).__name__}: {one_line(e)})") from None
 
 
 def get_rope_parameters(hf_config: Any) -> dict:

@@ -69,6 +69,8 @@ def _scribble(path: str, start: int, n: int) -> None:
 def make_bad(kind: str, good, tmp_path) -> str:
     if kind == "missing_path":
         return str(tmp_path / "no" / "such" / "model")
+    if kind == "unknown_hub_id":
+        return "no-such-org/no-such-model"  # conftest sets HF_HUB_OFFLINE=1: the lookup fails at once
     if kind == "missing_gguf":
         return str(tmp_path / "model.gguf")
     if kind == "folder_without_config":
@@ -119,6 +121,7 @@ def make_bad(kind: str, good, tmp_path) -> str:
 CASES = {
     "missing_path": ["does not exist"],
     "missing_gguf": ["does not exist"],
+    "unknown_hub_id": ["not a local path", "Hugging Face hub"],
     "folder_without_config": ["no config.json"],
     "unsupported_architecture": ["FancyNewForCausalLM", "not supported", "LlamaForCausalLM", "Qwen2ForCausalLM"],
     "unknown_model_type": ["fancy-new", "LlamaForCausalLM"],
@@ -145,7 +148,7 @@ def test_llm_raises_one_clear_value_error(kind, good, tmp_path):
         assert word in msg, (word, msg)
 
 
-@pytest.mark.parametrize("kind", ["missing_path", "folder_without_config", "unsupported_architecture",
+@pytest.mark.parametrize("kind", ["missing_path", "unknown_hub_id", "folder_without_config", "unsupported_architecture",
                                   "shape_mismatch", "safetensors_truncated", "gguf_unknown_quant_type",
                                   "gguf_unknown_architecture", "gguf_truncated", "gguf_corrupt"])
 def test_serve_prints_one_line_and_exits_1(kind, good, tmp_path):

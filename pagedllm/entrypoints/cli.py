@@ -52,7 +52,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the MODEL argument)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder, GGUF file or hub id (default: the model's; a GGUF's from its metadata)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder, GGUF file or hub id (default: the model's; a GGUF's from its metadata)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")

@@ -125,6 +125,20 @@ def test_tiny_gguf_matches_transformers(tiny_gguf):
     assert_pool_empty(llm)
 
 
+def test_tiny_gguf_tensor_parallel(tiny_gguf):
+    """Each rank reads the file and keeps its shard: TP=2 gives transformers' greedy ids too."""
+    _, path = tiny_gguf
+    llm = LLM(path, kv_cache_memory=2 << 20, max_model_len=256, tensor_parallel_size=2)
+    try:
+        prompts = make_prompts(llm.llm_engine.vocab_size, [5, 40], seed=8)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        hf = _hf_from_gguf(path)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8)[0] for p in prompts]
+        assert_pool_empty(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_gguf_weights_unpermuted_and_dequantized(tiny_gguf):
     """F32 tensors come back bit-exact (so the Q/K un-permutation is right); quantized ones within
     their quantization error of the original."""

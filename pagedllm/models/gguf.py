@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from unittest import mock
 from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -190,6 +191,7 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
     Raises:
         ValueError: the file is unreadable, or its tensors do not map to the architecture's parameters.
     """
+    import gguf
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
@@ -202,7 +204,11 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
     try:
-        name_map = get_gguf_hf_weights_map(hf_model, processor)
+        # transformers rebuilds gguf's TensorNameMap (thousands of formatted names) for every submodule
+        # it recurses into; one cached map per (arch, layers) turns ~400 builds into one.
+        cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+        with mock.patch.object(gguf, "get_tensor_name_map", cached):
+            name_map = get_gguf_hf_weights_map(hf_model, processor)
     except NotImplementedError as e:
         raise ValueError(f"{path}: {one_line(e)}") from None
     del hf_model

@@ -69,6 +69,7 @@ class ModelConfig:
     served_model_name: str
     load_format: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"  # see layers/attention/selector.py
 
     @property
     def architecture(self) -> str:
@@ -159,6 +160,7 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     enable_prefix_caching: bool = True
     device: Optional[str] = None
+    attention_backend: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -185,6 +187,11 @@ class EngineArgs:
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         get_model_class(hf_config, max_model_len)  # an unsupported architecture fails here, before any loading
+        from pagedllm.layers.attention.selector import CHOICES as attention_backends
+
+        if self.attention_backend not in attention_backends:
+            raise ValueError(f"attention_backend must be one of {', '.join(attention_backends)}; "
+                             f"got {self.attention_backend!r}")
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
@@ -197,6 +204,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
             load_format=self.load_format,
             seed=self.seed,
+            attention_backend=self.attention_backend,
         )
         return EngineConfig(
             model_config=model_config,

@@ -66,6 +66,15 @@ def _scribble(path: str, start: int, n: int) -> None:
         f.write(b"\xff" * n)
 
 
+# kind -> how a copy of the good GGUF file is damaged
+GGUF_DAMAGE = {
+    "gguf_quant_not_dequantizable": lambda p: _set_tensor_type(p, 9),  # Q8_1: a GGML type gguf cannot dequantize
+    "gguf_unknown_quant_type": lambda p: _set_tensor_type(p, 99),
+    "gguf_truncated": lambda p: _truncate(p, 0.6),
+    "gguf_corrupt": lambda p: _scribble(p, 4, 40),  # version, counts and the first key
+}
+
+
 def make_bad(kind: str, good, tmp_path) -> str:
     if kind == "missing_path":
         return str(tmp_path / "no" / "such" / "model")
@@ -90,25 +99,13 @@ def make_bad(kind: str, good, tmp_path) -> str:
         d = _copy_hf(good, tmp_path)
         _scribble(os.path.join(d, "model.safetensors"), 8, 32)  # inside the JSON header
         return d
-    if kind == "gguf_quant_not_dequantizable":
+    if kind in GGUF_DAMAGE:
         p = _copy_gguf(good, tmp_path)
-        _set_tensor_type(p, 9)  # Q8_1: a real GGML type the gguf library cannot dequantize
-        return p
-    if kind == "gguf_unknown_quant_type":
-        p = _copy_gguf(good, tmp_path)
-        _set_tensor_type(p, 99)
+        GGUF_DAMAGE[kind](p)
         return p
     if kind == "gguf_unknown_architecture":
         p = str(tmp_path / "fancy.gguf")
         write_llama_gguf(good[0], p, ("F32",), arch="fancyarch")
-        return p
-    if kind == "gguf_truncated":
-        p = _copy_gguf(good, tmp_path)
-        _truncate(p, 0.6)
-        return p
-    if kind == "gguf_corrupt":
-        p = _copy_gguf(good, tmp_path)
-        _scribble(p, 4, 40)  # version, counts and the first key
         return p
     if kind == "not_a_model_file":
         p = tmp_path / "notes.txt"

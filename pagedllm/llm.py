@@ -24,7 +24,9 @@ class LLM:
     """An engine for offline batches.
 
     Args:
-        model: local Hugging Face folder or hub id; None = the bundled demo model.
+        model: local Hugging Face folder, GGUF file (or a folder holding exactly one) or hub id;
+            None = the bundled demo model.
+        tokenizer: tokenizer folder, GGUF file or hub id; None = the model's (a GGUF's from its metadata).
         dtype: "auto" (float32 on a CPU, the checkpoint's dtype on CUDA), "float32", "bfloat16", "float16".
         max_model_len: longest prompt + output in tokens (default: the config's context length).
         block_size: tokens per KV block.
@@ -39,7 +41,9 @@ class LLM:
             "torch" (pure-PyTorch reference) or "cpu".
 
     Raises:
-        ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.
+        ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
+            architecture or quant type, corrupt or truncated file, weights that do not fit the config;
+            one-line message), or a KV cache too small.
     """
 
     def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "auto",

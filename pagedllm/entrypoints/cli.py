@@ -45,13 +45,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
         formatter_class=_HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model folder or hub id; omitted = the bundled demo model")
+                   help="local Hugging Face model folder, GGUF file (or a folder holding one) or hub id; "
+                        "omitted = the bundled demo model")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the MODEL argument)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder, GGUF file or hub id (default: the model's; a GGUF's from its metadata)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],

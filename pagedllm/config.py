@@ -65,6 +65,7 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     dtype_reason: str = ""  # why ``dtype`` was chosen (start-up log)
+    attention_backend: str = "auto"  # see layers/attention/selector.py
 
     @property
     def architecture(self) -> str:
@@ -194,6 +195,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     device: Optional[str] = None
     num_threads: Optional[int] = None  # CPU threads; None: OMP_NUM_THREADS if set, else the physical cores
+    attention_backend: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -221,6 +223,11 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        from pagedllm.layers.attention.selector import CHOICES as attention_backends
+
+        if self.attention_backend not in attention_backends:
+            raise ValueError(f"attention_backend must be one of {', '.join(attention_backends)}; "
+                             f"got {self.attention_backend!r}")
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
@@ -244,6 +251,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
             load_format=self.load_format,
             seed=self.seed,
+            attention_backend=self.attention_backend,
         )
         return EngineConfig(
             model_config=model_config,

@@ -39,6 +39,8 @@ class LLM:
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
         num_threads: CPU threads (None: OMP_NUM_THREADS if set, else the physical cores).
+        attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
+            "torch" (pure-PyTorch reference) or "cpu".
 
     Raises:
         ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.
@@ -49,14 +51,16 @@ class LLM:
                  kv_cache_memory: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
                  load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
-                 num_threads: Optional[int] = None) -> None:
+                 num_threads: Optional[int] = None,
+                 attention_backend: str = "auto") -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
-                          device=device, num_threads=num_threads)
+                          device=device, num_threads=num_threads,
+                          attention_backend=attention_backend)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):

@@ -55,6 +55,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/activation/KV-cache dtype; auto = the checkpoint's on GPU; on a CPU bfloat16 where "
                         "it has native bf16 matmuls (avx512_bf16/amx_bf16), else float32 (default: auto)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="paged-attention backend; auto = the compiled CPU kernel on a CPU when it builds, "
+                        "else the pure-PyTorch reference (torch)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the model's shape (no weight files needed)")
@@ -82,6 +85,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM before aborting them")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="Responses API: most responses kept for previous_response_id and GET (oldest evicted)")
+    p.add_argument("--stored-response-ttl", type=float, default=3600.0,
+                   help="Responses API: seconds a stored response is kept")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

@@ -80,15 +80,17 @@ def make_rotary_embedding(config: Any, head_dim: int, dtype) -> RotaryEmbedding:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block. ``forward(positions, x, kv_cache, meta)`` -> hidden states (the plain API);
-    ``forward_fused(...)`` -> (x, residual), the residual stream kept apart as in vLLM so each
-    residual add happens inside the next RMSNorm call."""
+    """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block).
+    ``forward(positions, x, kv_cache, meta)`` -> hidden states (the plain API); ``forward_fused(...)``
+    -> (x, residual), the residual stream kept apart as in vLLM so each residual add happens inside
+    the next RMSNorm call. ``rotary_emb``: a RoPE table shared by all layers (None: one of its own)."""
 
     def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
-                 rotary_emb: Optional[RotaryEmbedding] = None) -> None:
+                 mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, backend, qkv_bias, qk_norm, rotary_emb)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
+                                                        getattr(config, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -129,8 +131,9 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = make_rotary_embedding(config, head_dim, dtype)  # one table for every layer
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.rotary_emb)
-             for _ in range(config.num_hidden_layers)])
+            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype),
+                               rotary_emb=self.rotary_emb)
+             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", False):
@@ -149,6 +152,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
+
+    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
+        """The feed-forward block of layer ``layer_idx``; None builds the dense SwiGLU MLP (MoE
+        families return their sparse block here)."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load (checkpoint name, tensor or safetensors slice) pairs; returns the parameter names

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.attention import get_attention_backend
 from pagedllm.models.registry import get_model_class
 
 
@@ -39,11 +40,14 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
-    """Instantiate the registered architecture on ``device`` in ``model_config.dtype`` and load it."""
+def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
+    """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
+    attention backend ``model_config.attention_backend`` selects for it, and load its weights."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
+    backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
+                                    head_dim=model_config.head_dim, block_size=block_size)
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype)
+        model = cls(model_config.hf_config, model_config.dtype, backend=backend)
     if model_config.load_format == "dummy":
         gen = torch.Generator(device="cpu").manual_seed(model_config.seed)
         for name, p in model.named_parameters():

@@ -92,7 +92,7 @@ def test_decoder_layer_plain_forward_equals_fused(llama_dir):
 
     n = 11
     x = torch.randn(n, cfg.model_config.hf_config.hidden_size, generator=torch.Generator().manual_seed(0))
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n, n, None)])
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n, n)])
     pos = torch.arange(n)
     layer = model.layers[0]
     with torch.inference_mode():

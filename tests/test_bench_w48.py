@@ -48,3 +48,25 @@ def test_w48_equals_side_by_side_workload(num, vocab, seed):
     want = tool.workload(num, vocab, seed)
     got = ds.sample_requests(_args("--num-prompts", str(num), "--seed", str(seed)), vocab)
     assert [(r.prompt_token_ids, r.output_len) for r in got] == [(list(p), o) for p, o in want]
+
+
+def test_throughput_on_w48_and_matmul_bench(llama_dir, tmp_path):
+    """``bench throughput --dataset w48`` runs the workload's requests; ``bench matmul`` reports both
+    dtypes for every linear of the model (values only: no timing is asserted)."""
+    from test_bench import bench
+
+    r = bench(["throughput", "--model", llama_dir, "--dataset", "w48", "--num-prompts", "3",
+               "--kv-cache-memory", "4MiB"], str(tmp_path))
+    want = ds.w48_requests(3, 512, 11)  # the tiny checkpoint's vocabulary
+    wl = r["workload"]
+    assert (wl["dataset"], wl["num_prompts"], wl["seed"]) == ("w48", 3, 11)
+    assert wl["total_output_tokens"] == sum(q.output_len for q in want)
+    res = r["results"]["pagedllm"]
+    assert [p["generated"] for p in res["per_request"]] == [q.output_len for q in want]
+    m = bench(["matmul", "--model", llama_dir, "--batch-sizes", "1,4", "--reps", "1"], str(tmp_path / "mm"))
+    assert {(row["batch"], row["layer"]) for row in m["rows"]} == {
+        (b, n) for b in (1, 4) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
+    qkv = next(row for row in m["rows"] if row["layer"] == "qkv_proj")
+    assert (qkv["in"], qkv["out"]) == (64, 64 + 2 * 2 * 16)  # hidden 64; 4 q heads and 2 kv heads of 16
+    assert all(row["fp32_ms"] > 0 and row["bf16_ms"] > 0 for row in m["rows"])
+    assert m["auto_dtype"] in ("float32", "bfloat16") and set(m["step"]) == {"1", "4"}

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedllm.benchmarks.common import run_metadata, stamp, write_result
+from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
 
 
@@ -99,5 +99,25 @@ def run(args: argparse.Namespace) -> dict:
               "auto_dtype": str(auto_dtype).replace("torch.", ""), "auto_reason": why,
               "threads": torch.get_num_threads(), "reps": args.reps, "rows": rows,
               "step": {str(b): s for b, s in steps.items()}}
-    write_result(args.output_dir, f"matmul-{stamp()}", result)
+    write_result(args.output_dir, f"matmul-{stamp()}", result, _plot(rows, model))
     return result
+
+
+def _plot(rows: list[dict], model):
+    plt = pyplot()
+    if plt is None:
+        return None
+    batches = sorted({r["batch"] for r in rows})
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(batches)
+    for i, b in enumerate(batches):
+        ratios = [next(r["fp32_over_bf16"] for r in rows if r["batch"] == b and r["layer"] == n) for n in layers]
+        ax.bar([j + i * width for j in range(len(layers))], ratios, width, label=f"{b} tokens")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], layers)
+    ax.set_ylabel("fp32 time / bf16 time")
+    ax.set_title(f"{model or 'demo model'}: F.linear at decode shapes (> 1: bf16 faster)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig

@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,memory,profile,prefix-caching}``.
+"""``pagedllm bench {throughput,serve,memory,profile,matmul,prefix-caching}``.
 
 ``pagedllm/entrypoints/cli.py`` calls ``register_subparser``; ``python -m pagedllm.benchmarks.cli``
 runs the same commands without it.
@@ -19,6 +19,7 @@ COMMANDS = {
     "memory": ("pagedllm.benchmarks.memory",
                "KV-cache memory efficiency: paged cache vs contiguous per-request preallocation"),
     "profile": ("pagedllm.benchmarks.profile", "where the time of one decode step goes"),
+    "matmul": ("pagedllm.benchmarks.matmul", "float32 vs bfloat16 linear layers at decode shapes on this CPU"),
     "prefix-caching": ("pagedllm.benchmarks.prefix_caching",
                        "shared-prefix workload: TTFT and throughput with prefix caching on vs off"),
 }
@@ -27,7 +28,7 @@ COMMANDS = {
 def register_subparser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` (with its subcommands) to a parent CLI's ``add_subparsers()`` object. Every
     leaf parser sets ``func`` (called with the parsed args)."""
-    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, prefix-caching)",
+    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, matmul, prefix-caching)",
                                   description="Benchmarks. Each run writes a JSON result and a PNG plot into "
                                               "--output-dir (default bench_results/).")
     sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}")

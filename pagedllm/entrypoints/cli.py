@@ -55,7 +55,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder, GGUF file or hub id (default: the model's; a GGUF's from its metadata)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
+                   help="weight/activation/KV-cache dtype; auto = the checkpoint's on GPU; on a CPU bfloat16 where "
+                        "it has native bf16 matmuls (avx512_bf16/amx_bf16), else float32 (default: auto)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
                    help="paged-attention backend; auto = the compiled CPU kernel on a CPU when it builds, "
                         "else the pure-PyTorch reference (torch)")
@@ -65,11 +66,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights + activations + KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of GPU memory (of RAM on a CPU) for weights + activations + KV cache "
+                        "(default: 0.9). On a CPU, when neither this nor --kv-cache-memory is given, the KV cache "
+                        "has a fixed size instead: 4 GiB, or PAGEDLLM_CPU_KVCACHE_SPACE GiB")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV-cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for the model (default: OMP_NUM_THREADS if set, else the physical cores)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="maximum sequences in the running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default: max(2048, min(max_model_len, 8192)))")

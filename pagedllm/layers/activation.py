@@ -1,5 +1,6 @@
-"""Activation functions by their Hugging Face config name (``hidden_act``/``activation_function``),
-matching transformers' ``ACT2FN`` for the names our models use."""
+"""Activations: by their Hugging Face config name (``hidden_act``/``activation_function``), matching
+transformers' ``ACT2FN`` for the names our models use; and the gated SiLU(gate) * up over a merged
+[gate | up] projection (vLLM's ``SiluAndMul``)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -28,3 +29,14 @@ def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))})")
     return _ACTIVATIONS[name]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * I] laid out [gate | up] -> silu(gate) * up [..., I], contiguous, x's dtype.
+
+    Two kernels and one new tensor: SiLU runs in place over x's gate half (x is overwritten there),
+    the product goes into a fresh contiguous tensor, which the down projection reads without a copy.
+    The same ops in the same order as transformers' ``act_fn(gate_proj(x)) * up_proj(x)``.
+    """
+    i = x.shape[-1] // 2
+    return torch.mul(F.silu(x[..., :i], inplace=True), x[..., i:])

@@ -401,6 +401,7 @@ def run_server(args: argparse.Namespace) -> int:
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
                 device=None if args.device == "auto" else args.device,
+                num_threads=getattr(args, "num_threads", None),
                 attention_backend=getattr(args, "attention_backend", "auto"))
             llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:

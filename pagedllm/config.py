@@ -64,6 +64,7 @@ class ModelConfig:
     served_model_name: str
     load_format: str = "auto"
     seed: int = 0
+    quantization: Optional[str] = None  # a name in layers.quantization.QUANTIZATION_METHODS
 
     @property
     def architecture(self) -> str:
@@ -154,6 +155,7 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     enable_prefix_caching: bool = True
     device: Optional[str] = None
+    quantization: Optional[str] = None
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -178,6 +180,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        from pagedllm.layers.quantization import get_quantization_config
+
+        get_quantization_config(self.quantization)  # raises ValueError for an unknown name
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
@@ -190,6 +195,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
             load_format=self.load_format,
             seed=self.seed,
+            quantization=None if self.quantization == "none" else self.quantization,
         )
         return EngineConfig(
             model_config=model_config,

@@ -35,6 +35,8 @@ class LLM:
         seed: seed of the global random state (unseeded sampling).
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
+        quantization: None, or "int8" (W8A8: int8 weights per output channel, int8 activations per
+            token, int32 matmuls; see ``layers/quantization/int8.py``).
 
     Raises:
         ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.
@@ -44,14 +46,15 @@ class LLM:
                  max_model_len: Optional[int] = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
-                 load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None) -> None:
+                 load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
+                 quantization: Optional[str] = None) -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
-                          device=device)
+                          device=device, quantization=quantization)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):

@@ -99,11 +99,11 @@ class LLMEngine:
         kv_bytes = num_blocks * per_block * self.config.parallel_config.tensor_parallel_size
         logger.info(
             "model=%s arch=%s dtype=%s device=%s tp=%d | KV cache: %d blocks x %d tokens = %.1f MiB | "
-            "max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB | prefix caching %s",
+            "max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB%s | prefix caching %s",
             mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), self.config.device,
             self.config.parallel_config.tensor_parallel_size, num_blocks, cc.block_size, kv_bytes / 2**20,
             mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,
-            "on" if cc.enable_prefix_caching else "off")
+            f" ({mc.quantization})" if mc.quantization else "", "on" if cc.enable_prefix_caching else "off")
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

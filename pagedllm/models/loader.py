@@ -7,10 +7,14 @@ import json
 import os
 from typing import Any, Iterator
 
+import logging
+
 import torch
 from safetensors import safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_rank
+from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
 from pagedllm.models.registry import get_model_class
 
 
@@ -39,8 +43,12 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
+logger = logging.getLogger("pagedllm")
+
+
 def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
-    """Instantiate the registered architecture on ``device`` in ``model_config.dtype`` and load it."""
+    """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, load it,
+    then let each layer's linear method process its weights (e.g. quantize them to int8)."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
     with torch.device(device):
         model = cls(model_config.hf_config, model_config.dtype)
@@ -54,4 +62,11 @@ def load_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
                 p.data.copy_(torch.empty(p.shape).uniform_(-0.02, 0.02, generator=gen).to(p.dtype))
     else:
         model.load_weights(iterate_weights(model_config.model))
+    quant_config = get_quantization_config(model_config.quantization)
+    report = process_weights_after_loading(model, quant_config)
+    model.quantization_report = report
+    if quant_config is not None and get_tp_rank() == 0:
+        logger.info("quantization=%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
+                    report.method, report.num_quantized, report.bytes_before / 2**20, report.bytes_after / 2**20,
+                    report.bytes_saved / 2**20)
     return model.eval()

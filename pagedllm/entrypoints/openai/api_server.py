@@ -326,7 +326,8 @@ def run_server(args: argparse.Namespace) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
-                device=None if args.device == "auto" else args.device)
+                device=None if args.device == "auto" else args.device,
+                quantization=getattr(args, "quantization", None))
             llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:
             return 0

@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,memory,profile,prefix-caching}``.
+"""``pagedllm bench {throughput,serve,memory,profile,prefix-caching,quantization}``.
 
 ``pagedllm/entrypoints/cli.py`` calls ``register_subparser``; ``python -m pagedllm.benchmarks.cli``
 runs the same commands without it.
@@ -20,6 +20,8 @@ COMMANDS = {
     "profile": ("pagedllm.benchmarks.profile", "where the time of one decode step goes"),
     "prefix-caching": ("pagedllm.benchmarks.prefix_caching",
                        "shared-prefix workload: TTFT and throughput with prefix caching on vs off"),
+    "quantization": ("pagedllm.benchmarks.quantization",
+                     "int8 (W8A8) vs fp32: held-out perplexity, greedy agreement, matmul speed, throughput"),
 }
 
 

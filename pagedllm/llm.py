@@ -35,8 +35,9 @@ class LLM:
         seed: seed of the global random state (unseeded sampling).
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
-        quantization: None, or "int8" (W8A8: int8 weights per output channel, int8 activations per
-            token, int32 matmuls; see ``layers/quantization/int8.py``).
+        quantization: None, "int8" (W8A8: int8 weights per output channel, int8 activations per
+            token and group of 64 features, int32 matmuls; see ``layers/quantization/int8.py``) or
+            "int8-per-token" (one activation scale per token).
 
     Raises:
         ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.

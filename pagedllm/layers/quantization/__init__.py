@@ -1,6 +1,6 @@
 """Quantization methods by name (``--quantization``), and the post-load step of the loader.
 
-    QUANTIZATION_METHODS: name -> QuantizationConfig class ("int8")
+    QUANTIZATION_METHODS: name -> QuantizationConfig factory ("int8", "int8-per-token")
     get_quantization_config(name) -> config, or None for None / "none"
     process_weights_after_loading(model, config): bind each layer's method to its name, then let
         every method fix up its weights; returns a QuantizationReport.
@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -16,7 +17,10 @@ from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConf
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config}
+QUANTIZATION_METHODS: dict[str, Callable[[], QuantizationConfig]] = {
+    "int8": Int8Config,  # activation scales per token and per group of 64 features
+    "int8-per-token": partial(Int8Config, act_group_size=0),  # one activation scale per token
+}
 
 
 def get_quantization_config(name: Optional[str]) -> Optional[QuantizationConfig]:

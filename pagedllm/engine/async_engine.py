@@ -69,7 +69,8 @@ class AsyncLLM:
     """Thread-backed async wrapper of an ``LLMEngine``.
 
     ``on_outputs(outputs)`` and ``on_abort(request_id)``, if given, are called from the engine
-    thread (used by the Prometheus metrics).
+    thread (used by the Prometheus metrics); so is ``on_step(engine, stepped)``, after every step
+    (``stepped`` True) and before the loop idles (False), between steps (used by the dashboard).
     """
 
     def __init__(self, engine: LLMEngine,
@@ -78,6 +79,7 @@ class AsyncLLM:
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_abort = on_abort
+        self.on_step: Optional[Callable[[LLMEngine, bool], None]] = None
         self._lock = threading.Lock()
         self._new: list[tuple[str, Any, SamplingParams, float]] = []
         self._aborts: list[str] = []
@@ -210,6 +212,7 @@ class AsyncLLM:
                     break
                 if not self.engine.has_unfinished_requests():
                     self.snapshot = self._take_snapshot()
+                    self._notify_step(False)
                     self._wake.wait(_HEALTH_CHECK_INTERVAL_S)
                     if time.monotonic() - last_health >= _HEALTH_CHECK_INTERVAL_S:
                         last_health = time.monotonic()
@@ -217,6 +220,7 @@ class AsyncLLM:
                     continue
                 outputs = self.engine.step()
                 self.snapshot = self._take_snapshot()
+                self._notify_step(True)
                 if outputs:
                     if self.on_outputs is not None:
                         try:
@@ -229,6 +233,17 @@ class AsyncLLM:
             self._mark_dead(f"engine loop died: {type(e).__name__}: {e}")
             return
         self._mark_dead("the engine is shutting down", errored=False)
+
+    def _notify_step(self, stepped: bool) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, stepped)
+            except Exception:  # noqa: BLE001 - the dashboard must never stop serving
+                logger.exception("step hook failed")
+
+    def wake(self) -> None:
+        """Make the engine loop run one iteration now (e.g. to take a snapshot while idle)."""
+        self._wake.set()
 
     def _mark_dead(self, reason: str, errored: bool = True) -> None:
         """Fail every pending request; with ``errored`` /health turns 503."""

@@ -29,9 +29,9 @@ PromptType = Union[str, list[int], dict]
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from pagedllm.models.checkpoint import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def _generation_eos_ids(model_path: str) -> set[int]:

@@ -66,10 +66,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool) -> None:
+    """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block)."""
+
+    def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
+                 mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, backend, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
+                                                        getattr(config, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -95,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm) for _ in range(config.num_hidden_layers)])
+            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype))
+             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", False):
@@ -110,6 +115,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
+
+    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
+        """The feed-forward block of layer ``layer_idx``; None builds the dense SwiGLU MLP (MoE
+        families return their sparse block here)."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load (checkpoint name, tensor or safetensors slice) pairs; returns the parameter names

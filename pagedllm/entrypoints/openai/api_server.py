@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (``build_app``) and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /version, /metrics,
-/tokenize, /detokenize. With an API key, every /v1/* route needs ``Authorization: Bearer KEY``.
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (+ GET/DELETE/cancel by
+id), /health, /version, /metrics, /tokenize, /detokenize, /dashboard (and its data under
+/dashboard/api). With an API key, every /v1/* and /dashboard/api/* route needs ``Authorization: Bearer KEY``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -29,17 +30,22 @@ from starlette.responses import JSONResponse, Response
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_KEYED_PATHS = ("/v1", "/dashboard/api")  # routes that need the API key (the dashboard page itself holds no data)
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                  503: "service_unavailable"}
@@ -74,7 +80,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.expected_auth is not None and scope["path"].startswith("/v1"):
+        if self.expected_auth is not None and scope["path"].startswith(_KEYED_PATHS):
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected_auth):
                 resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
@@ -150,19 +156,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
+              dashboard: bool = True) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
-    shutdown also stops the engine."""
+    shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
+    responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard."""
     served = served_model_name or llm.model_config.served_model_name
     metrics = ServerMetrics(lambda: llm.snapshot, served)
     llm.on_outputs = metrics.record_outputs
     llm.on_abort = metrics.record_abort
     completions = OpenAIServingCompletion(llm, served, chat_template)
     chat = OpenAIServingChat(llm, served, chat_template)
+    responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        history = getattr(app.state, "dashboard_history", None)
+        if history is not None:
+            history.stop()
         if shutdown_engine:
             llm.shutdown()
 
@@ -224,6 +236,22 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         return await chat.create_chat_completion(body, raw_request)
 
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request):
+        return await responses.create(body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         chat.check_model(body.model)
@@ -245,6 +273,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
             raise RequestError(f"token ids must be integers in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens)).model_dump()
 
+    if dashboard:
+        add_dashboard(app, llm, metrics)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
 
@@ -306,7 +336,11 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     host = args.host
     try:
+        store = ResponseStore(args.max_stored_responses, args.stored_response_ttl)
         sock = _bind(host, args.port)
+    except ValueError as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"pagedllm serve: error: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -327,7 +361,8 @@ def run_server(args: argparse.Namespace) -> int:
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
                 device=None if args.device == "auto" else args.device,
-                quantization=getattr(args, "quantization", None))
+                quantization=getattr(args, "quantization", None),
+                attention_backend=getattr(args, "attention_backend", "auto"))
             llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:
             return 0
@@ -335,10 +370,12 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
 
-        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes)
+        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
+                        response_store=store, dashboard=args.dashboard)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
         server = uvicorn.Server(config)
+        app.state.uvicorn_server = server  # long-lived streams (the dashboard) end when it stops
         shown_host = host if ":" not in host else f"[{host}]"
         url = f"http://{shown_host}:{sock.getsockname()[1]}"
         logger.info("serving %s at %s (OpenAI API: %s/v1)%s", llm.model_config.served_model_name, url, url,

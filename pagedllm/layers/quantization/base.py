@@ -43,11 +43,11 @@ class LinearMethodBase(ABC):
     def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                            reduce_results: bool) -> torch.Tensor:
         """Row-parallel matmul (``x`` holds this rank's slice of the input features): the
-        partial products are summed over ranks when ``reduce_results``; the bias is added once,
-        after the sum."""
-        out = self.apply(layer, x)
-        if reduce_results:
-            out = tensor_model_parallel_all_reduce(out)
+        partial products are summed over ranks when ``reduce_results``, and the bias is added once,
+        after the sum; otherwise the caller sums them (e.g. an MoE block) and rank 0 adds the bias."""
+        if not reduce_results:
+            return self.apply(layer, x, bias if layer.tp_rank == 0 else None)
+        out = tensor_model_parallel_all_reduce(self.apply(layer, x))
         return out + bias if bias is not None else out
 
 

@@ -129,6 +129,8 @@ class Int8LinearMethod(LinearMethodBase):
 
     def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                            reduce_results: bool) -> torch.Tensor:
+        if not reduce_results and layer.tp_rank != 0:
+            bias = None  # the caller sums the ranks' outputs: the bias once, from rank 0
         return self._apply(layer, x, bias, parallel_input=True, reduce_results=reduce_results)
 
     def _apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor], parallel_input: bool,

@@ -38,8 +38,8 @@ class LLM:
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
         quantization: None, "int8" (W8A8: int8 weights per output channel, int8 activations per
-            token and group of 64 features, int32 matmuls; see ``layers/quantization/int8.py``) or
-            "int8-per-token" (one activation scale per token).
+            token, int32 matmuls; see ``layers/quantization/int8.py``) or "int8-g64" (activation
+            scales per token and group of 64 features: closer to fp32, slower prefill).
         attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
             "torch" (pure-PyTorch reference) or "cpu".
 

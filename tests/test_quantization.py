@@ -43,7 +43,10 @@ def int8_error_bound(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, group: 
 
 
 def make_linear(cls, *args, group: int = 64, **kw):
-    layer = cls(*args, quant_config=Int8Config(act_group_size=group), **kw)
+    """A layer built with an explicit int8 config (``layer.cfg``: pass it to the post-load step too)."""
+    cfg = Int8Config(act_group_size=group)
+    layer = cls(*args, quant_config=cfg, **kw)
+    layer.cfg = cfg
     assert isinstance(layer.quant_method, Int8LinearMethod)
     return layer
 
@@ -60,7 +63,7 @@ def test_int8_linear_within_derived_bound(m, k, n, group):
     layer = make_linear(ColumnParallelLinear, k, n, bias=True, group=group)
     layer.weight_loader(layer.weight, w)
     layer.bias.weight_loader(layer.bias, b)
-    process_weights_after_loading(layer, Int8Config())
+    process_weights_after_loading(layer, layer.cfg)
     assert layer.weight_q.dtype == torch.int8 and not hasattr(layer, "weight")
     y = layer(x)
     ref = x.double() @ w.double().t() + b.double()
@@ -111,7 +114,7 @@ def test_row_parallel_and_merged_layers_quantize():
     merged.weight_loader(merged.weight, w[:16], 0)
     merged.weight_loader(merged.weight, w[16:], 1)
     for layer in (row, merged):
-        process_weights_after_loading(layer, Int8Config())
+        process_weights_after_loading(layer, layer.cfg)
     bound = int8_error_bound(x, w, w.abs().amax(1) / 127, 64)
     assert ((row(x) - 1 - x @ w.t()).abs() <= bound).all()
     assert ((merged(x) - x @ w.t()).abs() <= bound).all()
@@ -165,7 +168,7 @@ def test_q8_0_requantizes_within_bound_and_keeps_uniform_rows_exact():
 
     layer = make_linear(ColumnParallelLinear, 128, 24)
     set_q8_0_weight(layer, raw)
-    process_weights_after_loading(layer, Int8Config())  # keeps the Q8_0-derived weights
+    process_weights_after_loading(layer, layer.cfg)  # keeps the Q8_0-derived weights
     assert torch.equal(layer.weight_scale, scale)
     x = torch.randn(5, 128, generator=g)
     bound = int8_error_bound(x, deq, scale, 64)
@@ -205,7 +208,7 @@ def test_int8_model_batch_invariant_with_chunking_preemption_prefix_caching(llam
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int8-per-token"])
+@pytest.mark.parametrize("quantization", ["int8", "int8-g64"])
 def test_int8_close_to_float(llama_dir, quantization):
     """Int8 logprobs of the prompt tokens stay near the float ones (tiny random model, logprobs
     around -7: a loose sanity bound, mean error < 1 % of the mean |logprob|; the quality figures
@@ -251,7 +254,7 @@ def test_int8_on_cuda(dtype):
         layer = make_linear(ColumnParallelLinear, 576, 960, dtype=dtype)
     w = torch.randn(960, 576, device="cuda") * 0.05
     layer.weight_loader(layer.weight, w)
-    process_weights_after_loading(layer, Int8Config())
+    process_weights_after_loading(layer, layer.cfg)
     x = torch.randn(48, 576, device="cuda", dtype=dtype)
     y = layer(x)
     assert y.dtype == dtype

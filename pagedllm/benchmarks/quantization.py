@@ -7,7 +7,7 @@
   ``prompt_logprobs`` (token i scored given tokens < i of its window); and the mean position where
   the greedy output of each of 20 chat prompts (plain prompts when the tokenizer has no chat
   template) first differs from fp32 (``--max-tokens`` when it never does). Runs fp32, int8,
-  int8-per-token, and int8 with the LM head left in float.
+  int8-g64, and int8 with the LM head left in float.
 - ``matmul``: time of ``y = x W^T`` at decode shapes (``--rows`` tokens x the model's linear
   layers): fp32 ``F.linear`` vs the int8 method's ``apply`` (per-token quantization + ``_int_mm``
   + scales) vs ``_int_mm`` alone; the per-token quantization is timed on its own too.
@@ -44,7 +44,7 @@ PLAIN_PROMPTS = [
     "GLOUCESTER:", "To be, or not", "O Romeo, Romeo,", "Now is the winter", "My lord,", "Good morrow,",
     "What say you", "The king is", "Come, come,", "I pray thee", "Farewell,", "Alas, poor", "Friends, Romans,",
 ]
-MODES = {"fp32": None, "int8": "int8", "int8-per-token": "int8-per-token", "int8-head-fp32": "int8-head-fp32"}
+MODES = {"fp32": None, "int8": "int8", "int8-g64": "int8-g64", "int8-head-fp32": "int8-head-fp32"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default: the bundled demo model")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--dtype", default="auto")
-    g.add_argument("--quantization", default=None, choices=["int8", "int8-per-token"],
+    g.add_argument("--quantization", default=None, choices=["int8", "int8-g64"],
                    help="pagedllm only: int8 = W8A8")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest request of the workload (throughput) / the model's (memory)")

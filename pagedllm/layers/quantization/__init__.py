@@ -1,6 +1,6 @@
 """Quantization methods by name (``--quantization``), and the post-load step of the loader.
 
-    QUANTIZATION_METHODS: name -> QuantizationConfig factory ("int8", "int8-per-token")
+    QUANTIZATION_METHODS: name -> QuantizationConfig factory ("int8", "int8-g64")
     get_quantization_config(name) -> config, or None for None / "none"
     process_weights_after_loading(model, config): bind each layer's method to its name, then let
         every method fix up its weights; returns a QuantizationReport.
@@ -18,8 +18,8 @@ from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 QUANTIZATION_METHODS: dict[str, Callable[[], QuantizationConfig]] = {
-    "int8": Int8Config,  # activation scales per token and per group of 64 features
-    "int8-per-token": partial(Int8Config, act_group_size=0),  # one activation scale per token
+    "int8": Int8Config,  # one activation scale per token
+    "int8-g64": partial(Int8Config, act_group_size=64),  # per token and per group of 64 features
 }
 
 

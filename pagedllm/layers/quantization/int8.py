@@ -1,5 +1,5 @@
 """W8A8 int8 linear layers: symmetric int8 weights per output channel, activations quantized per
-token (row; by default per group of 64 features within the row, see ``Int8Config``) on the fly,
+token (row; optionally per group of features within the row, see ``Int8Config``) on the fly,
 ``int8 x int8 -> int32`` matmul (``torch._int_mm``), scales applied once after each matmul:
 
     x[i, :] ~ sx[i] * xq[i, :],   W[j, :] ~ sw[j] * wq[j, :],   y[i, j] = sx[i] * sw[j] * sum_k xq[i,k] wq[j,k]
@@ -90,9 +90,10 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def int8_weight_layout(q: torch.Tensor) -> torch.Tensor:
-    """int8 weight [n, k] -> the [k, n] operand ``int8_mm`` multiplies fastest: a contiguous copy
-    on a CPU (oneDNN), the transposed view (column-major, what cuBLAS int8 needs) on CUDA."""
-    return q.t() if q.device.type == "cuda" else q.t().contiguous()
+    """int8 weight [n, k] -> the [k, n] operand of ``int8_mm``: the transposed view (column-major).
+    cuBLASLt needs it; on a CPU it also ran faster than a contiguous [k, n] copy (1 thread,
+    k=576, n=3072: 0.55 vs 0.85 ms at m=48, 2.4 vs 7.8 ms at m=256)."""
+    return q.t()
 
 
 class Int8LinearMethod(LinearMethodBase):
@@ -180,15 +181,16 @@ class Int8Config(QuantizationConfig):
     """``--quantization int8``: every linear layer in W8A8 int8, the LM head too unless
     ``quantize_lm_head`` is False; layers whose name starts with a prefix in ``ignore`` stay float.
 
-    Activation scales are per token and per group of ``act_group_size`` = 64 input features (one
-    scale per row when 0, or when 64 does not divide k): on SmolLM2-135M one scale per row cost
-    +4.5 % held-out perplexity, groups of 64 +1.7 %, at the same matmul speed (benchmarks/README.md).
-    ``int8-per-token`` is the one-scale-per-row variant.
+    Activation scales are per token (row), or per token and per group of ``act_group_size``
+    input features (``int8-g64``; one scale per row when g does not divide k). On SmolLM2-135M one
+    scale per row cost +4.7 % held-out perplexity, groups of 64 +1.2 %; but k / 64 shallow int8
+    matmuls plus their float epilogues made a 1024-token prefill matmul ~8x slower
+    (benchmarks/README.md).
     """
 
     name = "int8"
 
-    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 64) -> None:
+    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 0) -> None:
         self.quantize_lm_head = quantize_lm_head
         self.ignore = tuple(ignore)
         self.act_group_size = act_group_size
@@ -207,4 +209,4 @@ class Int8Config(QuantizationConfig):
 
     def describe(self) -> str:
         acts = f"groups of {self.act_group_size}" if self.act_group_size else "per token"
-        return "{} (W8A8, activations {}, LM head {})".format(self.name, acts, "int8" if self.quantize_lm_head else "float")
+        return "int8 (W8A8, activations {}, LM head {})".format(acts, "int8" if self.quantize_lm_head else "float")

@@ -70,6 +70,7 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     dtype_reason: str = ""  # why ``dtype`` was chosen (start-up log)
+    quantization: Optional[str] = None  # a name in layers.quantization.QUANTIZATION_METHODS
     attention_backend: str = "auto"  # see layers/attention/selector.py
 
     @property
@@ -200,6 +201,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     device: Optional[str] = None
     num_threads: Optional[int] = None  # CPU threads; None: OMP_NUM_THREADS if set, else the physical cores
+    quantization: Optional[str] = None
     attention_backend: str = "auto"
     extra: dict = field(default_factory=dict)
 
@@ -229,6 +231,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        from pagedllm.layers.quantization import get_quantization_config
+
+        get_quantization_config(self.quantization)  # raises ValueError for an unknown name
         get_model_class(hf_config, max_model_len)  # an unsupported architecture fails here, before any loading
         from pagedllm.layers.attention.selector import CHOICES as attention_backends
 
@@ -258,6 +263,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
             load_format=self.load_format,
             seed=self.seed,
+            quantization=None if self.quantization == "none" else self.quantization,
             attention_backend=self.attention_backend,
         )
         return EngineConfig(

@@ -41,6 +41,9 @@ class LLM:
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
         num_threads: CPU threads (None: OMP_NUM_THREADS if set, else the physical cores).
+        quantization: None, "int8" (W8A8: int8 weights per output channel, int8 activations per
+            token, int32 matmuls; see ``layers/quantization/int8.py``) or "int8-g64" (activation
+            scales per token and group of 64 features: closer to fp32, slower prefill).
         attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
             "torch" (pure-PyTorch reference) or "cpu".
 
@@ -56,6 +59,7 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
                  load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
                  num_threads: Optional[int] = None,
+                 quantization: Optional[str] = None,
                  attention_backend: str = "auto") -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -63,7 +67,7 @@ class LLM:
                           kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
-                          device=device, num_threads=num_threads,
+                          device=device, num_threads=num_threads, quantization=quantization,
                           attention_backend=attention_backend)
         self.llm_engine = LLMEngine.from_engine_args(args)
 

@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,memory,profile,matmul,prefix-caching}``.
+"""``pagedllm bench {throughput,serve,memory,profile,matmul,prefix-caching,quantization}``.
 
 ``pagedllm/entrypoints/cli.py`` calls ``register_subparser``; ``python -m pagedllm.benchmarks.cli``
 runs the same commands without it.
@@ -22,6 +22,8 @@ COMMANDS = {
     "matmul": ("pagedllm.benchmarks.matmul", "float32 vs bfloat16 linear layers at decode shapes on this CPU"),
     "prefix-caching": ("pagedllm.benchmarks.prefix_caching",
                        "shared-prefix workload: TTFT and throughput with prefix caching on vs off"),
+    "quantization": ("pagedllm.benchmarks.quantization",
+                     "int8 (W8A8) vs fp32: held-out perplexity, greedy agreement, matmul speed, throughput"),
 }
 
 

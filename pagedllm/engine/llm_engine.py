@@ -105,11 +105,12 @@ class LLMEngine:
         threads = f" | threads {pc.num_threads} ({pc.num_threads_reason})" if pc.num_threads else ""
         logger.info(
             "model=%s arch=%s dtype=%s (%s) device=%s tp=%d | KV cache: %d blocks x %d tokens = %.1f MiB "
-            "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB | "
+            "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB%s | "
             "prefix caching %s%s",
             mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
             self.config.device, pc.tensor_parallel_size, num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
             mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,
+            f" ({mc.quantization})" if mc.quantization else "",
             "on" if cc.enable_prefix_caching else "off", threads)
 
     # ---- requests ------------------------------------------------------------------------

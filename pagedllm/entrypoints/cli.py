@@ -63,6 +63,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the model's shape (no weight files needed)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int8-g64", "none"],
+                   help="int8 = W8A8: int8 weights (per output channel) and activations (per token), int32 "
+                        "matmuls; int8-g64: activation scales per token and group of 64 features (closer to "
+                        "fp32, slower prefill); default: none")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import inspect
 import json
+import logging
 import os
 from typing import Any, Iterator
 
@@ -13,8 +14,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_rank
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
+from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
 from pagedllm.models.gguf import is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 
@@ -52,6 +55,9 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
+logger = logging.getLogger("pagedllm")
+
+
 def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape the config implies, from transformers' model built on the meta device
     (no memory). Our tensor-parallel loaders narrow what they read, so a matrix larger than the config
@@ -86,7 +92,8 @@ class _CheckedWeights:
 
 def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
-    attention backend ``model_config.attention_backend`` selects for it, and load its weights."""
+    attention backend ``model_config.attention_backend`` selects for it, load its weights,
+    then let each layer's linear method process them (e.g. quantize them to int8)."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
     backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
                                     head_dim=model_config.head_dim, block_size=block_size)
@@ -113,4 +120,11 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
             raise ValueError(f"cannot load {path}: {where}{one_line(e)}") from None
         except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
             raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None
+    quant_config = get_quantization_config(model_config.quantization)
+    report = process_weights_after_loading(model, quant_config)
+    model.quantization_report = report
+    if quant_config is not None and get_tp_rank() == 0:
+        logger.info("quantization=%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
+                    report.method, report.num_quantized, report.bytes_before / 2**20, report.bytes_after / 2**20,
+                    report.bytes_saved / 2**20)
     return model.eval()

@@ -402,6 +402,7 @@ def run_server(args: argparse.Namespace) -> int:
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
                 device=None if args.device == "auto" else args.device,
                 num_threads=getattr(args, "num_threads", None),
+                quantization=getattr(args, "quantization", None),
                 attention_backend=getattr(args, "attention_backend", "auto"))
             llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:

@@ -99,3 +99,92 @@ def test_selector_names_and_refusals():
                       TorchPagedAttention)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         get_attention_backend("flash", device="cpu", dtype=torch.float32, head_dim=64, block_size=16)
+
+
+# ---- the compiled CPU kernel against the reference ----
+
+def _kernel():
+    from pagedllm.layers.attention.cpu_kernel import CpuPagedAttention, load_kernel
+
+    lib, err = load_kernel()
+    if lib is None:
+        pytest.skip(f"cpu paged-attention kernel cannot be built here: {err}")
+    return CpuPagedAttention()
+
+
+def _random_seqs(rng: random.Random, n_decode: int, n_prefill: int, max_ctx: int) -> list[tuple[int, int]]:
+    decodes = [(rng.randrange(0, max_ctx), 1) for _ in range(n_decode)]
+    prefills = [(rng.choice([0, rng.randrange(0, max_ctx)]), rng.randrange(2, 40)) for _ in range(n_prefill)]
+    return decodes + prefills
+
+
+def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None, tol=1e-5):
+    kernel = _kernel()
+    q, k, v, cache, meta, _, _ = make_batch(seqs, block_size, hkv, group, d, dtype, seed)
+    scale = d ** -0.5
+    ref_cache = cache.clone()
+    ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, scale, sliding_window=window,
+                                        logits_soft_cap=soft_cap)
+    out = kernel.forward(q, k, v, cache, meta, scale, sliding_window=window, logits_soft_cap=soft_cap)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(cache, ref_cache)  # both wrote the new K/V to the same slots
+    # Relative error of each output row (one query, one head), the largest over the batch: both
+    # are ~6e-7 from a float64 oracle in fp32 (an element-wise ratio is noise near zero).
+    diff = (out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+    err = diff.max().item()
+    assert err <= tol, f"max row relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("block_size,hkv,group,seed", [
+    (1, 1, 1, 0), (2, 2, 8, 1), (7, 3, 3, 2), (16, 2, 4, 3), (32, 1, 5, 4), (16, 4, 2, 5), (3, 8, 1, 6)])
+def test_kernel_matches_reference_mixed_batch(block_size, hkv, group, seed):
+    """Randomized block tables; decodes and chunked prefills (with and without a cached prefix)."""
+    rng = random.Random(seed)
+    seqs = _random_seqs(rng, rng.randrange(1, 9), rng.randrange(0, 4), max_ctx=200)
+    _compare(seqs, block_size, hkv, group, d=32, dtype=torch.float32, seed=seed)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(16, None), (None, 20.0), (33, 50.0), (1, None)])
+def test_kernel_sliding_window_and_soft_cap(window, soft_cap):
+    rng = random.Random(7)
+    seqs = _random_seqs(rng, 6, 3, max_ctx=120)
+    _compare(seqs, 8, 2, 3, d=64, dtype=torch.float32, seed=11, window=window, soft_cap=soft_cap)
+
+
+def test_kernel_long_contexts():
+    """Contexts from 1 to 4,096 tokens, a 1,000-token prefill over a 3,000-token prefix."""
+    seqs = [(0, 1), (4095, 1), (2047, 1), (3000, 1000), (0, 300)]
+    _compare(seqs, 16, 2, 4, d=64, dtype=torch.float32, seed=5)
+    _compare(seqs[:3], 32, 1, 8, d=128, dtype=torch.float32, seed=6, window=512)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (24, 30.0)])
+def test_kernel_bf16(window, soft_cap):
+    """bf16 q and cache, fp32 accumulation. The reference runs SDPA in bf16 and both round the output
+    to bf16 (relative step 2^-8), so the bound is a few bf16 steps: 2e-2."""
+    rng = random.Random(9)
+    seqs = _random_seqs(rng, 5, 2, max_ctx=150)
+    _compare(seqs, 16, 3, 3, d=64, dtype=torch.bfloat16, seed=9, window=window, soft_cap=soft_cap, tol=2e-2)
+
+
+def test_kernel_rejects_bad_layouts():
+    from pagedllm.layers.attention.cpu_kernel import paged_attention
+
+    _kernel()
+    q, k, v, cache, meta, _, _ = make_batch([(3, 1), (0, 4)], 4, 2, 2, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="q must be a contiguous"):
+        paged_attention(torch.empty_like(q), q.transpose(0, 1), cache, meta, 0.25)
+    meta.block_tables = meta.block_tables.long()
+    with pytest.raises(ValueError, match="block_tables must be"):
+        paged_attention(torch.empty_like(q), q, cache, meta, 0.25)
+
+
+def test_selector_auto_picks_kernel_on_cpu_and_refuses_cuda():
+    _kernel()
+    setup = dict(dtype=torch.float32, head_dim=64, block_size=16)
+    assert get_attention_backend("auto", device="cpu", **setup).name == "cpu"
+    assert get_attention_backend("auto", device="cuda", **setup).name == "torch"
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        get_attention_backend("cpu", device="cuda", **setup)
+    with pytest.raises(ValueError, match="float16 is not float32 or bfloat16"):
+        get_attention_backend("cpu", device="cpu", dtype=torch.float16, head_dim=64, block_size=16)

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from pagedllm.layers.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
+from pagedllm.layers.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend, write_kv
+from pagedllm.layers.attention.cpu_kernel import paged_attention
 
 
 def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, group: int, d: int, dtype, seed: int):
@@ -125,7 +126,9 @@ def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap
     ref_cache = cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, scale, sliding_window=window,
                                         logits_soft_cap=soft_cap)
-    out = kernel.forward(q, k, v, cache, meta, scale, sliding_window=window, logits_soft_cap=soft_cap)
+    # The kernel alone on every sequence (the backend sends long prefill chunks to the reference).
+    write_kv(k, v, cache, meta.slot_mapping)
+    out = paged_attention(torch.empty_like(q), q, cache, meta, scale, window, soft_cap)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.equal(cache, ref_cache)  # both wrote the new K/V to the same slots
     # Relative error of each output row (one query, one head), the largest over the batch: both
@@ -167,9 +170,18 @@ def test_kernel_bf16(window, soft_cap):
     _compare(seqs, 16, 3, 3, d=64, dtype=torch.bfloat16, seed=9, window=window, soft_cap=soft_cap, tol=2e-2)
 
 
-def test_kernel_rejects_bad_layouts():
-    from pagedllm.layers.attention.cpu_kernel import paged_attention
+def test_backend_routes_long_prefills_to_reference():
+    """The cpu backend: kernel for decodes and short chunks, SDPA for chunks over LONG_PREFILL."""
+    kernel = _kernel()
+    seqs = [(30, 1), (0, 1), (50, kernel.LONG_PREFILL + 1), (10, 5), (0, 2 * kernel.LONG_PREFILL)]
+    q, k, v, cache, meta, fk, fv = make_batch(seqs, 8, 2, 4, 32, torch.float32, seed=4)
+    for window, cap in [(None, None), (40, 10.0)]:
+        out = kernel.forward(q, k, v, cache.clone(), meta, 0.2, sliding_window=window, logits_soft_cap=cap)
+        ref = dense_attention(q, seqs, fk, fv, 0.2, window, cap)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
+
+def test_kernel_rejects_bad_layouts():
     _kernel()
     q, k, v, cache, meta, _, _ = make_batch([(3, 1), (0, 4)], 4, 2, 2, 16, torch.float32, seed=1)
     with pytest.raises(ValueError, match="q must be a contiguous"):

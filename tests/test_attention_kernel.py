@@ -4,7 +4,7 @@ cap), and the compiled CPU kernel equals the torch reference, on random block ta
 1-32, GQA ratios 1-8, contexts up to 4,096 tokens, decodes and chunked prefills in one batch."""
 from __future__ import annotations
 
-import math
+import logging
 import random
 
 import pytest
@@ -202,7 +202,7 @@ def test_selector_auto_picks_kernel_on_cpu_and_refuses_cuda():
         get_attention_backend("cpu", device="cpu", dtype=torch.float16, head_dim=64, block_size=16)
 
 
-def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path, caplog):
+def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path):
     """No compiler: the build fails with a reason, and auto logs it once and runs the reference."""
     from pagedllm.layers.attention import cpu_kernel
 
@@ -212,10 +212,20 @@ def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path, c
         cpu_kernel._build()
     monkeypatch.setattr(cpu_kernel, "_lib", None)
     monkeypatch.setattr(cpu_kernel, "_error", "RuntimeError: no C++ compiler found")
-    with caplog.at_level("INFO", logger="pagedllm"):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # the pagedllm logger may not propagate to caplog
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
         backend = get_attention_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, block_size=16)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     assert backend.name == "torch"
-    lines = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
+    lines = [r.getMessage() for r in records if "attention backend" in r.getMessage()]
     assert lines == ["attention backend: torch (cpu: the kernel could not be built or loaded "
                      "(RuntimeError: no C++ compiler found))"]
 

@@ -121,9 +121,10 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
                          f"query_start_loc {tuple(qsl.shape)}, block_size {meta.block_size}")
     fn = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
-    fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
-       sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0),
-       float(logits_soft_cap or 0.0), int(max_query_len))
+    with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
+        fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), bt.data_ptr(),
+           bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0),
+           float(logits_soft_cap or 0.0), int(max_query_len))
     return out
 
 

@@ -355,7 +355,7 @@ class MultiprocExecutor(Executor):
         results = self._call("determine_kv_budget")
         budgets = [b for b, _ in results]
         cc = self.config.cache_config
-        if self.config.device == "cpu" and cc.kv_cache_memory is None:
+        if self.config.device == "cpu" and cc.kv_cache_memory is None and cc.cpu_kv_cache_space is None:
             # All ranks share this host's RAM: each computed (limit - own RSS); split what is left.
             limit = int(physical_memory_bytes() * cc.gpu_memory_utilization)
             used = sum(limit - b for b in budgets)

@@ -19,9 +19,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.layers.rotary_embedding import RotaryEmbedding
 
 LONGROPE_TYPES = ("longrope", "su")  # "su" is the name older Phi-3 configs use
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim (transformers' ``rotate_half``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class PartialRotaryEmbedding(nn.Module):
@@ -43,7 +48,7 @@ class PartialRotaryEmbedding(nn.Module):
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        rot = rot * cos + RotaryEmbedding._rotate_half(rot) * sin
+        rot = rot * cos + _rotate_half(rot) * sin
         return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

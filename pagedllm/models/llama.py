@@ -68,9 +68,12 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cos_sin is None:
-            cos_sin = self.rotary_emb.cos_sin(positions)
-        q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)  # in place
+        if isinstance(self.rotary_emb, RotaryEmbedding):
+            if cos_sin is None:
+                cos_sin = self.rotary_emb.cos_sin(positions)
+            q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)  # in place
+        else:  # a model's own RoPE variant (Phi-3's LongRoPE): rotates on its own
+            q, k = self.rotary_emb(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, -1))
 
@@ -156,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions)  # once per step, shared by the layers
+        # once per step, shared by the layers (a model with its own RoPE variant rotates per layer)
+        cos_sin = self.rotary_emb.cos_sin(positions) if isinstance(self.rotary_emb, RotaryEmbedding) else None
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta, cos_sin)

@@ -55,6 +55,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         attn = self.layers[0].self_attn
         rotary = get_phi3_rope(attn.head_dim, config.max_position_embeddings, rope, dtype,
                                max_model_len or config.max_position_embeddings)
+        self.rotary_emb = rotary
         for layer in self.layers:
             layer.self_attn.rotary_emb = rotary
 

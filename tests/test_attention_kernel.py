@@ -4,13 +4,14 @@ cap), and the compiled CPU kernel equals the torch reference, on random block ta
 1-32, GQA ratios 1-8, contexts up to 4,096 tokens, decodes and chunked prefills in one batch."""
 from __future__ import annotations
 
-import math
+import logging
 import random
 
 import pytest
 import torch
 
-from pagedllm.layers.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend
+from pagedllm.layers.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend, write_kv
+from pagedllm.layers.attention.cpu_kernel import paged_attention
 
 
 def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, group: int, d: int, dtype, seed: int):
@@ -99,3 +100,158 @@ def test_selector_names_and_refusals():
                       TorchPagedAttention)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         get_attention_backend("flash", device="cpu", dtype=torch.float32, head_dim=64, block_size=16)
+
+
+# ---- the compiled CPU kernel against the reference ----
+
+def _kernel():
+    from pagedllm.layers.attention.cpu_kernel import CpuPagedAttention, load_kernel
+
+    lib, err = load_kernel()
+    if lib is None:
+        pytest.skip(f"cpu paged-attention kernel cannot be built here: {err}")
+    return CpuPagedAttention()
+
+
+def _random_seqs(rng: random.Random, n_decode: int, n_prefill: int, max_ctx: int) -> list[tuple[int, int]]:
+    decodes = [(rng.randrange(0, max_ctx), 1) for _ in range(n_decode)]
+    prefills = [(rng.choice([0, rng.randrange(0, max_ctx)]), rng.randrange(2, 40)) for _ in range(n_prefill)]
+    return decodes + prefills
+
+
+def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None, tol=1e-5):
+    kernel = _kernel()
+    q, k, v, cache, meta, _, _ = make_batch(seqs, block_size, hkv, group, d, dtype, seed)
+    scale = d ** -0.5
+    ref_cache = cache.clone()
+    ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, scale, sliding_window=window,
+                                        logits_soft_cap=soft_cap)
+    # The kernel alone on every sequence (the backend sends long prefill chunks to the reference).
+    write_kv(k, v, cache, meta.slot_mapping)
+    out = paged_attention(torch.empty_like(q), q, cache, meta, scale, window, soft_cap)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(cache, ref_cache)  # both wrote the new K/V to the same slots
+    # Relative error of each output row (one query, one head), the largest over the batch: both
+    # are ~6e-7 from a float64 oracle in fp32 (an element-wise ratio is noise near zero).
+    diff = (out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+    err = diff.max().item()
+    assert err <= tol, f"max row relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("block_size,hkv,group,seed", [
+    (1, 1, 1, 0), (2, 2, 8, 1), (7, 3, 3, 2), (16, 2, 4, 3), (32, 1, 5, 4), (16, 4, 2, 5), (3, 8, 1, 6)])
+def test_kernel_matches_reference_mixed_batch(block_size, hkv, group, seed):
+    """Randomized block tables; decodes and chunked prefills (with and without a cached prefix)."""
+    rng = random.Random(seed)
+    seqs = _random_seqs(rng, rng.randrange(1, 9), rng.randrange(0, 4), max_ctx=200)
+    _compare(seqs, block_size, hkv, group, d=32, dtype=torch.float32, seed=seed)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(16, None), (None, 20.0), (33, 50.0), (1, None)])
+def test_kernel_sliding_window_and_soft_cap(window, soft_cap):
+    rng = random.Random(7)
+    seqs = _random_seqs(rng, 6, 3, max_ctx=120)
+    _compare(seqs, 8, 2, 3, d=64, dtype=torch.float32, seed=11, window=window, soft_cap=soft_cap)
+
+
+def test_kernel_long_contexts():
+    """Contexts from 1 to 4,096 tokens, a 1,000-token prefill over a 3,000-token prefix."""
+    seqs = [(0, 1), (4095, 1), (2047, 1), (3000, 1000), (0, 300)]
+    _compare(seqs, 16, 2, 4, d=64, dtype=torch.float32, seed=5)
+    _compare(seqs[:3], 32, 1, 8, d=128, dtype=torch.float32, seed=6, window=512)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (24, 30.0)])
+def test_kernel_bf16(window, soft_cap):
+    """bf16 q and cache, fp32 accumulation. The reference runs SDPA in bf16 and both round the output
+    to bf16 (relative step 2^-8), so the bound is a few bf16 steps: 2e-2."""
+    rng = random.Random(9)
+    seqs = _random_seqs(rng, 5, 2, max_ctx=150)
+    _compare(seqs, 16, 3, 3, d=64, dtype=torch.bfloat16, seed=9, window=window, soft_cap=soft_cap, tol=2e-2)
+
+
+def test_backend_routes_long_prefills_to_reference():
+    """The cpu backend: kernel for decodes and short chunks, SDPA for chunks over LONG_PREFILL."""
+    kernel = _kernel()
+    seqs = [(30, 1), (0, 1), (50, kernel.LONG_PREFILL + 1), (10, 5), (0, 2 * kernel.LONG_PREFILL)]
+    q, k, v, cache, meta, fk, fv = make_batch(seqs, 8, 2, 4, 32, torch.float32, seed=4)
+    for window, cap in [(None, None), (40, 10.0)]:
+        out = kernel.forward(q, k, v, cache.clone(), meta, 0.2, sliding_window=window, logits_soft_cap=cap)
+        ref = dense_attention(q, seqs, fk, fv, 0.2, window, cap)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rejects_bad_layouts():
+    _kernel()
+    q, k, v, cache, meta, _, _ = make_batch([(3, 1), (0, 4)], 4, 2, 2, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="q must be a contiguous"):
+        paged_attention(torch.empty_like(q), q.transpose(0, 1), cache, meta, 0.25)
+    meta.block_tables = meta.block_tables.long()
+    with pytest.raises(ValueError, match="block_tables must be"):
+        paged_attention(torch.empty_like(q), q, cache, meta, 0.25)
+
+
+def test_selector_auto_picks_kernel_on_cpu_and_refuses_cuda():
+    _kernel()
+    setup = dict(dtype=torch.float32, head_dim=64, block_size=16)
+    assert get_attention_backend("auto", device="cpu", **setup).name == "cpu"
+    assert get_attention_backend("auto", device="cuda", **setup).name == "torch"
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        get_attention_backend("cpu", device="cuda", **setup)
+    with pytest.raises(ValueError, match="float16 is not float32 or bfloat16"):
+        get_attention_backend("cpu", device="cpu", dtype=torch.float16, head_dim=64, block_size=16)
+
+
+def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path):
+    """No compiler: the build fails with a reason, and auto logs it once and runs the reference."""
+    from pagedllm.layers.attention import cpu_kernel
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    with pytest.raises(Exception):
+        cpu_kernel._build()
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_error", "RuntimeError: no C++ compiler found")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # the pagedllm logger may not propagate to caplog
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        backend = get_attention_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, block_size=16)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert backend.name == "torch"
+    lines = [r.getMessage() for r in records if "attention backend" in r.getMessage()]
+    assert lines == ["attention backend: torch (cpu: the kernel could not be built or loaded "
+                     "(RuntimeError: no C++ compiler found))"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_backends_agree(llama_dir, dtype):
+    """The engine with --attention-backend cpu and torch: same greedy tokens (fp32: equal, as both
+    equal transformers in test_correctness; bf16: logprobs close), pools empty again."""
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
+
+    _kernel()
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(6, 500) for _ in range(n)]} for n in (1, 9, 40, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(llama_dir, dtype=dtype, attention_backend=backend, block_size=4, max_model_len=256,
+                  kv_cache_memory=4 << 20, max_num_batched_tokens=64)
+        assert llm.llm_engine.executor.runner.model.layers[0].self_attn.backend.name == backend
+        outs[backend] = llm.generate(prompts, params, use_tqdm=False)
+        assert_pool_empty(llm)
+    for a, b in zip(outs["cpu"], outs["torch"]):
+        if dtype == "float32":
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        n = len(la) if dtype == "float32" else 1  # bf16 may diverge after the first token
+        assert la[:n] == pytest.approx(lb[:n], abs=1e-4 if dtype == "float32" else 5e-2)

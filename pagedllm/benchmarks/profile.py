@@ -10,7 +10,7 @@ pure decode step of the whole batch. Over ``--steps`` decode steps the bench rep
    (K/V write + gather + SDPA), rotary, RMSNorm, the SwiGLU activation, the LM head, and the rest
    (residual adds, reshapes, Python between ops);
 3. a ``torch.profiler`` table of the top operators by self time, and the share of the step spent
-   outside any ATen operator (Python and framework overhead);
+   outside any ATen operator or pagedllm:: kernel (Python and framework overhead);
 4. the step's FLOPs and bytes (weights + K/V read) against this machine's measured square-GEMM
    FLOP/s and copy bandwidth: the floor the step could reach (the larger of the two).
 """
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
                 profiled = decode_steps(args.steps)
             ka = prof.key_averages()
             ops = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
-            aten_self = sum(e.self_cpu_time_total for e in ka if e.key.startswith("aten::")) / 1e6 / args.steps
+            aten_self = sum(e.self_cpu_time_total for e in ka if e.key.startswith(("aten::", "pagedllm::"))) / 1e6 / args.steps
             top_ops = [{"op": e.key, "calls_per_step": e.count / args.steps,
                         "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / args.steps} for e in ops[:25]]
             table = ka.table(sort_by="self_cpu_time_total", row_limit=30)

@@ -69,7 +69,7 @@ class TorchPagedAttention(AttentionBackend):
             o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap)
             out[:nd] = o.reshape(b, -1, d)
         for i, p in enumerate(meta.prefills):
-            out[p.query_start:p.query_end] = self._prefill(
+            out[p.query_start:p.query_end] = self.prefill(
                 q, k, v, flat_k if kv_cache is not None else None, flat_v if kv_cache is not None else None,
                 meta, nd + i, p, scale, sliding_window, logits_soft_cap)
         return out
@@ -86,9 +86,10 @@ class TorchPagedAttention(AttentionBackend):
         return meta.derived["torch.decode"]
 
     @staticmethod
-    def _prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
+    def prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
                  window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
-        """[T, H, D] for one prompt chunk, whose queries sit at positions seq_len - T .. seq_len - 1."""
+        """[T, H, D] for one prompt chunk (batch row ``row`` of ``meta``), whose queries sit at positions
+        seq_len - T .. seq_len - 1; flat_k/flat_v [num_slots, Hkv, D] are the cache (None: no cache)."""
         t = p.query_end - p.query_start
         h, d = q.shape[1:]
         hkv = k.shape[1]

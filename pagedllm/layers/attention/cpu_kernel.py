@@ -1,0 +1,171 @@
+"""Paged attention on the CPU through a small C++/OpenMP kernel (``paged_attention_cpu.cpp``) that
+reads K/V in place through the block table: no per-layer gather of the context, grouped-query
+attention without expanding K/V, online softmax over blocks, fp32 and bf16 (fp32 accumulation).
+
+The kernel is compiled on first use with the host's C++ compiler (``$CXX`` or g++, ``-O3
+-march=native -fopenmp``; a second or two) into ``$PAGEDLLM_CACHE_DIR`` (default
+``~/.cache/pagedllm/kernels``), keyed by the source, the flags and the CPU, and loaded with
+ctypes: it uses no torch headers, so it needs neither ninja nor a torch build requirement. Where
+it cannot be built (no compiler) the selector falls back to the torch reference and logs why.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagedllm.layers.attention.backend import AttentionBackend, write_kv
+from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.layers.attention.torch_backend import TorchPagedAttention
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 1024
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build() -> ctypes.CDLL:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cxx, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
+    lib_path = cache / f"paged_attention_cpu-{key}.so"
+    if not lib_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        # Build to a private name, then rename: concurrent builders (tensor-parallel ranks) are safe.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
+            os.replace(tmp, lib_path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(lib_path))
+    i32p, f32, i32, i64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int64
+    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32]
+    return lib
+
+
+def load_kernel() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """(library, None) once built and loaded, else (None, why not); tried once per process."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except Exception as e:  # noqa: BLE001 - any failure becomes the fallback's reason
+                _error = f"{type(e).__name__}: {e}"
+        return _lib, _error
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
+    """GUIDE plug point 5: the kernel reads raw pointers, so a layout mismatch must fail here."""
+    if t.device.type != "cpu" or t.dtype != dtype or t.dim() != ndim or not t.is_contiguous():
+        raise ValueError(f"cpu paged attention: {name} must be a contiguous {ndim}-d {dtype} CPU tensor, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device} (strides {t.stride()})")
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
+                    max_query_len: int = 0) -> torch.Tensor:
+    """out [N, H, D] <- attention of q [N, H, D] over the paged ``kv_cache``
+    [2, num_blocks, block_size, Hkv, D] for the sequences of ``meta``; the step's new K/V must
+    already be in the cache. Rows of sequences with more than ``max_query_len`` new tokens (when
+    > 0) are left untouched. Raises ValueError on a shape, dtype or layout mismatch."""
+    lib, err = load_kernel()
+    if lib is None:
+        raise RuntimeError(f"cpu paged-attention kernel unavailable: {err}")
+    n, h, d = q.shape
+    _, num_blocks, bs, hkv, d_cache = kv_cache.shape
+    _check(q, "q", q.dtype, 3)
+    _check(out, "out", q.dtype, 3)
+    _check(kv_cache, "kv_cache", q.dtype, 5)
+    bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
+    _check(bt, "block_tables", torch.int32, 2)
+    _check(sl, "seq_lens", torch.int32, 1)
+    _check(qsl, "query_start_loc", torch.int32, 1)
+    b = sl.shape[0]
+    if (d_cache != d or h % hkv or out.shape != q.shape or bs != meta.block_size or bt.shape[0] != b
+            or qsl.shape[0] != b + 1 or kv_cache.shape[0] != 2 or q.dtype not in SUPPORTED_DTYPES):
+        raise ValueError(f"cpu paged attention: inconsistent shapes q {tuple(q.shape)}, kv_cache "
+                         f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
+                         f"query_start_loc {tuple(qsl.shape)}, block_size {meta.block_size}")
+    fn = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
+    with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
+        fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), bt.data_ptr(),
+           bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0),
+           float(logits_soft_cap or 0.0), int(max_query_len))
+    return out
+
+
+class CpuPagedAttention(AttentionBackend):
+    """The compiled kernel for CPU tensors in fp32/bf16, for decodes and short prefill chunks.
+
+    Prefill chunks of more than ``LONG_PREFILL`` new tokens run on the reference's SDPA (a GEMM
+    flash kernel; measured on a SmolLM2 layer, CPU time: a 2,048-token prompt 86 ms there vs 154 ms
+    here, 512 tokens 9.1 vs 10.7, 4 x 128 tokens 3.3 vs 3.2), as does the KV-cache-less profiling pass.
+    """
+
+    name = "cpu"
+    LONG_PREFILL = 128
+    needs_zeroed_cache = False  # reads only positions < seq_len, all written
+
+    def __init__(self) -> None:
+        self._reference = TorchPagedAttention()
+
+    @classmethod
+    def unsupported_reason(cls, *, device, dtype, head_dim, block_size):
+        if not str(device).startswith("cpu"):
+            return f"the kernel runs on CPU tensors only (device is {device})"
+        if dtype not in SUPPORTED_DTYPES:
+            return f"dtype {dtype} is not float32 or bfloat16"
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            return f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}"
+        _, err = load_kernel()
+        return None if err is None else f"the kernel could not be built or loaded ({err})"
+
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+        if kv_cache is None or meta.block_tables is None:
+            return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
+                                           logits_soft_cap=logits_soft_cap)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
+                              logits_soft_cap, max_query_len=self.LONG_PREFILL)
+        flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])
+        flat_v = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+        for i, p in enumerate(meta.prefills):
+            if p.query_end - p.query_start > self.LONG_PREFILL:
+                out[p.query_start:p.query_end] = self._reference.prefill(
+                    q, k, v, flat_k, flat_v, meta, meta.num_decode_tokens + i, p, scale, sliding_window,
+                    logits_soft_cap)
+        return out

@@ -149,6 +149,9 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                 checked += 1
                 time.sleep(0.3)
             assert checked == 5
+            # the page fits its window: long request ids and block tables do not widen it past the header
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), \
+                page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
 
             # 2. hovering a request highlights exactly its blocks (pixels read in the same JS turn)
             row = page.locator("#running tbody tr").first

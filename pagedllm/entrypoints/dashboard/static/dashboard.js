@@ -167,6 +167,7 @@
       const table = r.blocks.length > 24 ? r.blocks.slice(0, 24).join(" ") + " …" : r.blocks.join(" ");
       const cells = [r.id, r.prompt_tokens, r.output_tokens, r.preemptions, r.blocks.length, `[${table}]`];
       cells.forEach((v, c) => { if (tr.cells[c].textContent !== String(v)) tr.cells[c].textContent = v; });
+      tr.cells[0].title = r.id;
       tr.cells[5].title = r.blocks.join(" ");
       if (body.rows[k] !== tr) body.insertBefore(tr, body.rows[k] || null);
     });

@@ -126,8 +126,9 @@
       if (state[b] === CACHED) counts.cached++;
     }
     counts.free = n - counts.used - counts.cached;
+    const resized = !st.snap || st.snap.num_blocks !== n;  // first snapshot, or a restarted server's pool
     Object.assign(st, { snap, state, owner, refs, reqs, counts });
-    if (view.span === 0 || view.span > n) { view.start = 0; view.span = n; }
+    if (resized) { view.start = 0; view.span = n; }
     $("count-free").textContent = counts.free;
     $("count-used").textContent = counts.used;
     $("count-shared").textContent = counts.shared;

@@ -51,3 +51,18 @@ def test_responses_aborted_by_the_engine_is_not_completed():
     assert resp.usage.output_tokens == 2
     assert events[-2]["type"] == "response.failed" and events[-2]["response"]["status"] == "failed"
     assert "response.completed" not in [e.get("type") for e in events[:-1]]
+
+
+def test_max_model_len_beyond_the_rope_table_is_a_clear_error(tmp_path):
+    # `pagedllm serve --max-model-len 99999` on the demo model (max_position_embeddings=1024) died at
+    # start-up with "IndexError: index 1024 is out of bounds" from the RoPE table during profiling.
+    from conftest import build_checkpoint
+    from pagedllm import LLM
+
+    d = build_checkpoint(str(tmp_path / "llama"), max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"max_position_embeddings=64.*max_model_len=128"):
+        LLM(d, max_model_len=128, kv_cache_memory=1 << 20)
+    llm = LLM(d, max_model_len=64, kv_cache_memory=1 << 20)  # the table's own length is served
+    from pagedllm import SamplingParams
+    out = llm.generate([{"prompt_token_ids": [7] * 60}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].finish_reason == "length"

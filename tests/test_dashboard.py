@@ -3,6 +3,7 @@ Chromium against a server under load (grid counts vs /metrics, hover highlights 
 blocks, a clear message when the server stops)."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -149,6 +150,9 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                 checked += 1
                 time.sleep(0.3)
             assert checked == 5
+            # the page fits its window: long request ids and block tables do not widen it past the header
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), \
+                page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
 
             # 2. hovering a request highlights exactly its blocks (pixels read in the same JS turn)
             row = page.locator("#running tbody tr").first
@@ -183,3 +187,45 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
         loader.join(timeout=30)
     assert srv.returncode == 0, srv.log()
     assert not errors, errors
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (Debian package 'chromium')")
+def test_page_follows_a_restart_with_a_bigger_pool():
+    """The page reconnects after the server stops; a server restarted with a bigger KV cache has more
+    blocks, and the grid must show all of them (it kept the old pool's size as its view: only the first
+    50 of 20,000 blocks were drawn). The stream is played by Playwright: no server is needed."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    from importlib import resources
+    static = resources.files("pagedllm.entrypoints.dashboard").joinpath("static")
+    facts = {"model": "m", "path": "m", "architecture": "LlamaForCausalLM", "dtype": "float32", "device": "cpu",
+             "tensor_parallel_size": 1, "block_size": 16, "max_model_len": 1024, "max_concurrency": 1.0,
+             "prefix_caching": True}
+    streams = []
+    for n in (50, 20000):
+        pool = {"version": 1, "time": time.time(), "num_blocks": n, "running": [], "waiting": [],
+                "cached_bitmap": base64.b64encode(bytes((n + 7) // 8)).decode(),
+                "stats": {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}}
+        streams.append(f"event: info\ndata: {json.dumps({**facts, 'num_blocks': n})}\n\n"
+                       f"event: history\ndata: []\n\nevent: pool\ndata: {json.dumps(pool)}\n\n")
+
+    def serve_stream(route):
+        route.fulfill(status=200, content_type="text/event-stream", body=streams[min(len(served), 1)])
+        served.append(1)
+
+    served: list = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"])
+        page = browser.new_page()
+        page.route("**/dashboard", lambda r: r.fulfill(status=200, content_type="text/html",
+                                                         body=static.joinpath("index.html").read_bytes()))
+        page.route("**/dashboard/static/*", lambda r: r.fulfill(
+            status=200, body=static.joinpath(r.request.url.rsplit("/", 1)[1]).read_bytes(),
+            content_type="text/css" if r.request.url.endswith(".css") else "text/javascript"))
+        page.route("**/dashboard/api/stream", serve_stream)
+        page.goto("http://pagedllm.test/dashboard")
+        page.wait_for_function("window.pagedllmDashboard.snapshot() && "
+                               "window.pagedllmDashboard.snapshot().num_blocks === 20000", timeout=20_000)
+        assert page.inner_text("#zoom-label").startswith("blocks 0–19999")
+        browser.close()

@@ -155,6 +155,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"{arch} uses sliding-window attention (sliding_window={window}), which pagedllm does not "
                 f"implement for this family; set max_model_len <= {window} (got {max_model_len})")
+        # The RoPE cos/sin tables hold max_position_embeddings positions (vLLM refuses a longer
+        # max_model_len too); past them a step would index out of the table.
+        table = getattr(config, "max_position_embeddings", None)
+        if table and max_model_len > table:
+            raise ValueError(f"{cls.__name__} has max_position_embeddings={table}; max_model_len={max_model_len} "
+                             f"exceeds it (set max_model_len <= {table})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:

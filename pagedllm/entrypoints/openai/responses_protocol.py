@@ -150,7 +150,7 @@ class ResponsesRequest(OpenAIBaseModel):
     service_tier: Optional[str] = None
     # vLLM-style extras accepted by /v1/completions and /v1/chat/completions too.
     seed: Optional[int] = None
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False

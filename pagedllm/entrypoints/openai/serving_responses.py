@@ -238,7 +238,8 @@ class OpenAIServingResponses:
                 raise RuntimeError("the engine returned no output")
             c = out.outputs[0]
             length = c.finish_reason == "length"
-            message.status = "incomplete" if length else "completed"
+            aborted = c.finish_reason == "abort"  # the engine ended it (server shutting down)
+            message.status = "incomplete" if length or aborted else "completed"
             run.emit("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
                      text=part.text, logprobs=[])
             run.emit("response.content_part.done", item_id=message.id, output_index=0, content_index=0,
@@ -248,7 +249,11 @@ class OpenAIServingResponses:
                                        input_tokens_details=InputTokensDetails(cached_tokens=out.num_cached_tokens),
                                        output_tokens=len(c.token_ids),
                                        total_tokens=num_input_tokens + len(c.token_ids))
-            if length:
+            if aborted:
+                resp.status = "failed"
+                resp.error = ResponseError(code="server_error", message="the server aborted the request "
+                                           "(it is shutting down) before the response was complete")
+            elif length:
                 resp.status = "incomplete"
                 resp.incomplete_details = IncompleteDetails(reason="max_output_tokens")
             else:

@@ -126,8 +126,9 @@
       if (state[b] === CACHED) counts.cached++;
     }
     counts.free = n - counts.used - counts.cached;
+    const resized = !st.snap || st.snap.num_blocks !== n;  // first snapshot, or a restarted server's pool
     Object.assign(st, { snap, state, owner, refs, reqs, counts });
-    if (view.span === 0 || view.span > n) { view.start = 0; view.span = n; }
+    if (resized) { view.start = 0; view.span = n; }
     $("count-free").textContent = counts.free;
     $("count-used").textContent = counts.used;
     $("count-shared").textContent = counts.shared;
@@ -167,6 +168,7 @@
       const table = r.blocks.length > 24 ? r.blocks.slice(0, 24).join(" ") + " …" : r.blocks.join(" ");
       const cells = [r.id, r.prompt_tokens, r.output_tokens, r.preemptions, r.blocks.length, `[${table}]`];
       cells.forEach((v, c) => { if (tr.cells[c].textContent !== String(v)) tr.cells[c].textContent = v; });
+      tr.cells[0].title = r.id;
       tr.cells[5].title = r.blocks.join(" ");
       if (body.rows[k] !== tr) body.insertBefore(tr, body.rows[k] || null);
     });

@@ -52,6 +52,15 @@ class _EngineCollector:
         yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).",
                     s.kv_cache_usage)
+        if snap.num_blocks:
+            blocks = GaugeMetricFamily("pagedllm:kv_cache_blocks", "KV-cache blocks by state: used (held by "
+                                       "requests), cached (free, holding prefix-cached K/V), free (empty).",
+                                       labels=labels + ["state"])
+            used = snap.num_blocks - snap.num_free_blocks
+            for state, value in (("used", used), ("cached", snap.num_cached_free_blocks),
+                                 ("free", snap.num_free_blocks - snap.num_cached_free_blocks)):
+                blocks.add_metric(val + [state], value)
+            yield blocks
         yield counter("pagedllm:prompt_tokens", "Prompt tokens prefilled.", snap.prompt_tokens_total)
         yield counter("pagedllm:generation_tokens", "Tokens generated.", snap.generation_tokens_total)
         yield counter("pagedllm:num_preemptions", "Preemptions (sequences evicted and recomputed).",

@@ -102,6 +102,7 @@ def assert_pool_empty(llm) -> None:
     assert engine.kv_cache_manager.req_to_blocks == {}
     assert pool.get_num_free_blocks() == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.num_cached_free_blocks == sum(b.block_hash is not None for b in pool.blocks)
 
 
 def record_schedule(llm, monkeypatch) -> list[tuple[str, int, int, int]]:

@@ -126,8 +126,9 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                                    " return s && s.running.length >= 4 && s.waiting.length >= 1; })()",
                                    timeout=60_000)
 
-            # 1. the grid's counts against the engine's own numbers and /metrics, at the same moment
-            checked = 0
+            # 1. under load: the grid's counts equal the engine's own numbers of the same moment (the
+            # scheduler's usage and queues, the pool's O(1) count of cached blocks, not the bitmap the grid
+            # is drawn from); /metrics, read a moment later by this test, is close (the page may lag)
             for _ in range(5):
                 seen = page.evaluate("(() => { const d = window.pagedllmDashboard, s = d.snapshot();"
                                      " return {c: d.counts(), s: s.stats, n: s.num_blocks,"
@@ -138,18 +139,15 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                 text = httpx.get(srv.url + "/metrics").text
                 c, s, n = seen["c"], seen["s"], seen["n"]
                 assert c["free"] + c["used"] + c["cached"] == n
-                assert c["used"] == round(s["kv_cache_usage"] * n)        # exact: one engine moment
+                assert c["used"] == round(s["kv_cache_usage"] * n)
+                assert c["cached"] == s["num_cached_free_blocks"]
                 assert seen["rows"] == [s["num_running"], s["num_waiting"]]
                 assert seen["chips"] == [c["free"], c["used"], c["shared"], c["cached"]]
                 assert c["shared"] > 0                                      # shared prefix, n = 2
-                # /metrics is read a moment later (the page is at most 0.25 s behind): close, not equal
-                assert abs(metric(text, "pagedllm:kv_cache_usage_perc") * n - c["used"]) <= 0.1 * n
                 assert 1 <= s["num_running"] <= 6   # --max-num-seqs 6 counts every sample of n = 2
-                assert abs(metric(text, "pagedllm:num_requests_running") - s["num_running"]) <= 2
-                assert abs(metric(text, "pagedllm:num_requests_waiting") - s["num_waiting"]) <= 3
-                checked += 1
+                assert metric(text, "pagedllm:kv_cache_blocks", state="used") > 0
+                assert metric(text, "pagedllm:num_requests_running") + metric(text, "pagedllm:num_requests_waiting") > 0
                 time.sleep(0.3)
-            assert checked == 5
             # the page fits its window: long request ids and block tables do not widen it past the header
             assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), \
                 page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
@@ -177,9 +175,26 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
             # 3. the charts get one sample a second: output tok/s and TTFT percentiles under load
             page.wait_for_function("window.pagedllmDashboard.history().some(p => p.output_tokens_per_s > 0"
                                    " && p.ttft && p.itl && p.num_running > 0)", timeout=20_000)
+            # 4. the same moment, exactly: stop the load; once the engine is idle, page == /metrics
+            stop.set()
+            loader.join(timeout=120)
+            deadline = time.time() + 60
+            while True:
+                text = httpx.get(srv.url + "/metrics").text
+                if metric(text, "pagedllm:num_requests_running") == metric(text, "pagedllm:num_requests_waiting") == 0:
+                    break
+                assert time.time() < deadline
+                time.sleep(0.2)
+            page.wait_for_function("(() => { const s = window.pagedllmDashboard.snapshot();"
+                                   " return s.running.length === 0 && s.waiting.length === 0; })()", timeout=30_000)
+            c = page.evaluate("window.pagedllmDashboard.counts()")
+            text = httpx.get(srv.url + "/metrics").text
+            assert [c["used"], c["cached"], c["free"]] == [
+                metric(text, "pagedllm:kv_cache_blocks", state=k) for k in ("used", "cached", "free")]
+            assert c["cached"] > 0 and c["used"] == 0
         finally:
             stop.set()
-        # 4. the server stops: the page says so
+        # 5. the server stops: the page says so
         srv.stop()
         page.wait_for_selector("#status.down", timeout=20_000)
         assert "server stopped" in page.inner_text("#status")

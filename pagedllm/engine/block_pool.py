@@ -56,6 +56,9 @@ class BlockPool:
         # LRU order: the first entry is evicted/handed out first.
         self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # Free blocks that still hold prefix-cached K/V (evictable), kept as a count so that
+        # metrics and the dashboard read it in O(1).
+        self.num_cached_free_blocks = 0
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, possibly holding evictable cached K/V)."""
@@ -72,6 +75,8 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             _, block = self.free_block_queue.popitem(last=False)
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -91,6 +96,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_block_queue[block.block_id]
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -105,14 +112,18 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue[block.block_id] = block
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Record that ``block`` holds the full block ``block_hash`` (first writer wins)."""
-        if not self.enable_caching or block.block_hash is not None:
+        """Record that ``block`` holds the full block ``block_hash``. First writer wins: a second
+        block with the same tokens is not marked cached (a lookup would never find it)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
             return
         block.block_hash = block_hash
-        self.cached_block_hash_to_block.setdefault(block_hash, block)
+        self.cached_block_hash_to_block[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             self._evict(block)
+        self.num_cached_free_blocks = 0

@@ -33,6 +33,7 @@ class PoolSnapshot:
     num_running: int              # the scheduler's own counts at the same moment (what /metrics reports)
     num_waiting: int
     kv_cache_usage: float
+    num_cached_free_blocks: int   # the pool's own count of cached evictable blocks (not from the list above)
 
     def to_json(self) -> dict:
         """JSON-ready dict; the evictable blocks as a base64 bitmap (1 bit per block, LSB first)."""
@@ -43,7 +44,8 @@ class PoolSnapshot:
                 "running": [_entry(e) for e in self.running], "waiting": [_entry(e) for e in self.waiting],
                 "cached_bitmap": base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode(),
                 "stats": {"num_running": self.num_running, "num_waiting": self.num_waiting,
-                          "kv_cache_usage": self.kv_cache_usage}}
+                          "kv_cache_usage": self.kv_cache_usage,
+                          "num_cached_free_blocks": self.num_cached_free_blocks}}
 
 
 def _entry(e: QueueEntry) -> dict:
@@ -69,7 +71,7 @@ def take_pool_snapshot(engine, version: int) -> PoolSnapshot:
                         running=[entry(r) for r in sched.running], waiting=[entry(r) for r in sched.waiting],
                         cached_free=[b.block_id for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0],
                         num_running=stats.num_running, num_waiting=stats.num_waiting,
-                        kv_cache_usage=stats.kv_cache_usage)
+                        kv_cache_usage=stats.kv_cache_usage, num_cached_free_blocks=pool.num_cached_free_blocks)
 
 
 class PoolSampler:

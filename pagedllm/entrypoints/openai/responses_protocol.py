@@ -12,9 +12,16 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
 
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestError, random_id
+import uuid
+
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestError
 
 _INT32_MAX = 2 ** 31 - 1
+
+
+def _oid(prefix: str) -> str:
+    """An id in OpenAI's Responses style (``resp_…``, ``msg_…``, ``fc_…``, ``call_…``)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # ---- input items -------------------------------------------------------------------------------
@@ -192,7 +199,7 @@ class OutputText(OpenAIBaseModel):
 
 class OutputMessage(OpenAIBaseModel):
     type: Literal["message"] = "message"
-    id: str = Field(default_factory=lambda: random_id("msg"))
+    id: str = Field(default_factory=lambda: _oid("msg"))
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText] = Field(default_factory=list)
@@ -200,8 +207,8 @@ class OutputMessage(OpenAIBaseModel):
 
 class OutputFunctionCall(OpenAIBaseModel):
     type: Literal["function_call"] = "function_call"
-    id: str = Field(default_factory=lambda: random_id("fc"))
-    call_id: str = Field(default_factory=lambda: random_id("call"))
+    id: str = Field(default_factory=lambda: _oid("fc"))
+    call_id: str = Field(default_factory=lambda: _oid("call"))
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
@@ -239,7 +246,7 @@ ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "ca
 
 
 class ResponseObject(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: random_id("resp"))
+    id: str = Field(default_factory=lambda: _oid("resp"))
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: ResponseStatus = "in_progress"

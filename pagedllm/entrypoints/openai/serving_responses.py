@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.protocol import RequestError, random_id
+from pagedllm.entrypoints.openai.protocol import RequestError
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,

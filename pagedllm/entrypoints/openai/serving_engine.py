@@ -9,6 +9,7 @@ from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
 from starlette.requests import Request
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
 from pagedllm.outputs import RequestOutput
 
@@ -86,6 +87,23 @@ class OpenAIServing:
                                f"prompt tokens plus {max_tokens_param}={max_tokens} were requested.",
                                max_tokens_param, code="context_length_exceeded")
         return max_tokens
+
+    async def verify_logits_fields(self, params: SamplingParams, req) -> None:
+        """Token ids in the vocabulary, bad words tokenized, grammar compiled (off the event loop:
+        a large schema takes a while; cached after). RequestError naming the field otherwise."""
+        try:
+            if params.structured_outputs is not None or params.bad_words:
+                await asyncio.to_thread(self.llm.engine.verify_logits_fields, params)
+            else:
+                self.llm.engine.verify_logits_fields(params)
+        except ValueError as e:
+            msg = str(e)
+            param = next((f for f in ("logit_bias", "allowed_token_ids", "bad_words") if msg.startswith(f)), None)
+            if param is None and params.structured_outputs is not None:
+                param = next((f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                          "guided_choice", "guided_grammar", "tools", "tool_choice")
+                              if getattr(req, f, None) is not None), None)
+            raise RequestError(msg, param) from None
 
     def token_text(self, token_id: int) -> str:
         """Text of one token, from the engine's cache of decoded tokens (shared with logprobs)."""

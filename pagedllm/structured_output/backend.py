@@ -16,6 +16,7 @@ from typing import Optional
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _CACHE_SIZE = 256
+_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 
 
 class GrammarCompiler:
@@ -69,7 +70,11 @@ class GrammarCompiler:
         kind = params.kind
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else params.json
-            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            # Whitespace between JSON tokens is bounded: unbounded, a weak model can emit blanks
+            # until max_tokens (a known failure of flexible-whitespace grammars); 16 characters
+            # still allow pretty-printing three or four levels deep.
+            options: dict = {"whitespace_flexible": False} if params.disable_any_whitespace else \
+                {"whitespace_flexible": True, "whitespace_pattern": _WHITESPACE}
             try:
                 return M.grammar_from_json_schema(json.dumps(schema), overrides=options)
             except ValueError as e:

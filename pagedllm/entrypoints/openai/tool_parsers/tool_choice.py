@@ -51,7 +51,7 @@ def tool_choice_structured_outputs(tools: Sequence[ChatCompletionToolParam], too
     """The constraint that forces ``tool_choice`` ("required" or named), else None."""
     if isinstance(tool_choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
     if tool_choice != "required":
         return None
     item = {"anyOf": [{"type": "object",
@@ -61,7 +61,8 @@ def tool_choice_structured_outputs(tools: Sequence[ChatCompletionToolParam], too
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    # Compact JSON (as OpenAI's arguments are): no room for a weak model to wander in blanks.
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def parse_forced_tool_calls(text: str, tool_choice: Any) -> list[ToolCall]:

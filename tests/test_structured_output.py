@@ -147,3 +147,11 @@ def test_constraint_survives_chunked_prefill_preemption_and_prefix_cache(llama_d
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert got == ref + ref[:2]
     assert_pool_empty(small)
+
+
+def test_grammar_wins_over_min_tokens(llm):
+    # The choice ends after "yes"/"no"; min_tokens bans EOS after that: the grammar's EOS still comes.
+    out = gen(llm, [PROMPT], temperature=0, min_tokens=8, max_tokens=20,
+              structured_outputs={"choice": ["yes", "no"]})[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert_pool_empty(llm)

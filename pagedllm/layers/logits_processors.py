@@ -85,6 +85,17 @@ def apply_grammar(logits: torch.Tensor, rows: list["SamplingRow"]) -> None:
     apply_bitmask(logits, mask, which)
 
 
+def keep_grammar_rows_alive(logits: torch.Tensor, raw: torch.Tensor, rows: list["SamplingRow"]) -> torch.Tensor:
+    """A constrained row whose every token got masked (say the grammar allows only EOS while
+    min_tokens bans it) falls back to the grammar mask alone: the output must stay valid."""
+    dead = [i for i, r in enumerate(rows) if r.grammar is not None and not bool(torch.isfinite(logits[i]).any())]
+    if dead:
+        sub = raw[dead].clone()
+        apply_grammar(sub, [rows[i] for i in dead])
+        logits[dead] = sub
+    return logits
+
+
 LOGITS_PROCESSORS: list[Callable[[torch.Tensor, list["SamplingRow"]], None]] = [
     apply_min_tokens, apply_logit_bias, apply_allowed_token_ids, apply_bad_words, apply_grammar]
 

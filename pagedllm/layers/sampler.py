@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagedllm.layers.logits_processors import LOGITS_PROCESSORS, needs_logits_processors
+from pagedllm.layers.logits_processors import LOGITS_PROCESSORS, keep_grammar_rows_alive, needs_logits_processors
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -95,8 +95,11 @@ class Sampler:
         if penalize:
             logits = apply_penalties(logits, rows)
         if process:
+            raw = logits.clone() if any(r.grammar is not None for r in rows) else None
             for processor in LOGITS_PROCESSORS:
                 processor(logits, rows)
+            if raw is not None:
+                logits = keep_grammar_rows_alive(logits, raw, rows)
 
         greedy = [r.params.greedy for r in rows]
         tokens = logits.argmax(dim=-1)

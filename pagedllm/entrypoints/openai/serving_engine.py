@@ -9,9 +9,9 @@ from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
 from starlette.requests import Request
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 BIG_PROMPT_CHARS = 16384  # tokenize longer prompts off the event loop

@@ -74,7 +74,7 @@ class GrammarCompiler:
             # until max_tokens (a known failure of flexible-whitespace grammars); 16 characters
             # still allow pretty-printing three or four levels deep.
             options: dict = {"whitespace_flexible": False} if params.disable_any_whitespace else \
-                {"whitespace_flexible": True, "whitespace_pattern": _WHITESPACE}
+                {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern or _WHITESPACE}
             try:
                 return M.grammar_from_json_schema(json.dumps(schema), overrides=options)
             except ValueError as e:

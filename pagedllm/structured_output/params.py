@@ -18,6 +18,8 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: a Lark grammar, or a GBNF/EBNF one (llama.cpp syntax), the output must derive.
         disable_any_whitespace: JSON without whitespace between tokens (compact output).
+        whitespace_pattern: regex of the whitespace allowed between JSON tokens (default: up to
+            16 blanks).
 
     Raises:
         ValueError: when not exactly one of the constraints is set, or one has the wrong type.
@@ -29,6 +31,7 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -55,7 +58,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple:
         """Hashable identity of the constraint (the grammar cache key)."""
         value: Any = getattr(self, self.kind)
-        return self.kind, json.dumps(value, sort_keys=True), self.disable_any_whitespace
+        return self.kind, json.dumps(value, sort_keys=True), self.disable_any_whitespace, self.whitespace_pattern

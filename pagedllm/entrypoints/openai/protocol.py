@@ -83,6 +83,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: Optional[str] = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -152,7 +153,8 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
     if so is not None:
         given.append(("structured_outputs", {"json": so.json_, "json_object": so.json_object, "regex": so.regex,
                                              "choice": so.choice, "grammar": so.grammar,
-                                             "disable_any_whitespace": so.disable_any_whitespace}))
+                                             "disable_any_whitespace": so.disable_any_whitespace,
+                                             "whitespace_pattern": so.whitespace_pattern}))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
         if getattr(req, name, None) is not None:
@@ -170,6 +172,8 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
     if len(given) > 1:
         raise RequestError(f"give only one of {', '.join(n for n, _ in given)}", given[1][0])
     name, kwargs = given[0]
+    if getattr(req, "guided_whitespace_pattern", None) is not None and "json" in kwargs:
+        kwargs["whitespace_pattern"] = req.guided_whitespace_pattern
     try:
         return StructuredOutputsParams(**kwargs)
     except ValueError as e:

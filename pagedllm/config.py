@@ -22,23 +22,28 @@ _DTYPES = {
 
 
 def resolve_model_path(model: Optional[str]) -> str:
-    """Local folder for ``model``: the bundled demo model when None, the path itself when it
-    exists, else a Hugging Face hub id fetched with ``huggingface_hub`` (needs internet).
+    """Local folder or GGUF file for ``model``: the bundled demo model when None, the path itself
+    when it exists (the .gguf inside a folder holding one and no config.json), else a Hugging Face
+    hub id fetched with ``huggingface_hub`` (needs internet).
 
     Raises:
-        ValueError: the path does not exist and the hub download failed.
+        ValueError: the path does not exist (and cannot be a hub id), or the hub download failed.
     """
+    from pagedllm.models.checkpoint import local_model_path, looks_like_local_path
+
     if model is None:
         return DEMO_MODEL_PATH
-    if os.path.isdir(model):
-        return model
+    if os.path.exists(model) or looks_like_local_path(model):
+        return local_model_path(model)
     try:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
-        raise ValueError(f"model {model!r} is not a local folder and could not be fetched from "
-                         f"the Hugging Face hub ({type(e).__name__}: {e})") from None
+        from pagedllm.models.gguf import one_line
+
+        raise ValueError(f"model {model!r} is not a local path and could not be fetched from "
+                         f"the Hugging Face hub ({type(e).__name__}: {one_line(e)})") from None
 
 
 def get_rope_parameters(hf_config: Any) -> dict:
@@ -64,6 +69,7 @@ class ModelConfig:
     served_model_name: str
     load_format: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"  # see layers/attention/selector.py
 
     @property
     def architecture(self) -> str:
@@ -154,14 +160,16 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     enable_prefix_caching: bool = True
     device: Optional[str] = None
+    attention_backend: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
-        from transformers import AutoConfig
+        from pagedllm.models.checkpoint import load_hf_config
+        from pagedllm.models.registry import get_model_class
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model_path = resolve_model_path(self.model)
-        hf_config = AutoConfig.from_pretrained(model_path)
+        hf_config = load_hf_config(model_path)
         max_len_cfg = _max_len_from_hf(hf_config)
         max_model_len = self.max_model_len or max_len_cfg
         if max_model_len < 1:
@@ -178,6 +186,12 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        get_model_class(hf_config, max_model_len)  # an unsupported architecture fails here, before any loading
+        from pagedllm.layers.attention.selector import CHOICES as attention_backends
+
+        if self.attention_backend not in attention_backends:
+            raise ValueError(f"attention_backend must be one of {', '.join(attention_backends)}; "
+                             f"got {self.attention_backend!r}")
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
@@ -190,6 +204,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
             load_format=self.load_format,
             seed=self.seed,
+            attention_backend=self.attention_backend,
         )
         return EngineConfig(
             model_config=model_config,

@@ -24,7 +24,9 @@ class LLM:
     """An engine for offline batches.
 
     Args:
-        model: local Hugging Face folder or hub id; None = the bundled demo model.
+        model: local Hugging Face folder, GGUF file (or a folder holding exactly one) or hub id;
+            None = the bundled demo model.
+        tokenizer: tokenizer folder, GGUF file or hub id; None = the model's (a GGUF's from its metadata).
         dtype: "auto" (float32 on a CPU, the checkpoint's dtype on CUDA), "float32", "bfloat16", "float16".
         max_model_len: longest prompt + output in tokens (default: the config's context length).
         block_size: tokens per KV block.
@@ -35,23 +37,28 @@ class LLM:
         seed: seed of the global random state (unseeded sampling).
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
+        attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
+            "torch" (pure-PyTorch reference) or "cpu".
 
     Raises:
-        ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.
+        ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
+            architecture or quant type, corrupt or truncated file, weights that do not fit the config;
+            one-line message), or a KV cache too small.
     """
 
     def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "auto",
                  max_model_len: Optional[int] = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
-                 load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None) -> None:
+                 load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
+                 attention_backend: str = "auto") -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
-                          device=device)
+                          device=device, attention_backend=attention_backend)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):

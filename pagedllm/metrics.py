@@ -6,6 +6,8 @@ in a private ``CollectorRegistry`` so several servers/tests in one process do no
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -79,6 +81,8 @@ class ServerMetrics:
                                        "(stop, length, abort).", labels + ["finished_reason"],
                                        registry=self.registry)
         self._last_token_time: dict[str, float] = {}
+        # (monotonic time, "ttft" | "itl", seconds) of recent observations, for the dashboard's percentiles.
+        self.latencies: deque = deque(maxlen=50_000)
 
     def record_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -88,9 +92,12 @@ class ServerMetrics:
             prev = self._last_token_time.get(out.request_id)
             if prev is None:
                 if m.first_token_time is not None:
-                    self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                    ttft = max(0.0, m.first_token_time - m.arrival_time)
+                    self.ttft.observe(ttft)
+                    self.latencies.append((time.monotonic(), "ttft", ttft))
             elif m.last_token_time > prev:
                 self.itl.observe(m.last_token_time - prev)
+                self.latencies.append((time.monotonic(), "itl", m.last_token_time - prev))
             self._last_token_time[out.request_id] = m.last_token_time
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)

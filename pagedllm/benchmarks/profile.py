@@ -36,6 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=256, help="prompt tokens of each sequence")
     p.add_argument("--steps", type=int, default=5, help="decode steps measured (per method)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     p.add_argument("--no-torch-profiler", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench_results")
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> dict:
     per_token = 2 * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
     llm = LLM(model, dtype=args.dtype, load_format=load_format, max_model_len=max_len, block_size=args.block_size,
               max_num_seqs=args.batch_size, max_num_batched_tokens=max(2048, args.context_len),
-              kv_cache_memory=tokens_needed * per_token, seed=args.seed, enable_prefix_caching=False)
+              kv_cache_memory=tokens_needed * per_token, seed=args.seed, enable_prefix_caching=False,
+              attention_backend=args.attention_backend)
     engine = llm.llm_engine
     cuda = engine.config.device.startswith("cuda")
     timers = Timers(torch.cuda.synchronize if cuda else (lambda: None))

@@ -69,7 +69,8 @@ class AsyncLLM:
     """Thread-backed async wrapper of an ``LLMEngine``.
 
     ``on_outputs(outputs)`` and ``on_abort(request_id)``, if given, are called from the engine
-    thread (used by the Prometheus metrics).
+    thread (used by the Prometheus metrics); so is ``on_step(engine, stepped)``, after every step
+    (``stepped`` True) and before the loop idles (False), between steps (used by the dashboard).
     """
 
     def __init__(self, engine: LLMEngine,
@@ -78,9 +79,11 @@ class AsyncLLM:
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_abort = on_abort
+        self.on_step: Optional[Callable[[LLMEngine, bool], None]] = None
         self._lock = threading.Lock()
         self._new: list[tuple[str, Any, SamplingParams, float]] = []
         self._aborts: list[str] = []
+        self._aborts_notify: list[str] = []  # aborted with a final "abort" output to their callers
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -176,6 +179,16 @@ class AsyncLLM:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """End every request in flight (safe from any thread): each caller gets a final output with
+        finish_reason "abort" (a streaming client its last chunk), and one log line per request.
+        Used at shutdown after ``--shutdown-timeout``. Returns how many were in flight."""
+        with self._lock:
+            ids = [rid for rid, st in self._streams.items() if not st.finished]
+            self._aborts_notify.extend(ids)
+        self._wake.set()
+        return len(ids)
+
     # ---- engine thread -------------------------------------------------------------------
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine
@@ -185,20 +198,26 @@ class AsyncLLM:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
+            notify, self._aborts_notify = self._aborts_notify, []
         for request_id, prompt, params, arrival in new:
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
             except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 self._deliver({request_id: err})
-        for request_id in aborts:
-            if request_id in self.engine.output_processor.states:
-                self.engine.abort_request(request_id)
-                if self.on_abort is not None:
-                    try:
-                        self.on_abort(request_id)
-                    except Exception:  # noqa: BLE001 - metrics must never stop serving
-                        logger.exception("metrics update failed")
+        for request_id, at_shutdown in [(r, False) for r in aborts] + [(r, True) for r in notify]:
+            if request_id not in self.engine.output_processor.states:
+                continue
+            finals = self.engine.abort_request(request_id)
+            if at_shutdown and finals:
+                logger.warning("aborted request %s at shutdown after %d generated token(s)", request_id,
+                               sum(len(c.token_ids) for c in finals[0].outputs))
+                self._deliver({request_id: finals[0]})
+            if self.on_abort is not None:
+                try:
+                    self.on_abort(request_id)
+                except Exception:  # noqa: BLE001 - metrics must never stop serving
+                    logger.exception("metrics update failed")
 
     def _run(self) -> None:
         last_health = time.monotonic()
@@ -210,6 +229,7 @@ class AsyncLLM:
                     break
                 if not self.engine.has_unfinished_requests():
                     self.snapshot = self._take_snapshot()
+                    self._notify_step(False)
                     self._wake.wait(_HEALTH_CHECK_INTERVAL_S)
                     if time.monotonic() - last_health >= _HEALTH_CHECK_INTERVAL_S:
                         last_health = time.monotonic()
@@ -217,6 +237,7 @@ class AsyncLLM:
                     continue
                 outputs = self.engine.step()
                 self.snapshot = self._take_snapshot()
+                self._notify_step(True)
                 if outputs:
                     if self.on_outputs is not None:
                         try:
@@ -229,6 +250,17 @@ class AsyncLLM:
             self._mark_dead(f"engine loop died: {type(e).__name__}: {e}")
             return
         self._mark_dead("the engine is shutting down", errored=False)
+
+    def _notify_step(self, stepped: bool) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, stepped)
+            except Exception:  # noqa: BLE001 - the dashboard must never stop serving
+                logger.exception("step hook failed")
+
+    def wake(self) -> None:
+        """Make the engine loop run one iteration now (e.g. to take a snapshot while idle)."""
+        self._wake.set()
 
     def _mark_dead(self, reason: str, errored: bool = True) -> None:
         """Fail every pending request; with ``errored`` /health turns 503."""

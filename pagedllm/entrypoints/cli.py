@@ -45,15 +45,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
         formatter_class=_HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model folder or hub id; omitted = the bundled demo model")
+                   help="local Hugging Face model folder, GGUF file (or a folder holding one) or hub id; "
+                        "omitted = the bundled demo model")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the MODEL argument)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder, GGUF file or hub id (default: the model's; a GGUF's from its metadata)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="paged-attention backend; auto = the compiled CPU kernel on a CPU when it builds, "
+                        "else the pure-PyTorch reference (torch)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the model's shape (no weight files needed)")
@@ -81,6 +86,27 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM before aborting them")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="Responses API: most responses kept for previous_response_id and GET (oldest evicted)")
+    p.add_argument("--stored-response-ttl", type=float, default=3600.0,
+                   help="Responses API: seconds a stored response is kept")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
+    # HTTP limits (uvicorn's names) and CORS (vLLM's flags and defaults)
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    p.add_argument("--timeout-request-read", type=float, default=30.0,
+                   help="seconds a client has to send a whole request (headers and body) before its connection "
+                        "is closed; 0 = no limit")
+    p.add_argument("--limit-concurrency", type=int, default=1000,
+                   help="most open HTTP connections; more get 503 and are closed; 0 = no limit")
+    p.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=16 * 2 ** 10,
+                   help="largest request line plus headers in bytes (larger requests get 400)")
+    p.add_argument("--allowed-origins", default='["*"]',
+                   help="CORS: origins allowed to call the API from a browser (JSON list or comma-separated)")
+    p.add_argument("--allowed-methods", default='["*"]', help="CORS: allowed HTTP methods")
+    p.add_argument("--allowed-headers", default='["*"]', help="CORS: allowed request headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

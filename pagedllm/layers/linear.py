@@ -163,6 +163,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.reduce_results:  # the caller sums partial outputs (e.g. an MoE block), bias on rank 0 only
+            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
         return out + self.bias if self.bias is not None else out
 

@@ -66,10 +66,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool) -> None:
+    """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block)."""
+
+    def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
+                 mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, dtype, backend, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
+                                                        getattr(config, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -84,6 +88,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
+    sliding_window_by_default = False
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                       ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
@@ -95,11 +101,24 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm) for _ in range(config.num_hidden_layers)])
+            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype))
+             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def verify_config(cls, config: Any, max_model_len: int) -> None:
+        """Raise ValueError when a sliding window would be shorter than ``max_model_len``: these
+        blocks attend to the whole context, which equals the window's result only within it."""
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", cls.sliding_window_by_default)
+        if window and uses_window and window < max_model_len:
+            arch = (getattr(config, "architectures", None) or [cls.__name__])[0]
+            raise ValueError(
+                f"{arch} uses sliding-window attention (sliding_window={window}), which pagedllm does not "
+                f"implement for this family; set max_model_len <= {window} (got {max_model_len})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
+
+    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
+        """The feed-forward block of layer ``layer_idx``; None builds the dense SwiGLU MLP (MoE
+        families return their sparse block here)."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load (checkpoint name, tensor or safetensors slice) pairs; returns the parameter names
@@ -144,4 +168,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    sliding_window_by_default = True

@@ -1,5 +1,6 @@
 """Builds one step's flat batch from the scheduler's plan: input_ids, positions, slot_mapping,
-the attention metadata (block tables as slots), and which rows of the output need logits.
+the attention metadata (block tables, sequence lengths, query offsets; built once per step and
+shared by every layer), and which rows of the output need logits.
 
 Batch order: one-token sequences (decodes) first, then multi-token chunks (prefills).
 """
@@ -12,7 +13,7 @@ import torch
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.layers.attention import AttentionMetadata
 
 
 @dataclass
@@ -39,10 +40,6 @@ class StepPlan:
     sampling_requests: list[Request]
     # (request, first prompt position whose logprob is computed, number of positions)
     prompt_logprob_spans: list[tuple[Request, int, int]] = field(default_factory=list)
-
-
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[positions // block_size] * block_size + positions % block_size
 
 
 def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
@@ -73,40 +70,22 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
                 plp_idx.extend(range(offset + first - start, offset + last - start))
                 plp_spans.append((r, first + 1, last - first))
 
-    # Decodes: one token each, attention over [B, L] gathered slots.
-    decode_tables = []
-    decode_lens = []
-    for r, _ in decodes:
-        pos = r.num_computed_tokens
-        table = kv.get_block_ids(r.request_id)
-        note_outputs(r, pos, 1, len(input_ids))
-        input_ids.append(r.all_token_ids[pos])
-        positions.append(pos)
-        slot_mapping.append(table[pos // bs] * bs + pos % bs)
-        decode_tables.append(table)
-        decode_lens.append(pos + 1)
-    meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=len(decodes))  # type: ignore[arg-type]
-    if decodes:
-        max_blocks = max(len(t) for t in decode_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
-        pos_range = torch.arange(max_blocks * bs)
-        meta.decode_slots = (tables[:, pos_range // bs] * bs + pos_range % bs).to(device)
-        lens = torch.tensor(decode_lens)
-        meta.decode_mask = (pos_range.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1).to(device)
-
-    for r, n in prefills:
+    tables: list[list[int]] = []  # per sequence, in batch order
+    seq_lens: list[int] = []
+    query_lens: list[int] = []
+    for r, n in decodes + prefills:
         start = r.num_computed_tokens
         offset = len(input_ids)
+        table = kv.get_block_ids(r.request_id)
         note_outputs(r, start, n, offset)
-        table = torch.tensor(kv.get_block_ids(r.request_id), dtype=torch.long)
-        pos = torch.arange(start, start + n)
         input_ids.extend(r.all_token_ids[start:start + n])
         positions.extend(range(start, start + n))
-        slot_mapping.extend(_slots(table, pos, bs).tolist())
-        context = None if start == 0 else _slots(table, torch.arange(start + n), bs).to(device)
-        meta.prefills.append(PrefillSeq(offset, offset + n, start + n, context))
-
-    meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+        slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        tables.append(table)
+        seq_lens.append(start + n)
+        query_lens.append(n)
+    meta = AttentionMetadata.build(torch.tensor(slot_mapping, dtype=torch.long, device=device), tables, seq_lens,
+                                   query_lens, bs, device)
     model_input = ModelInput(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -22,10 +22,11 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         torch.manual_seed(config.model_config.seed)
-        self.model = load_model(config.model_config, self.device)
+        self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads = attn.num_kv_heads  # per rank
         self.head_dim = attn.head_dim
+        self.attention_backend = attn.backend
         self.num_layers = len(self.model.layers)
         self.dtype = config.model_config.dtype
         self.kv_caches: list[torch.Tensor] = []
@@ -51,15 +52,17 @@ class ModelRunner:
         n = min(self.config.scheduler_config.max_num_batched_tokens, self.config.model_config.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device),
-                                 prefills=[PrefillSeq(0, n, n, None)])
+                                 prefills=[PrefillSeq(0, n, n)])
         hidden = self.model(ids, torch.arange(n, device=self.device), [None] * self.num_layers, meta)
         rows = min(n, self.config.scheduler_config.max_num_seqs)
         self.model.compute_logits(hidden[:rows])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         bs = self.config.cache_config.block_size
-        # Zero-filled: padded slots of a gathered context must hold finite values.
-        self.kv_caches = [torch.zeros(2, num_blocks, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+        # A backend that never reads unwritten slots needs no zero-fill (saves touching every page at
+        # start); one that gathers padded slots needs finite values there (NaN * 0 is NaN).
+        alloc = torch.zeros if self.attention_backend.needs_zeroed_cache else torch.empty
+        self.kv_caches = [alloc(2, num_blocks, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                                       device=self.device) for _ in range(self.num_layers)]
 
     @torch.inference_mode()

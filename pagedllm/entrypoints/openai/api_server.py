@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (``build_app``) and ``run_server``.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /health, /version, /metrics,
-/tokenize, /detokenize. With an API key, every /v1/* route needs ``Authorization: Bearer KEY``.
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (+ GET/DELETE/cancel by
+id), /health, /version, /metrics, /tokenize, /detokenize, /dashboard (and its data under
+/dashboard/api). With an API key, every /v1/* and /dashboard/api/* route needs ``Authorization: Bearer KEY``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -25,22 +26,29 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.http_server import GracefulServer, ensure_file_limit, guarded_http_protocol
+from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_KEYED_PATHS = ("/v1", "/dashboard/api")  # routes that need the API key (the dashboard page itself holds no data)
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                  503: "service_unavailable"}
@@ -75,7 +83,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.expected_auth is not None and scope["path"].startswith("/v1"):
+        if self.expected_auth is not None and scope["path"].startswith(_KEYED_PATHS):
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected_auth):
                 resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
@@ -140,6 +148,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if err.get("type") == "json_invalid":
         return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
+    raised = (err.get("ctx") or {}).get("error")
+    if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
+        return raised.message, ".".join(loc) or raised.param
     if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "The request body must be a JSON object.", None
     param = ".".join(loc) or None
@@ -151,10 +162,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_engine: bool = True, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
+              shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
+              dashboard: bool = True, cors: Optional[dict] = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
-    shutdown also stops the engine."""
+    shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
+    responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
+    keyword arguments of starlette's CORSMiddleware (allow_origins, allow_methods, allow_headers,
+    allow_credentials); None = no CORS headers."""
     served = served_model_name or llm.model_config.served_model_name
     metrics = ServerMetrics(lambda: llm.snapshot, served)
     llm.on_outputs = metrics.record_outputs
@@ -163,10 +178,14 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat = OpenAIServingChat(llm, served, chat_template)
     chat.enable_auto_tools = enable_auto_tool_choice
     chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        history = getattr(app.state, "dashboard_history", None)
+        if history is not None:
+            history.stop()
         if shutdown_engine:
             llm.shutdown()
 
@@ -228,6 +247,22 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         return await chat.create_chat_completion(body, raw_request)
 
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request):
+        return await responses.create(body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         chat.check_model(body.model)
@@ -249,8 +284,32 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
             raise RequestError(f"token ids must be integers in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens)).model_dump()
 
+    if dashboard:
+        add_dashboard(app, llm, metrics)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if cors is not None:
+        # Added last, so outermost: a preflight (OPTIONS) is answered before the API-key check, and
+        # errors from the guard (401, 413) still carry the CORS headers the browser needs to read them.
+        app.add_middleware(CORSMiddleware, **cors)
     return app
+
+
+def parse_list(value: str) -> list[str]:
+    """A flag's list: JSON (``'["https://a.com"]'``, as vLLM takes it) or comma-separated."""
+    value = value.strip()
+    if value.startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError(f"expected a JSON list of strings, got {value!r}")
+        return items
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def cors_options(args: argparse.Namespace) -> dict:
+    """CORSMiddleware keyword arguments from ``--allowed-origins/--allowed-methods/--allowed-headers/
+    --allow-credentials`` (vLLM's flags and defaults)."""
+    return dict(allow_origins=parse_list(args.allowed_origins), allow_methods=parse_list(args.allowed_methods),
+                allow_headers=parse_list(args.allowed_headers), allow_credentials=args.allow_credentials)
 
 
 # ---- running the server ----------------------------------------------------------------------
@@ -268,6 +327,17 @@ def _bind(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def flag_names(message: str) -> str:
+    """An engine error as ``pagedllm serve`` users know it: EngineArgs field names (max_model_len)
+    become the CLI flags that set them (--max-model-len)."""
+    from pagedllm.config import EngineArgs
+
+    for name in EngineArgs.__dataclass_fields__:
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+    return message
 
 
 class _Interrupted(BaseException):
@@ -318,7 +388,11 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     host = args.host
     try:
+        store = ResponseStore(args.max_stored_responses, args.stored_response_ttl)
         sock = _bind(host, args.port)
+    except ValueError as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"pagedllm serve: error: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -339,20 +413,31 @@ def run_server(args: argparse.Namespace) -> int:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
-                device=None if args.device == "auto" else args.device)
+                device=None if args.device == "auto" else args.device,
+                attention_backend=getattr(args, "attention_backend", "auto"))
             llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
-            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            print(f"pagedllm serve: error: {flag_names(str(e))}", file=sys.stderr)
             return 1
 
+        try:
+            cors = cors_options(args)
+        except ValueError as e:
+            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            return 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
+                        response_store=store, dashboard=args.dashboard, cors=cors,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None))
+        ensure_file_limit(args.limit_concurrency)
+        http = guarded_http_protocol(args.limit_concurrency or None, args.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
-                                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
-        server = uvicorn.Server(config)
+                                timeout_keep_alive=args.timeout_keep_alive, http=http,
+                                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+        server = GracefulServer(config, args.shutdown_timeout, llm.abort_all)
+        app.state.uvicorn_server = server  # long-lived streams (the dashboard) end when it stops
         shown_host = host if ":" not in host else f"[{host}]"
         url = f"http://{shown_host}:{sock.getsockname()[1]}"
         logger.info("serving %s at %s (OpenAI API: %s/v1)%s", llm.model_config.served_model_name, url, url,

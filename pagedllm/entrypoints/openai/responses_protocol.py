@@ -1,0 +1,270 @@
+"""Pydantic models of the OpenAI Responses API (``POST /v1/responses``): the request, the
+``response`` object, its output items, and the typed stream events.
+
+Shapes follow OpenAI's API reference for Responses (``openai.types.responses`` in the official SDK):
+an output is a list of items (``message`` with ``output_text`` parts, or ``function_call``);
+streaming sends typed server-sent events, each with a ``sequence_number``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestError, random_id
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+# ---- input items -------------------------------------------------------------------------------
+class InputContentPart(OpenAIBaseModel):
+    """A content part of an input message: ``input_text`` / ``output_text`` (text), or a part this
+    text-only server refuses (``input_image``, ``input_file``, ``input_audio``)."""
+
+    type: str
+    text: Optional[str] = None
+
+
+class InputMessage(OpenAIBaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[InputContentPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for i, part in enumerate(self.content):
+            if part.type not in ("input_text", "output_text", "text") or part.text is None:
+                kind = part.type.removeprefix("input_")
+                raise RequestError(f"This model is text-only: it cannot take {kind} input "
+                                   f"(input content part of type {part.type!r}).", f"input.content.{i}")
+            out.append(part.text)
+        return "".join(out)
+
+
+class FunctionCallItem(OpenAIBaseModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class FunctionCallOutputItem(OpenAIBaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[InputContentPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(p.text or "" for p in self.output)
+
+
+InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
+
+
+# ---- tools and text format ---------------------------------------------------------------------
+class FunctionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+    def to_chat_tool(self) -> dict:
+        """The same tool in the Chat Completions shape (``{"type": "function", "function": {...}}``)."""
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters or {"type": "object",
+                                                                                  "properties": {}}}
+        if self.description is not None:
+            fn["description"] = self.description
+        if self.strict is not None:
+            fn["strict"] = self.strict
+        return {"type": "function", "function": fn}
+
+
+class TextFormat(OpenAIBaseModel):
+    """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "name", "schema", "strict", "description"}``."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+    def to_response_format(self) -> Optional[dict]:
+        """The Chat Completions ``response_format`` that constrains the same output, or None."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.schema_ is None:
+            raise RequestError("text.format of type json_schema needs a schema", "text.format.schema")
+        js: dict[str, Any] = {"name": self.name or "response", "schema": self.schema_}
+        if self.strict is not None:
+            js["strict"] = self.strict
+        return {"type": "json_schema", "json_schema": js}
+
+    def dump(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextConfig(OpenAIBaseModel):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+# ---- the request --------------------------------------------------------------------------------
+class ResponsesRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    input: Union[str, list[InputItem]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1, le=_INT32_MAX)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: Optional[str] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any]] = "auto"
+    parallel_tool_calls: bool = True
+    text: Optional[TextConfig] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    truncation: Optional[Literal["disabled", "auto"]] = None
+    # Fields we refuse rather than ignore (see ``check_unsupported``).
+    reasoning: Optional[dict[str, Any]] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = None
+    max_tool_calls: Optional[int] = None
+    prompt: Optional[dict[str, Any]] = None
+    conversation: Optional[Any] = None
+    service_tier: Optional[str] = None
+    # vLLM-style extras accepted by /v1/completions and /v1/chat/completions too.
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+
+    def check_unsupported(self) -> None:
+        """Refuse (400) every documented field this server cannot honour, naming it."""
+        if self.metadata is not None:
+            if len(self.metadata) > 16:
+                raise RequestError("metadata can hold at most 16 pairs", "metadata")
+            for k, v in self.metadata.items():
+                if len(k) > 64 or len(v) > 512:
+                    raise RequestError("metadata keys are at most 64 characters and values at most 512",
+                                       "metadata")
+        if self.background and not self.store:
+            raise RequestError("background responses must be stored: set store to true (or drop background)",
+                               "background")
+        if self.background and self.stream:
+            raise RequestError("background with stream is not supported: stream, or poll a background response",
+                               "background")
+        if self.truncation == "auto":
+            raise RequestError("truncation 'auto' is not supported; input longer than the context is refused",
+                               "truncation")
+        for name in ("reasoning", "top_logprobs", "prompt", "conversation", "max_tool_calls"):
+            if getattr(self, name) is not None:
+                raise RequestError(f"{name} is not supported by this server", name)
+        if self.include:
+            raise RequestError(f"include values are not supported: {self.include}", "include")
+        if self.service_tier not in (None, "auto", "default"):
+            raise RequestError(f"service_tier {self.service_tier!r} is not supported", "service_tier")
+
+
+# ---- the response object ------------------------------------------------------------------------
+class OutputText(OpenAIBaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(OpenAIBaseModel):
+    type: Literal["message"] = "message"
+    id: str = Field(default_factory=lambda: random_id("msg"))
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(OpenAIBaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str = Field(default_factory=lambda: random_id("fc"))
+    call_id: str = Field(default_factory=lambda: random_id("call"))
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = Union[OutputMessage, OutputFunctionCall]
+
+
+class InputTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseError(OpenAIBaseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(OpenAIBaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
+
+
+class ResponseObject(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("resp"))
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: ResponseStatus = "in_progress"
+    background: bool = False
+    error: Optional[ResponseError] = None
+    incomplete_details: Optional[IncompleteDetails] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    temperature: Optional[float] = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Union[str, dict[str, Any]] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_p: Optional[float] = None
+    truncation: str = "disabled"
+    usage: Optional[ResponseUsage] = None
+    user: Optional[str] = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True

@@ -1,0 +1,43 @@
+"""The attention-backend interface (vLLM's plug point, ``vllm/v1/attention/backend.py``): each
+backend says which setups it supports and why it refuses the others, and computes attention for
+the flat batch of one step."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Computes attention for the flat batch: q [N, H, D], k/v [N, Hkv, D] (this step's new
+    tokens, written into ``kv_cache`` by ``meta.slot_mapping`` first) -> [N, H, D] in q's dtype.
+
+    Head h reads KV head ``h // (H // Hkv)`` (grouped-query attention, transformers' ``repeat_kv``).
+    ``sliding_window`` W: a query at position p sees keys at positions p - W < j <= p (transformers'
+    ``sliding_window_overlay``; Mistral, Gemma 2/3). ``logits_soft_cap`` c: scores
+    ``c * tanh(q.k * scale / c)`` before the softmax (Gemma 2).
+    """
+
+    name = "base"
+    # True when the backend may read slots no sequence has written (then they must hold finite values).
+    needs_zeroed_cache = True
+
+    @classmethod
+    def unsupported_reason(cls, *, device: str, dtype: torch.dtype, head_dim: int,
+                           block_size: int) -> Optional[str]:
+        """None when this backend runs the setup, else a short reason why not."""
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata, scale: float, *, sliding_window: Optional[int] = None,
+                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V [N, Hkv, D] into their slots of the paged cache (before reading, so a
+    sequence's new tokens attend to themselves through the cache)."""
+    kv_cache[0].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,116 @@
+"""Reference paged attention in pure PyTorch (CPU and CUDA): gathers each sequence's context out of
+the paged cache through its block table, then runs SDPA (or an explicit softmax when the logits
+are soft-capped). Every faster backend is tested equal to this one."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.attention.backend import AttentionBackend, write_kv
+from pagedllm.layers.attention.metadata import AttentionMetadata, PrefillSeq
+
+try:  # grouped-query attention inside SDPA (PyTorch >= 2.5)
+    F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                   enable_gqa=True)
+    _HAS_GQA = True
+except TypeError:
+    _HAS_GQA = False
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [1, H, T, D], k/v [1, Hkv, T, D], plain causal attention over the same T tokens."""
+    if q.shape[1] != k.shape[1]:
+        if _HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       soft_cap: Optional[float]) -> torch.Tensor:
+    """q [B, Hkv, M, D] (the M rows of KV head j are its G query heads x tokens), k/v [B, Hkv, L, D],
+    mask [B or 1, 1, M, L] (True = attend) -> [B, Hkv, M, D]. K/V are never expanded."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = soft_cap * torch.tanh(s / soft_cap)  # Gemma 2 (transformers' eager_attention_forward)
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """[..., Tq, L] bool: key position j is visible from query position p (j <= p, and j > p - window)."""
+    m = k_pos <= q_pos.unsqueeze(-1)
+    if window is not None:
+        m &= k_pos > q_pos.unsqueeze(-1) - window
+    return m
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+        out = torch.empty_like(q)
+        if kv_cache is not None:
+            write_kv(k, v, kv_cache, meta.slot_mapping)
+            flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])
+            flat_v = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+        nd = meta.num_decode_tokens
+        if nd:
+            slots, k_pos = self._decode_slots(meta)
+            b, length = slots.shape
+            hkv, d = k.shape[1:]
+            ck = flat_k.index_select(0, slots.view(-1)).view(b, length, hkv, d).transpose(1, 2)
+            cv = flat_v.index_select(0, slots.view(-1)).view(b, length, hkv, d).transpose(1, 2)
+            mask = _visible(meta.seq_lens[:nd].long() - 1, k_pos, sliding_window).view(b, 1, 1, length)
+            o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap)
+            out[:nd] = o.reshape(b, -1, d)
+        for i, p in enumerate(meta.prefills):
+            out[p.query_start:p.query_end] = self._prefill(
+                q, k, v, flat_k if kv_cache is not None else None, flat_v if kv_cache is not None else None,
+                meta, nd + i, p, scale, sliding_window, logits_soft_cap)
+        return out
+
+    @staticmethod
+    def _decode_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded gather slots [B_d, L] of the decodes' contexts and key positions [L] (once per step)."""
+        if "torch.decode" not in meta.derived:
+            bs, nd = meta.block_size, meta.num_decode_tokens
+            nblocks = -(-meta.max_decode_seq_len // bs)
+            k_pos = torch.arange(nblocks * bs, device=meta.slot_mapping.device)
+            tables = meta.block_tables[:nd, :nblocks].long()
+            meta.derived["torch.decode"] = (tables[:, k_pos // bs] * bs + k_pos % bs, k_pos)
+        return meta.derived["torch.decode"]
+
+    @staticmethod
+    def _prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
+                 window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+        """[T, H, D] for one prompt chunk, whose queries sit at positions seq_len - T .. seq_len - 1."""
+        t = p.query_end - p.query_start
+        h, d = q.shape[1:]
+        hkv = k.shape[1]
+        qs = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        if not p.has_prefix or flat_k is None:  # K/V of the whole sequence are in this batch
+            ks = k[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+            vs = v[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+            if window is None and soft_cap is None:
+                return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
+        else:
+            key = ("torch.prefill", row)
+            if key not in meta.derived:
+                bs = meta.block_size
+                pos = torch.arange(p.seq_len, device=q.device)
+                meta.derived[key] = meta.block_tables[row, pos // bs].long() * bs + pos % bs
+            slots = meta.derived[key]
+            ks = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            vs = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        length = ks.shape[2]
+        q_pos = torch.arange(length - t, length, device=q.device)
+        mask = _visible(q_pos, torch.arange(length, device=q.device), window)
+        # Query heads of one KV head as rows: [1, Hkv, G * T, D], mask tiled per head of the group.
+        o = _grouped_attention(qs.reshape(1, hkv, -1, d), ks, vs, mask.repeat(h // hkv, 1).view(1, 1, -1, length),
+                               scale, soft_cap)
+        return o.view(h, t, d).transpose(0, 1)

@@ -1,0 +1,185 @@
+"""The block-pool dashboard (``/dashboard``): its data stream over HTTP, and the page itself in headless
+Chromium against a server under load (grid counts vs /metrics, hover highlights exactly one request's
+blocks, a clear message when the server stops)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_utils import RemoteServer, metric
+
+KEY = "dash-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SERVER_ARGS = ("--served-model-name", "tiny", "--max-model-len", "1024", "--kv-cache-memory", "2MiB",
+               "--api-key", KEY, "--disable-access-log", "--shutdown-timeout", "2")
+
+
+def read_events(url: str, headers: dict, want: set, timeout: float = 30.0) -> dict:
+    """First event of each kind in ``want`` from the dashboard stream."""
+    got: dict = {}
+    with httpx.stream("GET", url + "/dashboard/api/stream", headers=headers, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event in want and event not in got:
+                got[event] = json.loads(line[6:])
+                if set(got) == want:
+                    return got
+    raise AssertionError(f"stream ended before {want - set(got)}")
+
+
+def test_stream_needs_the_key_and_reports_the_pool(llama_dir, tmp_path):
+    with RemoteServer(llama_dir, SERVER_ARGS, log_path=str(tmp_path / "s.log")) as srv:
+        page = httpx.get(srv.url + "/dashboard")
+        assert page.status_code == 200 and "Block pool" in page.text   # the page holds no data: no key
+        assert httpx.get(srv.url + "/dashboard/static/dashboard.js").status_code == 200
+        for path in ("/dashboard/api/stream", "/dashboard/api/info"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        info = httpx.get(srv.url + "/dashboard/api/info", headers=AUTH).json()
+        assert info["block_size"] == 16 and info["num_blocks"] > 0 and info["dtype"] == "float32"
+        assert info["max_concurrency"] == pytest.approx(info["num_blocks"] / 64)
+        # a shared 40-token prefix, run twice: its two full blocks stay cached (evictable) afterwards
+        prompt = list(range(5, 45))
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            for _ in range(2):
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200
+            text = c.get("/metrics").text
+        ev = read_events(srv.url, AUTH, {"info", "history", "pool"})
+        pool = ev["pool"]
+        assert ev["info"] == info
+        assert pool["running"] == [] and pool["waiting"] == []
+        assert pool["num_blocks"] == info["num_blocks"]
+        import base64
+        bits = base64.b64decode(pool["cached_bitmap"])
+        cached = sum(bin(x).count("1") for x in bits)
+        assert cached == 2   # (40 prompt + 3 output tokens) -> 2 full blocks hashed, both free now
+        assert pool["stats"]["kv_cache_usage"] == metric(text, "pagedllm:kv_cache_usage_perc") == 0
+
+
+def test_no_dashboard_flag(llama_dir, tmp_path):
+    with RemoteServer(llama_dir, SERVER_ARGS + ("--no-dashboard",), log_path=str(tmp_path / "s.log")) as srv:
+        assert httpx.get(srv.url + "/dashboard").status_code == 404
+        assert httpx.get(srv.url + "/dashboard/api/stream", headers=AUTH).status_code == 404
+
+
+def _load(url: str, stop: threading.Event, errors: list) -> None:
+    """Keep ~10 long requests in flight, half of them sharing a 64-token prefix, some with n = 2."""
+    prefix = list(range(10, 74))
+
+    def one(i: int) -> None:
+        body = {"prompt": prefix + [100 + i] * (8 + i % 5) if i % 2 else [200 + i % 50] * (30 + i % 40),
+                "max_tokens": 400, "temperature": 0, "ignore_eos": True, "n": 2 if i % 3 == 0 else 1}
+        try:
+            httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=300)
+        except httpx.HTTPError as e:  # the server stopping at the end of the test is fine
+            if not stop.is_set():
+                errors.append(e)
+
+    i = 0
+    threads: list[threading.Thread] = []
+    while not stop.is_set():
+        threads = [t for t in threads if t.is_alive()]
+        while len(threads) < 10 and not stop.is_set():
+            t = threading.Thread(target=one, args=(i,), daemon=True)
+            t.start()
+            threads.append(t)
+            i += 1
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (Debian package 'chromium')")
+def test_page_in_a_browser_under_load(llama_dir, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    # 1,024 blocks, 6 running sequences at most: a waiting queue, and no preemption churn, so the pool
+    # changes slowly enough to compare a page reading with a /metrics reading taken just after it
+    args = SERVER_ARGS + ("--kv-cache-memory", "8MiB", "--max-num-seqs", "6")
+    srv = RemoteServer(llama_dir, args, log_path=str(tmp_path / "s.log"), env={"OMP_NUM_THREADS": "1"})
+    with srv, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"])
+        stop, errors = threading.Event(), []
+        loader = threading.Thread(target=_load, args=(srv.url, stop, errors), daemon=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(srv.url + "/dashboard")
+            page.wait_for_selector("#keyform:not([hidden])")            # the page asks for the key
+            assert "dash-key" not in page.url
+            page.fill("#key", KEY)
+            page.click("#keyform button")
+            page.wait_for_function("window.pagedllmDashboard.connected() && window.pagedllmDashboard.snapshot()")
+            loader.start()
+            page.wait_for_function("(() => { const s = window.pagedllmDashboard.snapshot();"
+                                   " return s && s.running.length >= 4 && s.waiting.length >= 1; })()",
+                                   timeout=60_000)
+
+            # 1. the grid's counts against the engine's own numbers and /metrics, at the same moment
+            checked = 0
+            for _ in range(5):
+                seen = page.evaluate("(() => { const d = window.pagedllmDashboard, s = d.snapshot();"
+                                     " return {c: d.counts(), s: s.stats, n: s.num_blocks,"
+                                     " rows: [document.querySelectorAll('#running tbody tr').length,"
+                                     "        document.querySelectorAll('#waiting tbody tr').length],"
+                                     " chips: ['free','used','shared','cached'].map("
+                                     "   k => +document.getElementById('count-' + k).textContent)}; })()")
+                text = httpx.get(srv.url + "/metrics").text
+                c, s, n = seen["c"], seen["s"], seen["n"]
+                assert c["free"] + c["used"] + c["cached"] == n
+                assert c["used"] == round(s["kv_cache_usage"] * n)        # exact: one engine moment
+                assert seen["rows"] == [s["num_running"], s["num_waiting"]]
+                assert seen["chips"] == [c["free"], c["used"], c["shared"], c["cached"]]
+                assert c["shared"] > 0                                      # shared prefix, n = 2
+                # /metrics is read a moment later (the page is at most 0.25 s behind): close, not equal
+                assert abs(metric(text, "pagedllm:kv_cache_usage_perc") * n - c["used"]) <= 0.1 * n
+                assert 1 <= s["num_running"] <= 6   # --max-num-seqs 6 counts every sample of n = 2
+                assert abs(metric(text, "pagedllm:num_requests_running") - s["num_running"]) <= 2
+                assert abs(metric(text, "pagedllm:num_requests_waiting") - s["num_waiting"]) <= 3
+                checked += 1
+                time.sleep(0.3)
+            assert checked == 5
+
+            # 2. hovering a request highlights exactly its blocks (pixels read in the same JS turn)
+            row = page.locator("#running tbody tr").first
+            row.hover()
+            result = page.evaluate("""(() => {
+                const d = window.pagedllmDashboard, s = d.snapshot();
+                const id = document.querySelector('#running tr.hl').dataset.id;
+                const req = s.running.concat(s.waiting).find(r => r.id === id);
+                const hl = d.hoveredBlocks();
+                const ctx = document.getElementById('grid').getContext('2d');
+                const alpha = b => { const c = d.cellOf(b);
+                  return ctx.getImageData(c.x + (c.size >> 1), c.y + (c.size >> 1), 1, 1).data[3]; };
+                const mine = new Set(req.blocks);
+                const others = [];
+                for (let b = 0; b < s.num_blocks; b++) if (!mine.has(b)) others.push(alpha(b));
+                return {id, table: req.blocks, hl, mineAlpha: req.blocks.map(alpha), othersMax: Math.max(...others)};
+            })()""")
+            assert result["table"] and result["hl"] == result["table"]
+            assert all(a == 255 for a in result["mineAlpha"])      # its blocks: full colour
+            assert result["othersMax"] < 128                        # every other cell: dimmed
+
+            # 3. the charts get one sample a second: output tok/s and TTFT percentiles under load
+            page.wait_for_function("window.pagedllmDashboard.history().some(p => p.output_tokens_per_s > 0"
+                                   " && p.ttft && p.itl && p.num_running > 0)", timeout=20_000)
+        finally:
+            stop.set()
+        # 4. the server stops: the page says so
+        srv.stop()
+        page.wait_for_selector("#status.down", timeout=20_000)
+        assert "server stopped" in page.inner_text("#status")
+        browser.close()
+        loader.join(timeout=30)
+    assert srv.returncode == 0, srv.log()
+    assert not errors, errors

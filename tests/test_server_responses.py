@@ -1,0 +1,263 @@
+"""The Responses API (``/v1/responses``), black-box: a real ``pagedllm serve`` process with an API key,
+driven with the official ``openai`` client (``responses.create``, ``.stream``, ``previous_response_id``,
+``.retrieve``, ``.delete``, ``.cancel``) and with ``httpx`` for the error paths."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from pagedllm.entrypoints.openai.responses_protocol import ResponseObject
+from server_utils import RemoteServer, metric
+
+KEY = "resp-key"
+MODEL = "tiny"
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+# Renders tool calls and tool results, so a history that dropped them would count fewer tokens.
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] %}{{ m['content'] }}{% endif %}"
+            "{% for c in m.get('tool_calls') or [] %}call {{ c['id'] }} {{ c['function']['name'] }} "
+            "{{ c['function']['arguments'] | tojson }}{% endfor %}"
+            "{% if m.get('tool_call_id') %} for {{ m['tool_call_id'] }}{% endif %}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("responses")
+    (d / "template.jinja").write_text(TEMPLATE)
+    args = ("--served-model-name", MODEL, "--max-model-len", "512", "--kv-cache-memory", "4MiB",
+            "--api-key", KEY, "--disable-access-log", "--chat-template", str(d / "template.jinja"),
+            "--max-stored-responses", "6")
+    with RemoteServer(llama_dir, args, log_path=str(d / "server.log")) as srv:
+        yield srv
+    assert srv.returncode == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+def n_template_tokens(tokenizer, messages) -> int:
+    return len(tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False))
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> str:
+    deadline = time.time() + timeout
+    while True:
+        text = http.get("/metrics").text
+        if metric(text, "pagedllm:num_requests_running") == 0 and metric(text, "pagedllm:kv_cache_usage_perc") == 0 \
+                and metric(text, "pagedllm:num_requests_waiting") == 0:
+            return text
+        assert time.time() < deadline, "the engine did not go idle"
+        time.sleep(0.1)
+
+
+def test_create_equals_chat_completion(client, tokenizer):
+    r = client.responses.create(model=MODEL, input="to be or not", instructions="answer briefly",
+                                max_output_tokens=12, **GREEDY)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, **GREEDY, messages=[
+        {"role": "system", "content": "answer briefly"}, {"role": "user", "content": "to be or not"}])
+    assert r.object == "response" and r.id.startswith("resp")
+    assert r.output_text == chat.choices[0].message.content
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output[0].content[0].type == "output_text"
+    # max_output_tokens reached: incomplete, as OpenAI reports it
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 12 == chat.usage.completion_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == n_template_tokens(
+        tokenizer, [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "to be or not"}])
+    assert r.usage.total_tokens == r.usage.input_tokens + 12
+    assert r.instructions == "answer briefly" and r.max_output_tokens == 12
+
+
+def test_message_items_and_tool_history_reach_the_template(client, tokenizer):
+    items = [
+        {"role": "developer", "content": "be terse"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "what is "},
+                                                         {"type": "input_text", "text": "the weather"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=4, **GREEDY)
+    expected = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "what is the weather"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert r.usage.input_tokens == n_template_tokens(tokenizer, expected)
+    # the same text as a plain string counts the same
+    flat = client.responses.create(model=MODEL, input=[{"role": "user", "content": "what is the weather"}],
+                                   max_output_tokens=4, **GREEDY)
+    assert flat.usage.input_tokens == n_template_tokens(tokenizer, [expected[1]])
+
+
+def test_stream_events_match_the_final_response(client):
+    kwargs = dict(model=MODEL, input="the quick brown", max_output_tokens=10, **GREEDY)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 10
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
+    assert item_ids == {final.output[0].id}
+    # the SDK's stream helper reads the same events (its get_final_response() needs response.completed,
+    # which a response cut at max_output_tokens does not send: see the SmolLM2 test)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].type == "response.incomplete"
+
+
+def test_previous_response_id_continues_the_conversation(client, tokenizer):
+    first = client.responses.create(model=MODEL, input="hello there", instructions="sys one",
+                                    max_output_tokens=6, **GREEDY)
+    second = client.responses.create(model=MODEL, input="and then", previous_response_id=first.id,
+                                     max_output_tokens=6, **GREEDY)
+    # instructions are not carried over; the first output is
+    history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "and then"}]
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == n_template_tokens(tokenizer, history)
+    # prefix caching: the first conversation's blocks are reused (the tiny model uses 16-token blocks)
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text and got.status == second.status
+    third = client.responses.create(model=MODEL, input="again", previous_response_id=second.id,
+                                    max_output_tokens=3, **GREEDY)
+    history += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "again"}]
+    assert third.usage.input_tokens == n_template_tokens(tokenizer, history)
+
+
+def test_store_false_delete_and_unknown_ids(client, http):
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False, **GREEDY)
+    assert r.store is False
+    resp = http.get(f"/v1/responses/{r.id}")
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope", max_output_tokens=2)
+    kept = client.responses.create(model=MODEL, input="y", max_output_tokens=2, **GREEDY)
+    deleted = client.responses.delete(kept.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    body = http.delete(f"/v1/responses/{kept.id}")
+    assert body.status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+def test_store_keeps_at_most_max_count(client):
+    ids = [client.responses.create(model=MODEL, input=f"n {i}", max_output_tokens=1, **GREEDY).id for i in range(7)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])   # --max-stored-responses 6: the oldest is gone
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+
+
+def test_background_response_completes_and_cancel(client, http):
+    bg = client.responses.create(model=MODEL, input="count", max_output_tokens=5, background=True, **GREEDY)
+    assert bg.status in ("queued", "in_progress") and bg.background
+    deadline = time.time() + 60
+    while (got := client.responses.retrieve(bg.id)).status in ("queued", "in_progress"):
+        assert time.time() < deadline
+        time.sleep(0.1)
+    assert got.status == "incomplete" and got.usage.output_tokens == 5
+    # a long one, cancelled: its KV blocks are freed and it stays cancelled
+    long = client.responses.create(model=MODEL, input="go on", max_output_tokens=400, background=True, **GREEDY)
+    deadline = time.time() + 60
+    while metric(http.get("/metrics").text, "pagedllm:num_requests_running") == 0:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    wait_idle(http)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"   # twice is harmless
+    done = http.post(f"/v1/responses/{bg.id}/cancel")
+    assert done.status_code == 400 and "only a response still being generated" in done.json()["error"]["message"]
+
+
+def test_cancel_a_streaming_response(client, http, server):
+    stream = client.responses.create(model=MODEL, input="stream me", max_output_tokens=400, stream=True, **GREEDY)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta" and len(seen) == 6:
+            rid = seen[0].response.id
+            with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as other:
+                assert other.post(f"/v1/responses/{rid}/cancel").json()["status"] == "cancelled"
+    assert seen[-1].response.status == "cancelled"
+    assert seen[-1].response.usage is None
+    wait_idle(http)
+
+
+def test_disconnect_aborts_and_frees_blocks(client, http):
+    aborted = metric(wait_idle(http), "pagedllm:request_success_total", finished_reason="abort")
+    stream = client.responses.create(model=MODEL, input="disconnect", max_output_tokens=400, stream=True, **GREEDY)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    text = wait_idle(http)
+    assert metric(text, "pagedllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_bad_requests_get_openai_errors(server, http):
+    def post(body):
+        return http.post("/v1/responses", json={"model": MODEL, **body})
+
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = post({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]})
+    assert r.status_code == 400 and "text-only" in r.json()["error"]["message"]
+    for body, param in [({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+                        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": "hi", "temperature": -1}, "temperature"),
+                        ({"input": "hi", "background": True, "store": False}, "background"),
+                        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+                        ({"input": "hi", "truncation": "auto"}, "truncation"),
+                        ({"input": "hi " * 600}, "input"),
+                        ({"input": []}, "input")]:
+        r = post(body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    r = post({"input": "hi", "model": "other"})
+    assert r.status_code == 404
+    assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
+
+
+def test_response_store_bounds_count_and_age(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    store = ResponseStore(max_count=2, ttl_s=10)
+    for i in range(3):
+        store.put(StoredResponse(response=ResponseObject(id=f"r{i}", model="m")))
+        clock[0] += 4
+    assert store.get("r0") is None and store.get("r1") is not None and len(store) == 2
+    clock[0] += 4   # r1 is now 12 s old, r2 8 s
+    assert store.get("r1") is None and store.get("r2") is not None
+    with pytest.raises(ValueError):
+        ResponseStore(max_count=0)

@@ -55,25 +55,32 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tenso
     return mask
 
 
-_SHIFTS: dict = {}
+_BYTE_PENALTY: dict = {}
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
     """Set to -inf, in place, the logits [B, V] of tokens whose bit is 0 in ``bitmask`` [R, W]
-    (row r of the bitmask applies to logits row ``rows[r]``; all rows when None)."""
+    (row r of the bitmask applies to logits row ``rows[r]``; all rows when None).
+
+    The int32 words are read as little-endian bytes (token t = bit t % 8 of byte t // 8); each
+    byte selects a row of a 256 x 8 table of 0 / -inf that is added to the logits: one
+    index_select and one add, several times faster on CPU than unpacking bits and masked_fill."""
     dev = logits.device
     vocab = logits.shape[1]
-    shifts = _SHIFTS.get(dev)
-    if shifts is None:
-        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bits = (bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> shifts) & 1   # [R, W, 32]
-    allowed = bits.flatten(1).bool()
-    if allowed.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
-        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=dev)
-        allowed = torch.cat([allowed, pad], dim=1)
-    allowed = allowed[:, :vocab]
-    if rows is None:
-        logits.masked_fill_(~allowed, float("-inf"))
+    key = (dev, logits.dtype)
+    table = _BYTE_PENALTY.get(key)
+    if table is None:
+        b = torch.arange(256, dtype=torch.int32)
+        bits = ((b.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+        table = _BYTE_PENALTY[key] = torch.zeros(256, 8, dtype=logits.dtype).masked_fill_(~bits, float("-inf")).to(dev)
+    as_bytes = bitmask.contiguous().view(torch.uint8).to(dev, non_blocking=True).long()      # [R, 4W]
+    penalty = table.index_select(0, as_bytes.flatten()).view(as_bytes.shape[0], -1)       # [R, 32W]
+    if penalty.shape[1] < vocab:  # tokens past the grammar's vocabulary are never allowed
+        pad = torch.full((penalty.shape[0], vocab - penalty.shape[1]), float("-inf"), dtype=logits.dtype, device=dev)
+        penalty = torch.cat([penalty, pad], dim=1)
+    penalty = penalty[:, :vocab]
+    if rows is None or rows == list(range(logits.shape[0])):
+        logits.add_(penalty)
     else:
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        logits.index_add_(0, idx, penalty)

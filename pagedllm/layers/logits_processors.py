@@ -88,7 +88,9 @@ def apply_grammar(logits: torch.Tensor, rows: list["SamplingRow"]) -> None:
 def keep_grammar_rows_alive(logits: torch.Tensor, raw: torch.Tensor, rows: list["SamplingRow"]) -> torch.Tensor:
     """A constrained row whose every token got masked (say the grammar allows only EOS while
     min_tokens bans it) falls back to the grammar mask alone: the output must stay valid."""
-    dead = [i for i, r in enumerate(rows) if r.grammar is not None and not bool(torch.isfinite(logits[i]).any())]
+    which = [i for i, r in enumerate(rows) if r.grammar is not None]
+    alive = torch.isfinite(logits[which]).any(dim=1).tolist()
+    dead = [i for i, ok in zip(which, alive) if not ok]
     if dead:
         sub = raw[dead].clone()
         apply_grammar(sub, [rows[i] for i in dead])

@@ -95,7 +95,9 @@ class Sampler:
         if penalize:
             logits = apply_penalties(logits, rows)
         if process:
-            raw = logits.clone() if any(r.grammar is not None for r in rows) else None
+            # Only a grammar row that other processors also mask can end up with no token left.
+            raw = logits.clone() if any(r.grammar is not None and (r.banned_token_ids or r.params.has_logits_processors)
+                                        for r in rows) else None
             for processor in LOGITS_PROCESSORS:
                 processor(logits, rows)
             if raw is not None:

@@ -5,7 +5,9 @@ import copy
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
@@ -35,6 +37,13 @@ class SamplingParams:
         prompt_logprobs: return top-N logprobs of each prompt token (plus the token itself).
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string in the text.
+        logit_bias: token id -> value added to its logit before sampling (each in [-100, 100];
+            -100 effectively bans, 100 effectively forces), as in the OpenAI API.
+        allowed_token_ids: only these token ids may be sampled (vLLM).
+        bad_words: words that may not be generated: a word's last token is banned when the
+            output ends with its preceding tokens (vLLM; each word with and without a leading space).
+        structured_outputs: the output must match a JSON schema, regex, choice or grammar
+            (``StructuredOutputsParams`` or a dict of its fields).
 
     Raises:
         ValueError: on any out-of-range or wrongly typed value (NaN, None, a float where an integer
@@ -59,8 +68,13 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled by the engine from the tokenizer/generation config (not user-facing).
     all_stop_token_ids: set = field(default_factory=set, repr=False)
+    bad_words_token_ids: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -72,7 +86,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
+        self._verify_logits_fields()
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -123,6 +140,48 @@ class SamplingParams:
             raise ValueError("stop must not contain empty strings")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of integers")
+
+    def _verify_logits_fields(self) -> None:
+        def is_int(t: Any) -> bool:
+            return not isinstance(t, bool) and isinstance(t, numbers.Integral)
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+            bias = {}
+            for tok, value in self.logit_bias.items():
+                try:
+                    tid = int(tok)  # JSON keys are strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {tok!r}") from None
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -100 <= value <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {tid}")
+                bias[tid] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
+                    or not all(is_int(t) for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = [w for w in self.bad_words if w.strip()] or None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
+
+    def token_ids_out_of_vocab(self, vocab_size: int) -> Optional[str]:
+        """A message naming the first field with a token id outside [0, vocab_size), else None."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                return f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+        return None
+
+    @property
+    def has_logits_processors(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

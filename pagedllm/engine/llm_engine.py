@@ -20,6 +20,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerStats
 from pagedllm.layers.sampler import Sampler, SamplingRow, topk_logprobs
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend import make_compiler
 from pagedllm.worker.executor import make_executor
 from pagedllm.worker.input_batch import prepare_inputs
 
@@ -68,6 +69,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler()
+        self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
         self.log_stats = log_stats
         # Offline batches only need each request's final output (saves per-step work).
         self.final_outputs_only = False
@@ -149,6 +151,7 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is more than max_num_seqs={max_num_seqs} sequences can run at once")
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.verify_logits_fields(params)
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
         arrival_time = arrival_time or time.time()
         children = []
@@ -158,11 +161,37 @@ class LLMEngine:
                 sp.seed = params.seed + i
             sp.all_stop_token_ids = set(self.generation_eos_ids)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
-                                    parent_id=request_id, index=i, device=self.config.device))
+            child = Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
+                            parent_id=request_id, index=i, device=self.config.device)
+            if sp.structured_outputs is not None:  # each sample follows its own grammar state
+                child.grammar = self.grammar_compiler.matcher(sp.structured_outputs)
+            children.append(child)
         self.output_processor.add_request(request_id, text, ids, children)
         self.scheduler.add_request(children[0], forks=children[1:])
         return request_id
+
+    def verify_logits_fields(self, params: SamplingParams) -> None:
+        """Check token ids against the vocabulary, tokenize ``bad_words``, compile the grammar
+        (cached). Raises ValueError saying what is wrong (the server answers 400)."""
+        why = params.token_ids_out_of_vocab(self.vocab_size)
+        if why:
+            raise ValueError(why)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured outputs need a fast (Rust) Hugging Face tokenizer")
+            self.grammar_compiler.compile(params.structured_outputs)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token ids of each bad word, alone and after a space (as vLLM bans both spellings)."""
+        out: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
         """Abort requests (by the id given to add_request); their blocks are freed now. Returns
@@ -205,10 +234,12 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         if num_sample:
             rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
-                                self._banned_token_ids(r)) for r in plan.sampling_requests]
+                                self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
             for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
                 sampled[r.request_id] = tok
+                if r.grammar is not None:
+                    r.grammar.accept(tok)
                 if lp is not None:
                     r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
                     r.cumulative_logprob += lp[0]

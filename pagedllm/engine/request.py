@@ -69,6 +69,7 @@ class Request:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(sampling_params.seed)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
+        self.grammar = None  # structured outputs: GrammarMatcher over output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -87,6 +87,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (weights of --load-format dummy, sampling)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or inline template); default: the tokenizer's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the model's text (hermes)")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 * 2 ** 20,
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -8,11 +8,15 @@ depend on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from pagedllm.layers.logits_processors import LOGITS_PROCESSORS, keep_grammar_rows_alive, needs_logits_processors
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.matcher import GrammarMatcher
 
 
 @dataclass
@@ -23,6 +27,8 @@ class SamplingRow:
     output_token_ids: list[int]
     # Token ids that may not be sampled yet (EOS and stop token ids before min_tokens).
     banned_token_ids: Optional[list[int]] = None
+    # Structured outputs: the sequence's grammar state (the engine advances it after sampling).
+    grammar: Optional["GrammarMatcher"] = None
 
 
 @dataclass
@@ -83,14 +89,19 @@ class Sampler:
         need_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
         penalize = any(r.params.has_penalties for r in rows)
-        banned = [(i, t) for i, r in enumerate(rows) for t in (r.banned_token_ids or ()) if t < logits.shape[-1]]
-        if penalize or banned:
+        process = any(needs_logits_processors(r) for r in rows)
+        if penalize or process:
             logits = logits.clone()  # logits come from inference mode: edit one copy
         if penalize:
             logits = apply_penalties(logits, rows)
-        if banned:
-            rows_idx, tok_idx = zip(*banned)
-            logits[list(rows_idx), list(tok_idx)] = float("-inf")
+        if process:
+            # Only a grammar row that other processors also mask can end up with no token left.
+            raw = logits.clone() if any(r.grammar is not None and (r.banned_token_ids or r.params.has_logits_processors)
+                                        for r in rows) else None
+            for processor in LOGITS_PROCESSORS:
+                processor(logits, rows)
+            if raw is not None:
+                logits = keep_grammar_rows_alive(logits, raw, rows)
 
         greedy = [r.params.greedy for r in rows]
         tokens = logits.argmax(dim=-1)

@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
@@ -162,7 +163,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
-              dashboard: bool = True, cors: Optional[dict] = None) -> FastAPI:
+              dashboard: bool = True, cors: Optional[dict] = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
@@ -174,6 +176,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     llm.on_abort = metrics.record_abort
     completions = OpenAIServingCompletion(llm, served, chat_template)
     chat = OpenAIServingChat(llm, served, chat_template)
+    chat.enable_auto_tools = enable_auto_tool_choice
+    chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
 
     @contextlib.asynccontextmanager
@@ -351,6 +355,14 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
+def _check_tool_flags(args: argparse.Namespace) -> None:
+    parser = getattr(args, "tool_call_parser", None)
+    if getattr(args, "enable_auto_tool_choice", False) and not parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    if parser:
+        get_tool_parser(parser)  # ValueError naming the known parsers
+
+
 def _exit_when_engine_dies(llm: AsyncLLM, server, died: threading.Event, poll_s: float = 1.0,
                            grace_s: float = 2.0) -> None:
     """Watch the engine; once it is dead, let /health answer 503 for ``grace_s`` seconds (so
@@ -393,6 +405,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         try:
             chat_template = _read_chat_template(args.chat_template)
+            _check_tool_flags(args)
             engine_args = EngineArgs(
                 model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -417,7 +430,9 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
-                        response_store=store, dashboard=args.dashboard, cors=cors)
+                        response_store=store, dashboard=args.dashboard, cors=cors,
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(args, "tool_call_parser", None))
         ensure_file_limit(args.limit_concurrency)
         http = guarded_http_protocol(args.limit_concurrency or None, args.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,

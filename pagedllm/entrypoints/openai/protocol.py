@@ -5,6 +5,7 @@ Request models turn themselves into ``SamplingParams``; any out-of-range value b
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -14,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128                 # completions per prompt
 MAX_LOGPROBS = 20           # top-N logprobs per position
@@ -57,6 +59,127 @@ class ErrorResponse(OpenAIBaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; refused when true
+
+
+# ---- structured outputs and tools (request side) ----------------------------------------------
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI ``response_format``: "text", "json_object" or "json_schema" (with ``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` request field (exactly one constraint)."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: Optional[str] = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One streamed fragment of a tool call: the first carries ``id``, ``type`` and the name;
+    the next ones carry pieces of ``function.arguments``."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParams]:
+    """``StructuredOutputsParams`` from a request's ``structured_outputs`` / ``guided_*`` /
+    ``response_format`` fields (None when none is set). RequestError when two are set or one is
+    malformed. Reused by every route that takes these fields."""
+    given: list[tuple[str, dict]] = []
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        given.append(("structured_outputs", {"json": so.json_, "json_object": so.json_object, "regex": so.regex,
+                                             "choice": so.choice, "grammar": so.grammar,
+                                             "disable_any_whitespace": so.disable_any_whitespace,
+                                             "whitespace_pattern": so.whitespace_pattern}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name, None) is not None:
+            given.append((name, {key: getattr(req, name)}))
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise RequestError("response_format of type json_schema needs json_schema.schema", "response_format")
+        else:
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RequestError(f"give only one of {', '.join(n for n, _ in given)}", given[1][0])
+    name, kwargs = given[0]
+    if getattr(req, "guided_whitespace_pattern", None) is not None and "json" in kwargs:
+        kwargs["whitespace_pattern"] = req.guided_whitespace_pattern
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise RequestError(f"{name}: {e}", name) from None
 
 
 _FIELD_RE = re.compile(r"^(\w+)\b")
@@ -166,6 +289,23 @@ class _SamplingRequest(_DocumentedFields):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # accepted, ignored
+    # -- logits processors and structured outputs (OpenAI + vLLM names) --
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[str, dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None  # accepted: one backend (llguidance) serves all
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The request's output constraint from ``structured_outputs``, ``guided_*`` or
+        ``response_format`` (at most one of them); RequestError naming the field when malformed."""
+        return structured_outputs_from_request(self)
 
     def make_sampling_params(self, max_tokens: int, logprobs: Optional[int],
                              prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -184,7 +324,9 @@ class _SamplingRequest(_DocumentedFields):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self.structured_outputs_params())
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -289,6 +431,8 @@ class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ChatTextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None   # assistant turns that called tools
+    tool_call_id: Optional[str] = None            # tool turns: which call this answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -309,7 +453,20 @@ class ChatMessageParam(OpenAIBaseModel):
             d["content"] = self.content if self.content is not None else ""
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:  # templates (HF convention) expect arguments as a mapping
+            d["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -321,6 +478,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # -- tool calling --
+    tools: Optional[list[ChatCompletionToolParam]] = None
+    tool_choice: Optional[ToolChoice] = None   # default: "auto" with tools, "none" without
+    parallel_tool_calls: Optional[bool] = True
 
     # OpenAI/vLLM chat fields this server refuses when used (see check_chat_fields)
     functions: Optional[Any] = None
@@ -376,6 +537,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -412,6 +574,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # a delta carries only what changed
@@ -458,6 +621,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessageParam]] = None
+    tools: Optional[list[ChatCompletionToolParam]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -15,6 +15,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessageParam, DeltaMessage, RequestError, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
+from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
+from pagedllm.entrypoints.openai.tool_parsers.tool_choice import resolve_tool_choice, tool_choice_structured_outputs
 from pagedllm.llm import apply_chat_template
 from pagedllm.outputs import PositionLogprobs
 
@@ -22,10 +24,18 @@ _BIG_CONVERSATION_CHARS = 16384
 
 
 class OpenAIServingChat(OpenAIServing):
+    # Tool calling: set by the server from --enable-auto-tool-choice / --tool-call-parser.
+    enable_auto_tools: bool = False
+    tool_parser = None  # a ToolParser subclass
+
     def render(self, messages: list[ChatMessageParam], add_generation_prompt: Optional[bool] = True,
-               continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> list[int]:
-        """Token ids of the conversation; RequestError when the template cannot render it."""
+               continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
+               tools: Optional[list] = None) -> list[int]:
+        """Token ids of the conversation; RequestError when the template cannot render it.
+        ``tools`` (OpenAI tool definitions) reach the template as ``tools``."""
         kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in tools])
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
         if continue_final_message and add_generation_prompt:
@@ -48,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = req.chat_template_kwargs
         if getattr(req, "documents", None) is not None:  # vLLM's RAG documents, given to the template
             kwargs = {**(kwargs or {}), "documents": req.documents}
-        args = (req.messages, agp, req.continue_final_message, kwargs)
+        args = (req.messages, agp, req.continue_final_message, kwargs, getattr(req, "tools", None))
         size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
                    for m in req.messages)
         if size > _BIG_CONVERSATION_CHARS:
@@ -68,13 +78,15 @@ class OpenAIServingChat(OpenAIServing):
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", param)
         params = req.to_sampling_params(max_tokens)
+        tools = self.tool_call_output(req, params)
+        await self.verify_logits_fields(params, req)
         request_id = random_id("chatcmpl")
         gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id)
         request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(req, request_id, model, gen, len(ids), include_usage),
+            return StreamingResponse(self._stream(req, request_id, model, gen, len(ids), include_usage, tools),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
 
         async def collect():
@@ -92,13 +104,26 @@ class OpenAIServingChat(OpenAIServing):
             if req.logprobs:
                 logprobs = ChatCompletionLogProbs(content=self._logprobs(c.token_ids, c.logprobs,
                                                                          req.top_logprobs or 0))
-            choices.append(ChatCompletionResponseChoice(index=c.index, message=ChatMessage(content=c.text),
-                                                        logprobs=logprobs, finish_reason=c.finish_reason,
+            content, tool_calls, finish_reason = tools.whole(c.text, c.finish_reason)
+            choices.append(ChatCompletionResponseChoice(index=c.index,
+                                                        message=ChatMessage(content=content, tool_calls=tool_calls),
+                                                        logprobs=logprobs, finish_reason=finish_reason,
                                                         stop_reason=c.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                           total_tokens=len(ids) + completion_tokens)
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
+
+    def tool_call_output(self, req: ChatCompletionRequest, params) -> ToolCallOutput:
+        """Resolve ``tool_choice``; a forced choice becomes the request's structured output."""
+        choice = resolve_tool_choice(req.tools, req.tool_choice, self.enable_auto_tools and self.tool_parser is not None)
+        forced = tool_choice_structured_outputs(req.tools or [], choice, req.parallel_tool_calls)
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise RequestError("a forced tool_choice cannot be combined with response_format or structured "
+                                   "outputs", "tool_choice")
+            params.structured_outputs = forced
+        return ToolCallOutput(choice, self.tool_parser, self.tokenizer)
 
     def _logprobs(self, token_ids: list[int], positions: Optional[list[PositionLogprobs]],
                   top_n: int) -> list[ChatLogProbsContent]:
@@ -119,13 +144,15 @@ class OpenAIServingChat(OpenAIServing):
         return out
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, gen,
-                      num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+                      num_prompt_tokens: int, include_usage: bool,
+                      tools: Optional[ToolCallOutput] = None) -> AsyncIterator[str]:
         created = int(time.time())
         n = req.n
         sent_text = [0] * n
         sent_tokens = [0] * n
         done = [False] * n
         completion_tokens = [0] * n
+        streamers = [tools.streamer() for _ in range(n)] if tools is not None and tools.active else None
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
@@ -154,9 +181,16 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason is not None:
                         done[i] = True
                         completion_tokens[i] = len(c.token_ids)
+                    delta, finish_reason = DeltaMessage(content=new_text), c.finish_reason
+                    if streamers is not None:  # tool calls: the parser decides what goes out
+                        delta = streamers[i].delta(c.text, c.finish_reason is not None) or DeltaMessage()
+                        finish_reason = streamers[i].finish_reason(c.finish_reason)
+                        if delta.content is None and delta.tool_calls is None and finish_reason is None \
+                                and not (logprobs and logprobs.content):
+                            continue
                     yield chunk(ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(content=new_text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        index=i, delta=delta, logprobs=logprobs,
+                        finish_reason=finish_reason, stop_reason=c.stop_reason))
             if include_usage:
                 total = sum(completion_tokens)
                 yield sse(ChatCompletionStreamResponse(

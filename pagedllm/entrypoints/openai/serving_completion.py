@@ -40,6 +40,10 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.resolve_max_tokens(len(ids), 1 if scoring else req.max_tokens)
             prompt_ids.append(ids)
             params.append(req.to_sampling_params(max_tokens))
+        if params:
+            await self.verify_logits_fields(params[0], req)  # one check: the fields are per request
+            for sp in params[1:]:
+                sp.bad_words_token_ids = params[0].bad_words_token_ids
         prompt_texts: list[Optional[str]] = [
             (p if isinstance(p, str) else self.tokenizer.decode(ids)) if req.echo else None
             for p, ids in zip(prompts, prompt_ids)]

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 BIG_PROMPT_CHARS = 16384  # tokenize longer prompts off the event loop
@@ -95,6 +96,23 @@ class OpenAIServing:
                                f"prompt tokens plus {max_tokens_param}={max_tokens} were requested.",
                                max_tokens_param, code="context_length_exceeded")
         return max_tokens
+
+    async def verify_logits_fields(self, params: SamplingParams, req) -> None:
+        """Token ids in the vocabulary, bad words tokenized, grammar compiled (off the event loop:
+        a large schema takes a while; cached after). RequestError naming the field otherwise."""
+        try:
+            if params.structured_outputs is not None or params.bad_words:
+                await asyncio.to_thread(self.llm.engine.verify_logits_fields, params)
+            else:
+                self.llm.engine.verify_logits_fields(params)
+        except ValueError as e:
+            msg = str(e)
+            param = next((f for f in ("logit_bias", "allowed_token_ids", "bad_words") if msg.startswith(f)), None)
+            if param is None and params.structured_outputs is not None:
+                param = next((f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                          "guided_choice", "guided_grammar", "tools", "tool_choice")
+                              if getattr(req, f, None) is not None), None)
+            raise RequestError(msg, param) from None
 
     def check_limits(self, req) -> None:
         """Request-level checks against the engine (issue 13): stop_token_ids in the vocabulary, and

@@ -1,0 +1,86 @@
+"""Turns a choice's text into OpenAI tool calls for a request's effective ``tool_choice``: forced
+calls (structured outputs) are parsed as JSON, "auto" uses the server's ``--tool-call-parser``.
+One ``ToolCallOutput`` per request; ``streamer()`` gives per-choice streaming state."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.protocol import (
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ToolCall, random_id)
+from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.tool_choice import parse_forced_tool_calls
+
+
+def _finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+class ToolCallOutput:
+    def __init__(self, tool_choice: Any, parser_cls: Optional[type[ToolParser]], tokenizer) -> None:
+        self.tool_choice = tool_choice
+        self.forced = isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"
+        self.parser_cls = parser_cls if tool_choice == "auto" else None
+        self.tokenizer = tokenizer
+
+    @property
+    def active(self) -> bool:
+        return self.forced or self.parser_cls is not None
+
+    def whole(self, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[ToolCall], Optional[str]]:
+        """(content, tool calls, finish_reason) of one finished choice."""
+        if self.forced:
+            calls = parse_forced_tool_calls(text, self.tool_choice)
+            return (None if calls else text), calls, _finish(finish_reason, bool(calls))
+        if self.parser_cls is not None:
+            got = self.parser_cls(self.tokenizer).extract_tool_calls(text)
+            if got.tools_called:
+                return got.content, got.tool_calls, _finish(finish_reason, True)
+        return text, [], finish_reason
+
+    def streamer(self) -> "ToolCallStreamer":
+        return ToolCallStreamer(self)
+
+
+class ToolCallStreamer:
+    """Streaming state of one choice: ``delta(text so far, finished)`` -> DeltaMessage or None.
+
+    A named function streams as OpenAI does: a first delta with the call's id and name, then the
+    arguments in fragments as they are generated. "required" sends its calls when the array is
+    complete; "auto" follows the parser."""
+
+    def __init__(self, out: ToolCallOutput) -> None:
+        self.out = out
+        self.parser = out.parser_cls(out.tokenizer) if out.parser_cls is not None else None
+        self.sent = 0
+        self.called = False
+
+    def delta(self, text: str, finished: bool) -> Optional[DeltaMessage]:
+        prev, self.sent = text[:self.sent], len(text)
+        new = text[len(prev):]
+        if self.parser is not None:
+            d = self.parser.extract_tool_calls_streaming(prev, text, new, finished)
+            self.called = self.parser.called
+            return d
+        tc = self.out.tool_choice
+        if isinstance(tc, NamedToolChoice):
+            calls = []
+            if not self.called:
+                self.called = True
+                calls.append(DeltaToolCall(index=0, id=random_id("chatcmpl-tool"), type="function",
+                                           function=DeltaFunctionCall(name=tc.function.name, arguments="")))
+            if new:
+                calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new)))
+            return DeltaMessage(tool_calls=calls) if calls else None
+        if not finished:
+            return None
+        calls = parse_forced_tool_calls(text, tc)
+        if not calls:
+            return DeltaMessage(content=text) if text else None
+        self.called = True
+        return DeltaMessage(tool_calls=[
+            DeltaToolCall(index=i, id=c.id, type="function",
+                          function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
+            for i, c in enumerate(calls)])
+
+    def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
+        return _finish(finish_reason, self.called)

@@ -254,3 +254,15 @@ def test_smollm2_serve_chat_completion():
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         assert r.choices[0].finish_reason in ("stop", "length")
+        # the Responses API on the same server (issue 16): same answer, a completed response, and the
+        # SDK's stream helper, which needs response.completed, assembles it
+        resp = client.responses.create(model=SMOLLM2, input="What is the capital of France?", temperature=0,
+                                       max_output_tokens=64)
+        assert resp.status == "completed" and "Paris" in resp.output_text
+        with client.responses.stream(model=SMOLLM2, input="What is the capital of France?", temperature=0,
+                                     max_output_tokens=64) as stream:
+            final = stream.get_final_response()
+        assert final.output_text == resp.output_text
+        follow = client.responses.create(model=SMOLLM2, input="And of Italy?", previous_response_id=resp.id,
+                                         temperature=0, max_output_tokens=64)
+        assert "Rome" in follow.output_text

@@ -3,6 +3,7 @@ driven with the official ``openai`` client (``responses.create``, ``.stream``, `
 ``.retrieve``, ``.delete``, ``.cancel``) and with ``httpx`` for the error paths."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -261,3 +262,76 @@ def test_response_store_bounds_count_and_age(monkeypatch):
     assert store.get("r1") is None and store.get("r2") is not None
     with pytest.raises(ValueError):
         ResponseStore(max_count=0)
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="pick a colour", max_output_tokens=40, temperature=0.0,
+                                text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
+    assert r.status == "completed", r
+    assert json.loads(r.output_text)["color"] in ("red", "blue")
+    assert r.text.format.type == "json_schema"
+    obj = client.responses.create(model=MODEL, input="any object", max_output_tokens=60, temperature=0.0,
+                                  text={"format": {"type": "json_object"}})
+    if obj.status == "completed":   # a random model may run out of tokens inside the object
+        assert isinstance(json.loads(obj.output_text), dict)
+    else:
+        assert obj.output_text.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "name": "get_weather"}, "required"])
+def test_forced_tool_choice_returns_function_calls(client, choice):
+    r = client.responses.create(model=MODEL, input="weather in Paris?", tools=[WEATHER], tool_choice=choice,
+                                max_output_tokens=60, temperature=0.0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed", r
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("chatcmpl-tool")
+        assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    # streamed: the arguments events carry the same call
+    events = list(client.responses.create(model=MODEL, input="weather in Paris?", tools=[WEATHER],
+                                          tool_choice=choice, max_output_tokens=60, temperature=0.0, stream=True))
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types and types[-1] == "response.completed"
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(e.arguments) for e in done] == [json.loads(c.arguments) for c in calls]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # the SDK's helper assembles it (response.completed is sent)
+    with client.responses.stream(model=MODEL, input="weather in Paris?", tools=[WEATHER], tool_choice=choice,
+                                 max_output_tokens=60, temperature=0.0) as stream:
+        final = stream.get_final_response()
+    assert [o.arguments for o in final.output if o.type == "function_call"] == [c.arguments for c in calls]
+
+
+def test_tool_result_continues_through_previous_response_id(client, tokenizer):
+    first = client.responses.create(model=MODEL, input="weather in Rome?", tools=[WEATHER],
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=60, temperature=0.0)
+    call = next(o for o in first.output if o.type == "function_call")
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny, 21 C"}], max_output_tokens=5, **GREEDY)
+    history = [{"role": "user", "content": "weather in Rome?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.call_id, "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    assert second.usage.input_tokens == n_template_tokens(tokenizer, history)   # tool_choice none: no tools
+
+
+def test_auto_tool_choice_needs_the_server_flag(http):
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [WEATHER]})
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [WEATHER],
+                                         "tool_choice": {"type": "function", "name": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                         "text": {"format": {"type": "json_schema", "name": "x",
+                                                             "schema": {"type": "object", "minProperties": "x"}}}})
+    assert r.status_code == 400

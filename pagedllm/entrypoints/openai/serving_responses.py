@@ -20,15 +20,19 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.protocol import RequestError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError)
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,
     OutputMessage, OutputText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, InputTokensDetails)
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import run_unless_disconnected
+from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
+from pagedllm.entrypoints.openai.tool_parsers.tool_choice import resolve_tool_choice, tool_choice_structured_outputs
 from pagedllm.llm import apply_chat_template
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,6 +51,7 @@ class _Run:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: int = 0
     task: Optional[asyncio.Task] = None
+    tools: Optional[ToolCallOutput] = None   # active: the output is parsed for function calls at the end
 
     def emit(self, type_: str, **payload: Any) -> None:
         if self.stream:
@@ -135,14 +140,16 @@ class OpenAIServingResponses:
                                    "previous_response_id")
             history = [dict(m) for m in prev.messages]
         history += history_from_input(req)
-        if req.tools and req.tool_choice != "none":
-            raise RequestError("tools are not supported by this server yet", "tools")
-        if req.text is not None and req.text.format.type != "text":
-            raise RequestError("text.format other than text is not supported by this server yet", "text.format")
+        chat_tools = [ChatCompletionToolParam(function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in req.tools or []]
+        tool_choice = resolve_tool_choice(chat_tools or None, self._tool_choice(req),
+                                          self.chat.enable_auto_tools and self.chat.tool_parser is not None)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-        ids = await asyncio.to_thread(self._render, messages)
+        ids = await asyncio.to_thread(self._render, messages, chat_tools if tool_choice != "none" else [])
         max_tokens = self.chat.resolve_max_tokens(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         params = self._sampling_params(req, max_tokens)
+        params.structured_outputs = self._structured_outputs(req, chat_tools, tool_choice)
+        await self.chat.verify_logits_fields(params, req)
 
         response = ResponseObject(
             model=self.chat.served_model_name, status="queued" if req.background else "in_progress",
@@ -153,6 +160,8 @@ class OpenAIServingResponses:
             tool_choice=req.tool_choice, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             user=req.user, metadata=req.metadata or {})
         run = _Run(response=response, history=history, stream=req.stream)
+        tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer)
+        run.tools = tools if tools.active else None
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history))
         gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id)
@@ -167,10 +176,43 @@ class OpenAIServingResponses:
         await run_unless_disconnected(raw_request, self._wait(run))
         return self._json(response)
 
-    def _render(self, messages: list[dict]) -> list[int]:
+    @staticmethod
+    def _tool_choice(req: ResponsesRequest):
+        """The request's tool_choice in the Chat Completions shape; None when not given (then
+        "auto" with tools, "none" without, as OpenAI defaults it)."""
+        if "tool_choice" not in req.model_fields_set:
+            return None
+        choice = req.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                   '"name": ...}', "tool_choice")
+            return NamedToolChoice(function=NamedFunction(name=choice["name"]))
+        return choice
+
+    @staticmethod
+    def _structured_outputs(req: ResponsesRequest, chat_tools: list, tool_choice) -> Optional[StructuredOutputsParams]:
+        """``text.format`` (json_object / json_schema) or a forced tool_choice as the output's grammar."""
+        forced = tool_choice_structured_outputs(chat_tools, tool_choice, req.parallel_tool_calls)
+        fmt = req.text.format if req.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return forced
+        if forced is not None:
+            raise RequestError("a forced tool_choice cannot be combined with text.format", "tool_choice")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.schema_ is None:
+            raise RequestError("text.format of type json_schema needs a schema", "text.format.schema")
+        try:
+            return StructuredOutputsParams(json=fmt.schema_)
+        except ValueError as e:
+            raise RequestError(f"text.format: {e}", "text.format") from None
+
+    def _render(self, messages: list[dict], tools: list) -> list[int]:
+        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else None
         try:
             ids = apply_chat_template(self.chat.tokenizer, messages, self.chat.chat_template,
-                                      add_generation_prompt=True)
+                                      add_generation_prompt=True, chat_template_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - template errors come from user content
             raise RequestError(f"cannot apply the chat template: {type(e).__name__}: {e}", "input") from None
         if not ids:
@@ -219,6 +261,8 @@ class OpenAIServingResponses:
             run.emit("response.in_progress", response=self._dump(resp))
             async for out in gen:
                 c = out.outputs[0]
+                if run.tools is not None:
+                    continue  # a tool call or text: known only once the whole output is parsed
                 delta = c.text[sent:]
                 if delta or (c.finish_reason is not None and message is None):
                     if message is None:
@@ -239,12 +283,15 @@ class OpenAIServingResponses:
             c = out.outputs[0]
             length = c.finish_reason == "length"
             aborted = c.finish_reason == "abort"  # the engine ended it (server shutting down)
-            message.status = "incomplete" if length or aborted else "completed"
-            run.emit("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
-                     text=part.text, logprobs=[])
-            run.emit("response.content_part.done", item_id=message.id, output_index=0, content_index=0,
-                     part=part.model_dump())
-            run.emit("response.output_item.done", output_index=0, item=message.model_dump())
+            if run.tools is not None:
+                self._emit_parsed(run, c.text, c.finish_reason)
+            else:
+                message.status = "incomplete" if length or aborted else "completed"
+                run.emit("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
+                         text=part.text, logprobs=[])
+                run.emit("response.content_part.done", item_id=message.id, output_index=0, content_index=0,
+                         part=part.model_dump())
+                run.emit("response.output_item.done", output_index=0, item=message.model_dump())
             resp.usage = ResponseUsage(input_tokens=num_input_tokens,
                                        input_tokens_details=InputTokensDetails(cached_tokens=out.num_cached_tokens),
                                        output_tokens=len(c.token_ids),
@@ -276,6 +323,40 @@ class OpenAIServingResponses:
             run.emit(_FINAL_EVENT[resp.status], response=self._dump(resp))
             if run.stream:
                 run.events.put_nowait(_END)
+
+    @staticmethod
+    def _emit_parsed(run: _Run, text: str, finish_reason: Optional[str]) -> None:
+        """Output items of a response with tools: the text (if any) as a message, then one
+        function_call item per call, with their stream events (arguments in one delta)."""
+        content, calls, _ = run.tools.whole(text, finish_reason)
+        status = "completed" if finish_reason == "stop" else "incomplete"
+        resp = run.response
+        if content:
+            message = OutputMessage(status=status, content=[OutputText(text=content)])
+            i = len(resp.output)
+            resp.output.append(message)
+            run.emit("response.output_item.added", output_index=i, item={**message.model_dump(), "content": []})
+            run.emit("response.content_part.added", item_id=message.id, output_index=i, content_index=0,
+                     part=OutputText(text="").model_dump())
+            run.emit("response.output_text.delta", item_id=message.id, output_index=i, content_index=0,
+                     delta=content, logprobs=[])
+            run.emit("response.output_text.done", item_id=message.id, output_index=i, content_index=0,
+                     text=content, logprobs=[])
+            run.emit("response.content_part.done", item_id=message.id, output_index=i, content_index=0,
+                     part=message.content[0].model_dump())
+            run.emit("response.output_item.done", output_index=i, item=message.model_dump())
+        for call in calls:
+            item = OutputFunctionCall(call_id=call.id, name=call.function.name, arguments=call.function.arguments,
+                                      status=status)
+            i = len(resp.output)
+            resp.output.append(item)
+            run.emit("response.output_item.added", output_index=i,
+                     item={**item.model_dump(), "arguments": "", "status": "in_progress"})
+            run.emit("response.function_call_arguments.delta", item_id=item.id, output_index=i,
+                     delta=item.arguments)
+            run.emit("response.function_call_arguments.done", item_id=item.id, output_index=i,
+                     name=item.name, arguments=item.arguments)
+            run.emit("response.output_item.done", output_index=i, item=item.model_dump())
 
     @staticmethod
     def _dump(resp: ResponseObject) -> dict:

@@ -243,7 +243,7 @@ def test_engine_backends_agree(llama_dir, dtype):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     outs = {}
     for backend in ("cpu", "torch"):
-        llm = LLM(llama_dir, dtype=dtype, attention_backend=backend, block_size=4, max_model_len=256,
+        llm = LLM(llama_dir, dtype=dtype, attention_backend=backend, device="cpu", block_size=4, max_model_len=256,
                   kv_cache_memory=4 << 20, max_num_batched_tokens=64)
         assert llm.llm_engine.executor.runner.model.layers[0].self_attn.backend.name == backend
         outs[backend] = llm.generate(prompts, params, use_tqdm=False)

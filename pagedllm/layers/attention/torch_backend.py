@@ -114,4 +114,4 @@ class TorchPagedAttention(AttentionBackend):
         # Query heads of one KV head as rows: [1, Hkv, G * T, D], mask tiled per head of the group.
         o = _grouped_attention(qs.reshape(1, hkv, -1, d), ks, vs, mask.repeat(h // hkv, 1).view(1, 1, -1, length),
                                scale, soft_cap)
-        return o.view(h, t, d).transpose(0, 1)
+        return o.reshape(h, t, d).transpose(0, 1)  # SDPA may return a non-contiguous layout (CUDA)

@@ -63,6 +63,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (processes, each with its own model copy, KV cache and cores / N "
+                        "threads) behind this one server; requests go to the least-loaded replica")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + activations + KV cache")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,

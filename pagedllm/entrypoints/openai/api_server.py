@@ -362,15 +362,26 @@ def run_server(args: argparse.Namespace) -> int:
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
                 device=None if args.device == "auto" else args.device,
                 attention_backend=getattr(args, "attention_backend", "auto"))
-            llm = AsyncLLM.from_engine_args(engine_args).start()
+            dp = getattr(args, "data_parallel_size", 1)
+            if dp > 1:
+                from pagedllm.engine.dp_client import DPAsyncLLM
+
+                llm = DPAsyncLLM(engine_args, dp, log_level=log_level).start()
+            else:
+                llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
+        except RuntimeError as e:  # a worker or replica failed to start
+            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            return 1
 
+        # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
+        dashboard = args.dashboard and getattr(args, "data_parallel_size", 1) == 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
-                        response_store=store, dashboard=args.dashboard)
+                        response_store=store, dashboard=dashboard)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
         server = uvicorn.Server(config)

@@ -101,6 +101,11 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # world size = TP x PP (worker/pp_runner.py)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -150,6 +155,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     seed: int = 0
     load_format: str = "auto"
     served_model_name: Optional[str] = None
@@ -178,6 +184,12 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        layers = getattr(hf_config, "num_hidden_layers", None)
+        if layers is not None and self.pipeline_parallel_size > layers:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} exceeds the model's {layers} "
+                             f"layers (each stage needs at least one)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         from pagedllm.layers.attention.selector import CHOICES as attention_backends
@@ -212,6 +224,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           pipeline_parallel_size=self.pipeline_parallel_size),
             device=device,
         )

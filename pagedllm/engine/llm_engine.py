@@ -96,12 +96,13 @@ class LLMEngine:
                 f"{mc.max_model_len} needs; raise gpu_memory_utilization or kv_cache_memory, or lower max_model_len")
         cc.num_blocks = num_blocks
         self.executor.allocate_kv_cache(num_blocks)
-        kv_bytes = num_blocks * per_block * self.config.parallel_config.tensor_parallel_size
+        kv_bytes = num_blocks * per_block * self.config.parallel_config.world_size
         logger.info(
-            "model=%s arch=%s dtype=%s device=%s tp=%d | KV cache: %d blocks x %d tokens = %.1f MiB | "
+            "model=%s arch=%s dtype=%s device=%s tp=%d pp=%d | KV cache: %d blocks x %d tokens = %.1f MiB | "
             "max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB | prefix caching %s",
             mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), self.config.device,
-            self.config.parallel_config.tensor_parallel_size, num_blocks, cc.block_size, kv_bytes / 2**20,
+            self.config.parallel_config.tensor_parallel_size, self.config.parallel_config.pipeline_parallel_size,
+            num_blocks, cc.block_size, kv_bytes / 2**20,
             mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,
             "on" if cc.enable_prefix_caching else "off")
 

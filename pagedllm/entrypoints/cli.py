@@ -63,6 +63,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (the layers split over processes/GPUs; world size = TP x PP)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas (processes, each with its own model copy, KV cache and cores / N "
                         "threads) behind this one server; requests go to the least-loaded replica")

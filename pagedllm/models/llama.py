@@ -13,12 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
+from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                     default_weight_loader)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a module another pipeline stage owns (no parameters, as in vLLM)."""
 
 
 class LlamaMLP(nn.Module):
@@ -97,19 +102,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = backend or TorchPagedAttention()
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # Pipeline parallelism: this rank builds only its stage's layers (others are placeholders).
+        self.start_layer, self.end_layer = get_pp_layer_range(config.num_hidden_layers)
+        first, last = is_first_pp_rank(), is_last_pp_rank()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first \
+            else PPMissingLayer()
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype))
+             if self.start_layer <= i < self.end_layer else PPMissingLayer()
              for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if getattr(config, "tie_word_embeddings", False):
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else PPMissingLayer()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if last else PPMissingLayer()
+        if getattr(config, "tie_word_embeddings", False) and first and last:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+                meta: AttentionMetadata, intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``intermediate``: the previous pipeline stage's hidden states [N, hidden] (every stage
+        but the first); a stage but the last returns its hidden states before the final norm."""
+        x = self.embed_tokens(input_ids) if intermediate is None else intermediate
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
+                                   kv_caches[self.start_layer:self.end_layer]):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
 
@@ -133,6 +146,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.replace("model.", "", 1) if name.startswith("model.") else name
             if tied and name == "lm_head.weight":
                 continue
+            if tied and name == "embed_tokens.weight" and name not in params:
+                name = "lm_head.weight"  # the last pipeline stage holds the tied head without the embedding
             for frag, fused, shard in self.stacked_params:
                 if f".{frag}." in name:
                     pname = name.replace(frag, fused)
@@ -145,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
                     param = params[name]
                     getattr(param, "weight_loader", default_weight_loader)(param, w)
                     loaded.add(name)
-        if tied:
+        if tied and "lm_head.weight" in params and "embed_tokens.weight" in params:
             loaded.add("lm_head.weight")
         missing = set(params) - loaded
         if missing:

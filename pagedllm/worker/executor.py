@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, set_tp_state
+from pagedllm.distributed.parallel_state import get_pp_state, get_tp_rank, get_tp_size, set_pp_state, set_tp_state
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -42,12 +42,14 @@ class UniProcExecutor(Executor):
         self.config = config
         # Build an unsharded model even if a tensor-parallel engine lives in this process too
         # (layers read the TP size once, at construction).
-        prev = get_tp_rank(), get_tp_size()
+        prev, prev_pp = (get_tp_rank(), get_tp_size()), get_pp_state()
         set_tp_state(0, 1)
+        set_pp_state(0, 1)
         try:
             self.runner = ModelRunner(config)
         finally:
             set_tp_state(*prev)
+            set_pp_state(*prev_pp)
 
     def determine_kv_budget(self) -> tuple[int, str]:
         cc = self.config.cache_config
@@ -68,7 +70,7 @@ class UniProcExecutor(Executor):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel_config.tensor_parallel_size > 1:
+    if config.parallel_config.world_size > 1:
         from pagedllm.worker.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
 from pagedllm.worker.executor import Executor, UniProcExecutor
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import physical_memory_bytes
@@ -122,11 +122,18 @@ class RankWorker(UniProcExecutor):
         if on_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
-        init_tensor_parallel(rank, world_size, init_method, "nccl" if on_cuda else "gloo",
-                             timeout=collective_timeout())
+        pc = config.parallel_config
+        assert world_size == pc.world_size, (world_size, pc.world_size)
+        init_model_parallel(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                            "nccl" if on_cuda else "gloo", timeout=collective_timeout())
         # Pickled calls travel over gloo on CPU memory even when the model runs on NCCL.
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.runner = ModelRunner(config)  # sharded: the TP state is set above
+        if pc.pipeline_parallel_size > 1:
+            from pagedllm.worker.pp_runner import PPModelRunner
+
+            self.runner = PPModelRunner(config)  # this stage's layers (and TP shard)
+        else:
+            self.runner = ModelRunner(config)  # sharded: the TP state is set above
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -186,7 +193,8 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.world_size = tp = config.parallel_config.tensor_parallel_size
+        tp = config.parallel_config.tensor_parallel_size
+        self.world_size = world = config.parallel_config.world_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._failed: str | None = None
@@ -199,17 +207,18 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("a torch.distributed process group already exists in this process (another "
                                "tensor-parallel engine?); shut it down before starting a new one")
         on_cpu = not config.device.startswith("cuda")
-        if not on_cpu and torch.cuda.device_count() < tp:
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
-        threads = threads_per_rank(tp) if on_cpu else self._prev_threads
+        if not on_cpu and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} CUDA devices, "
+                             f"found {torch.cuda.device_count()}")
+        threads = threads_per_rank(world) if on_cpu else self._prev_threads
         init_method = rendezvous_url()
         ctx = mp.get_context("spawn")
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
-            for rank in range(1, tp):
+            for rank in range(1, world):
                 recv, send = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
-                                args=(config, rank, tp, init_method, send, os.getpid(), threads))
+                                args=(config, rank, world, init_method, send, os.getpid(), threads))
                 p.start()
                 send.close()
                 self.procs.append(p)
@@ -218,12 +227,13 @@ class MultiprocExecutor(Executor):
             if on_cpu:
                 torch.set_num_threads(threads)
             self._owns_group = True
-            self.driver = RankWorker(config, 0, tp, init_method)
+            self.driver = RankWorker(config, 0, world, init_method)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (rank 0 in this process, workers %s), %s, %d threads per rank",
-                    tp, [p.pid for p in self.procs], "gloo" if on_cpu else "nccl", threads)
+        logger.info("model parallel: %d ranks = tp %d x pp %d (rank 0 in this process, workers %s), %s, "
+                    "%d threads per rank", world, tp, config.parallel_config.pipeline_parallel_size,
+                    [p.pid for p in self.procs], "gloo" if on_cpu else "nccl", threads)
 
     # ---- process management ----------------------------------------------------------------
     def _wait_ready(self) -> None:
@@ -366,7 +376,9 @@ class MultiprocExecutor(Executor):
         return budgets[i], f"{results[i][1]} (rank {i}, the smallest of {self.world_size} ranks)"
 
     def bytes_per_block(self) -> int:
-        return self.driver.bytes_per_block()  # every rank holds the same number of KV heads
+        if self.config.parallel_config.pipeline_parallel_size == 1:
+            return self.driver.bytes_per_block()  # every rank holds the same number of KV heads
+        return max(self._call("bytes_per_block"))  # stages may own different numbers of layers
 
     def weight_bytes(self) -> int:
         return self.driver.weight_bytes()  # per rank (rank 0)

@@ -358,7 +358,8 @@ def run_server(args: argparse.Namespace) -> int:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1), seed=args.seed, load_format=args.load_format,
                 served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
                 device=None if args.device == "auto" else args.device,
                 attention_backend=getattr(args, "attention_backend", "auto"))

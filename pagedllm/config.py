@@ -102,6 +102,11 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # world size = TP x PP (worker/pp_runner.py)
+    # Multi-node (worker/multinode.py): node r runs global ranks [r * L, (r + 1) * L), L = world / nnodes.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -156,6 +161,10 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
     seed: int = 0
     load_format: str = "auto"
     served_model_name: Optional[str] = None
@@ -190,6 +199,16 @@ class EngineArgs:
         if layers is not None and self.pipeline_parallel_size > layers:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} exceeds the model's {layers} "
                              f"layers (each stage needs at least one)")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes; got nnodes={self.nnodes}, "
+                             f"node_rank={self.node_rank}")
+        if world % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} ranks do not split evenly "
+                             f"over nnodes={self.nnodes}")
+        if self.nnodes > 1 and (not self.master_addr or not self.master_port):
+            raise ValueError("a multi-node launch (nnodes > 1) needs master_addr and master_port (the address of "
+                             "node 0, reachable from every node)")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         from pagedllm.layers.attention.selector import CHOICES as attention_backends
@@ -225,6 +244,8 @@ class EngineArgs:
                 max_model_len=max_model_len,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                           pipeline_parallel_size=self.pipeline_parallel_size),
+                                           pipeline_parallel_size=self.pipeline_parallel_size,
+                                           nnodes=self.nnodes, node_rank=self.node_rank,
+                                           master_addr=self.master_addr, master_port=self.master_port),
             device=device,
         )

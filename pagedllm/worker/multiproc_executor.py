@@ -48,6 +48,7 @@ from pagedllm.worker.model_runner import ModelRunner
 logger = logging.getLogger("pagedllm")
 
 STARTUP_TIMEOUT_S = 300.0
+PING_INTERVAL_S = 2.0  # multi-node: an idle driver checks the other nodes' ranks this often
 # The control group waits for the driver's next call, which may be hours away on an idle server;
 # a dead peer is still detected at once (closed socket), only a hung-but-alive one is not.
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -119,9 +120,9 @@ class RankWorker(UniProcExecutor):
         self.config = config
         self.rank = rank
         on_cuda = config.device.startswith("cuda")
-        if on_cuda:
-            torch.cuda.set_device(rank)
-        self.device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+        if on_cuda:  # the local rank on a multi-node launch (every node numbers its GPUs from 0)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if on_cuda else torch.device("cpu")
         pc = config.parallel_config
         assert world_size == pc.world_size, (world_size, pc.world_size)
         init_model_parallel(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
@@ -134,6 +135,9 @@ class RankWorker(UniProcExecutor):
             self.runner = PPModelRunner(config)  # this stage's layers (and TP shard)
         else:
             self.runner = ModelRunner(config)  # sharded: the TP state is set above
+
+    def ping(self) -> None:
+        """A no-op round trip: proves every rank (on every node) still answers."""
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -211,11 +215,18 @@ class MultiprocExecutor(Executor):
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} CUDA devices, "
                              f"found {torch.cuda.device_count()}")
         threads = threads_per_rank(world) if on_cpu else self._prev_threads
-        init_method = rendezvous_url()
+        pc = config.parallel_config
+        # Multi-node: this node (node 0, the driver's) runs ranks 0..L-1; headless nodes run the rest
+        # (worker/multinode.py) and join the same rendezvous at master_addr:master_port.
+        self.nnodes = pc.nnodes
+        self.local_world = world // pc.nnodes
+        init_method = f"tcp://{pc.master_addr}:{pc.master_port}" if pc.nnodes > 1 else rendezvous_url()
+        self._call_lock = threading.Lock()  # one thread at a time runs collectives (steps, health pings)
+        self._last_call = time.monotonic()
         ctx = mp.get_context("spawn")
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
-            for rank in range(1, world):
+            for rank in range(1, self.local_world):
                 recv, send = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
                                 args=(config, rank, world, init_method, send, os.getpid(), threads))
@@ -298,7 +309,7 @@ class MultiprocExecutor(Executor):
         self._kill_workers()
         return RuntimeError(msg)
 
-    def check_health(self) -> None:
+    def _check_local(self) -> None:
         if self._failed is not None:
             raise RuntimeError(self._failed)
         if self._closed:
@@ -306,10 +317,26 @@ class MultiprocExecutor(Executor):
         if any(not p.is_alive() for p in self.procs):
             raise self._fail(None)
 
+    def check_health(self) -> None:
+        self._check_local()
+        if self.nnodes > 1 and time.monotonic() - self._last_call > PING_INTERVAL_S:
+            # Ranks on other nodes are not our children: a round trip shows whether they still answer
+            # (a dead node's closed sockets fail it at once). Skipped while a step holds the lock.
+            if self._call_lock.acquire(blocking=False):
+                try:
+                    self._call_locked("ping")
+                finally:
+                    self._call_lock.release()
+
     def _call(self, method: str, *args: Any) -> Any:
         """Run ``method`` on every rank; returns rank 0's result for execute_model, else the list
         of every rank's result."""
-        self.check_health()
+        with self._call_lock:
+            return self._call_locked(method, *args)
+
+    def _call_locked(self, method: str, *args: Any) -> Any:
+        self._last_call = time.monotonic()
+        self._check_local()
         try:
             wire_args = args if self.driver.device.type == "cpu" else to_device(args, "cpu")
             dist.broadcast_object_list([(method, wire_args)], src=0, group=self.driver.control)
@@ -318,6 +345,7 @@ class MultiprocExecutor(Executor):
                 return result
             results: list[Any] = [None] * self.world_size
             dist.gather_object(result, results, dst=0, group=self.driver.control)
+            self._last_call = time.monotonic()
             return results
         except (RuntimeError, OSError) as e:
             raise self._fail(e) from e
@@ -325,6 +353,23 @@ class MultiprocExecutor(Executor):
             # Ctrl-C or a bug in rank 0 mid-call: the ranks are out of step; nothing can continue.
             self._fail(None)
             raise
+
+    def _stop_remote_ranks(self, timeout_s: float = 5.0) -> None:
+        """Tell every rank to exit cleanly (ranks on other nodes are not ours to kill); bounded, so a
+        hung peer cannot hold up the shutdown."""
+        def tell():
+            try:
+                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.driver.control)
+            except Exception:  # noqa: BLE001 - peers already gone: nothing to tell
+                pass
+
+        if self._call_lock.acquire(timeout=timeout_s):
+            try:
+                t = threading.Thread(target=tell, daemon=True, name="pagedllm-stop-ranks")
+                t.start()
+                t.join(timeout_s)
+            finally:
+                self._call_lock.release()
 
     def _kill_workers(self) -> None:
         for p in self.procs:
@@ -341,6 +386,8 @@ class MultiprocExecutor(Executor):
         with self._lock:
             if self._closed:
                 return
+            if self.nnodes > 1 and self._failed is None and self._owns_group:
+                self._stop_remote_ranks()
             self._closed = True
             try:
                 self._kill_workers()

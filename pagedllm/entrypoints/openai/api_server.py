@@ -324,15 +324,49 @@ def _exit_when_engine_dies(llm: AsyncLLM, server, died: threading.Event, poll_s:
         time.sleep(poll_s)
 
 
+def _engine_args(args: argparse.Namespace):
+    from pagedllm.config import EngineArgs
+
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
+        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None),
+        seed=args.seed, load_format=args.load_format,
+        served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
+        device=None if args.device == "auto" else args.device,
+        attention_backend=getattr(args, "attention_backend", "auto"))
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """``pagedllm serve --headless``: this node's worker ranks of a multi-node launch, no server."""
+    from pagedllm.worker.multinode import run_headless
+
+    try:
+        return run_headless(_engine_args(args).create_engine_config())
+    except (ValueError, OSError) as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr)
+        return 1
+
+
 def run_server(args: argparse.Namespace) -> int:
     """``pagedllm serve``: load the engine, serve until SIGINT/SIGTERM, return the exit code."""
     import uvicorn
 
-    from pagedllm.config import EngineArgs
     from pagedllm.logger import init_logger
 
     log_level = args.log_level.upper()
     init_logger(log_level)
+    if getattr(args, "headless", False):
+        return _run_headless(args)
+    if getattr(args, "nnodes", 1) > 1 and getattr(args, "node_rank", 0) != 0:
+        print("pagedllm serve: error: only node 0 serves the API; start the other nodes with --headless",
+              file=sys.stderr)
+        return 1
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     host = args.host
     try:
@@ -353,16 +387,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         try:
             chat_template = _read_chat_template(args.chat_template)
-            engine_args = EngineArgs(
-                model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1), seed=args.seed, load_format=args.load_format,
-                served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
-                device=None if args.device == "auto" else args.device,
-                attention_backend=getattr(args, "attention_backend", "auto"))
+            engine_args = _engine_args(args)
             dp = getattr(args, "data_parallel_size", 1)
             if dp > 1:
                 from pagedllm.engine.dp_client import DPAsyncLLM

@@ -107,6 +107,7 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+    distributed_executor_backend: str = "mp"  # "mp" (worker processes) or "ray" (worker/ray_executor.py)
 
     @property
     def world_size(self) -> int:
@@ -165,6 +166,7 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+    distributed_executor_backend: str = "mp"
     seed: int = 0
     load_format: str = "auto"
     served_model_name: Optional[str] = None
@@ -209,6 +211,11 @@ class EngineArgs:
         if self.nnodes > 1 and (not self.master_addr or not self.master_port):
             raise ValueError("a multi-node launch (nnodes > 1) needs master_addr and master_port (the address of "
                              "node 0, reachable from every node)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("with the ray backend the Ray cluster spans the nodes: drop --nnodes")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         from pagedllm.layers.attention.selector import CHOICES as attention_backends
@@ -246,6 +253,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            pipeline_parallel_size=self.pipeline_parallel_size,
                                            nnodes=self.nnodes, node_rank=self.node_rank,
-                                           master_addr=self.master_addr, master_port=self.master_port),
+                                           master_addr=self.master_addr, master_port=self.master_port,
+                                           distributed_executor_backend=self.distributed_executor_backend),
             device=device,
         )

@@ -65,6 +65,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="pipeline stages (the layers split over processes/GPUs; world size = TP x PP)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="how TP/PP worker ranks start: mp = local processes (multi-node: --nnodes), ray = Ray "
+                        "actors in a placement group on the running cluster (ray start --head) or a local one")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in a multi-node launch (every node runs "
                    "`pagedllm serve` with the same flags; world size TP x PP split evenly over the nodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 serves the API")

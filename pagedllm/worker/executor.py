@@ -70,6 +70,10 @@ class UniProcExecutor(Executor):
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel_config.world_size > 1 and config.parallel_config.distributed_executor_backend == "ray":
+        from pagedllm.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if config.parallel_config.world_size > 1:
         from pagedllm.worker.multiproc_executor import MultiprocExecutor
 

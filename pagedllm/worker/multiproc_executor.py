@@ -155,8 +155,10 @@ def _watch_parent(parent_pid: int) -> None:
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Any,
                 parent_pid: int, num_threads: int) -> None:
     """Entry point of a spawned rank: serve the driver's broadcast calls until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:  # None: a Ray actor (Ray ties it to its owner instead)
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     torch.set_num_threads(num_threads)
     try:
         conn.send(("ready", None))
@@ -223,17 +225,9 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://{pc.master_addr}:{pc.master_port}" if pc.nnodes > 1 else rendezvous_url()
         self._call_lock = threading.Lock()  # one thread at a time runs collectives (steps, health pings)
         self._last_call = time.monotonic()
-        ctx = mp.get_context("spawn")
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
-            for rank in range(1, self.local_world):
-                recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
-                                args=(config, rank, world, init_method, send, os.getpid(), threads))
-                p.start()
-                send.close()
-                self.procs.append(p)
-                self.conns.append(recv)
+            init_method = self._launch_workers(list(range(1, self.local_world)), init_method, threads)
             self._wait_ready()
             if on_cpu:
                 torch.set_num_threads(threads)
@@ -247,6 +241,20 @@ class MultiprocExecutor(Executor):
                     [p.pid for p in self.procs], "gloo" if on_cpu else "nccl", threads)
 
     # ---- process management ----------------------------------------------------------------
+    def _launch_workers(self, ranks: list[int], init_method: str, threads: int) -> str:
+        """Start one worker per rank (filling ``procs``/``conns``); returns the rendezvous URL
+        (the Ray executor picks its own, reachable from the cluster)."""
+        ctx = mp.get_context("spawn")
+        for rank in ranks:
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
+                            args=(self.config, rank, self.world_size, init_method, send, os.getpid(), threads))
+            p.start()
+            send.close()
+            self.procs.append(p)
+            self.conns.append(recv)
+        return init_method
+
     def _wait_ready(self) -> None:
         pending = dict(enumerate(self.conns, start=1))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -336,6 +336,7 @@ def _engine_args(args: argparse.Namespace):
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
         master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None),
+        distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
         seed=args.seed, load_format=args.load_format,
         served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
         device=None if args.device == "auto" else args.device,

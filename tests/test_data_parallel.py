@@ -123,3 +123,19 @@ def test_killed_replica_makes_health_503_and_server_exit(server):
     assert "replica 1" in server.log()
     assert wait_gone(pids, 15) == [], "a replica outlived the server"
     assert not pid_alive(pids[0])
+
+
+def test_replica_start_failure_is_a_clear_error(llama_dir, tmp_path):
+    """A replica that cannot start (KV cache too small) fails the server at once with its reason,
+    and the other replica does not linger."""
+    import subprocess
+    import sys
+
+    from server_utils import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_dir, "--port",
+                           str(free_port()), "--data-parallel-size", "2", "--kv-cache-memory", "1KiB"],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1
+    assert "data-parallel replica" in proc.stderr and "KV cache" in proc.stderr, proc.stderr[-2000:]

@@ -22,23 +22,28 @@ _DTYPES = {
 
 
 def resolve_model_path(model: Optional[str]) -> str:
-    """Local folder for ``model``: the bundled demo model when None, the path itself when it
-    exists, else a Hugging Face hub id fetched with ``huggingface_hub`` (needs internet).
+    """Local folder or GGUF file for ``model``: the bundled demo model when None, the path itself
+    when it exists (the .gguf inside a folder holding one and no config.json), else a Hugging Face
+    hub id fetched with ``huggingface_hub`` (needs internet).
 
     Raises:
-        ValueError: the path does not exist and the hub download failed.
+        ValueError: the path does not exist (and cannot be a hub id), or the hub download failed.
     """
+    from pagedllm.models.checkpoint import local_model_path, looks_like_local_path
+
     if model is None:
         return DEMO_MODEL_PATH
-    if os.path.isdir(model):
-        return model
+    if os.path.exists(model) or looks_like_local_path(model):
+        return local_model_path(model)
     try:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
-        raise ValueError(f"model {model!r} is not a local folder and could not be fetched from "
-                         f"the Hugging Face hub ({type(e).__name__}: {e})") from None
+        from pagedllm.models.gguf import one_line
+
+        raise ValueError(f"model {model!r} is not a local path and could not be fetched from "
+                         f"the Hugging Face hub ({type(e).__name__}: {one_line(e)})") from None
 
 
 def get_rope_parameters(hf_config: Any) -> dict:
@@ -64,6 +69,8 @@ class ModelConfig:
     served_model_name: str
     load_format: str = "auto"
     seed: int = 0
+    dtype_reason: str = ""  # why ``dtype`` was chosen (start-up log)
+    quantization: Optional[str] = None  # a name in layers.quantization.QUANTIZATION_METHODS
     attention_backend: str = "auto"  # see layers/attention/selector.py
 
     @property
@@ -87,6 +94,10 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: Optional[int] = None  # bytes; overrides gpu_memory_utilization
+    # CPU only: a fixed KV-cache size in bytes (vLLM's VLLM_CPU_KVCACHE_SPACE), used when neither
+    # kv_cache_memory nor gpu_memory_utilization was given; None = size from gpu_memory_utilization.
+    cpu_kv_cache_space: Optional[int] = None
+    cpu_kv_cache_space_reason: str = ""
     enable_prefix_caching: bool = True
     num_blocks: int = 0  # set once the KV cache is allocated
 
@@ -101,6 +112,8 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    num_threads: int = 0  # CPU: torch intra-op threads of this process; 0 = leave torch's setting
+    num_threads_reason: str = ""
     pipeline_parallel_size: int = 1  # world size = TP x PP (worker/pp_runner.py)
     # Multi-node (worker/multinode.py): node r runs global ranks [r * L, (r + 1) * L), L = world / nnodes.
     nnodes: int = 1
@@ -131,20 +144,52 @@ def _max_len_from_hf(hf_config: Any) -> int:
     return 2048
 
 
-def _resolve_dtype(dtype: Any, hf_config: Any, device: str) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 matrices natively (x86 flags ``avx512_bf16`` or ``amx_bf16``
+    in /proc/cpuinfo). Without them PyTorch emulates bf16 matmuls and they run slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:  # not Linux
+        pass
+    return False
+
+
+def resolve_dtype(dtype: Any, hf_config: Any, device: str) -> tuple[torch.dtype, str]:
+    """(weight/activation/KV-cache dtype, why it was chosen, for the start-up log).
+
+    ``auto`` on a CPU: bfloat16 where the CPU has native bf16 matmuls (AVX512-BF16 or AMX, where a
+    bf16 matmul runs about 2x fp32), else float32; the environment variable ``PAGEDLLM_CPU_AUTO_DTYPE``
+    (float32 or bfloat16) overrides that choice. ``auto`` on CUDA: the checkpoint's dtype.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return dtype, "given"
     dtype = (dtype or "auto").lower()
     if dtype == "auto":
         if device == "cpu":
-            return torch.float32  # bf16/fp16 matmuls are slower than fp32 on most CPUs
+            forced = os.environ.get("PAGEDLLM_CPU_AUTO_DTYPE", "").strip().lower()
+            if forced:
+                if forced not in _DTYPES:
+                    raise ValueError(f"PAGEDLLM_CPU_AUTO_DTYPE must be float32 or bfloat16; got {forced!r}")
+                return _DTYPES[forced], f"auto: PAGEDLLM_CPU_AUTO_DTYPE={forced}"
+            if cpu_has_native_bf16():
+                return torch.bfloat16, "auto: this CPU has native bf16 matmuls (avx512_bf16/amx_bf16)"
+            return torch.float32, "auto: no native bf16 matmuls on this CPU (avx512_bf16/amx_bf16 absent)"
         cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(cfg, str):
             cfg = _DTYPES.get(cfg)
-        return cfg if isinstance(cfg, torch.dtype) else torch.float32
+        if isinstance(cfg, torch.dtype):
+            return cfg, "auto: the checkpoint's dtype"
+        return torch.float32, "auto: the checkpoint names no dtype"
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
-    return _DTYPES[dtype]
+    return _DTYPES[dtype], "given"
 
 
 @dataclass
@@ -156,7 +201,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: Optional[int] = None
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: Optional[float] = None  # None: 0.9, or on a CPU the fixed cpu_kv_cache_space
     kv_cache_memory: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
@@ -172,23 +217,29 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     enable_prefix_caching: bool = True
     device: Optional[str] = None
+    num_threads: Optional[int] = None  # CPU threads; None: OMP_NUM_THREADS if set, else the physical cores
+    quantization: Optional[str] = None
     attention_backend: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
-        from transformers import AutoConfig
+        from pagedllm.models.checkpoint import load_hf_config
+        from pagedllm.models.registry import get_model_class
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model_path = resolve_model_path(self.model)
-        hf_config = AutoConfig.from_pretrained(model_path)
+        hf_config = load_hf_config(model_path)
         max_len_cfg = _max_len_from_hf(hf_config)
         max_model_len = self.max_model_len or max_len_cfg
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        utilization = 0.9 if self.gpu_memory_utilization is None else self.gpu_memory_utilization
+        if not 0.0 < utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
@@ -218,6 +269,10 @@ class EngineArgs:
             raise ValueError("with the ray backend the Ray cluster spans the nodes: drop --nnodes")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        from pagedllm.layers.quantization import get_quantization_config
+
+        get_quantization_config(self.quantization)  # raises ValueError for an unknown name
+        get_model_class(hf_config, max_model_len)  # an unsupported architecture fails here, before any loading
         from pagedllm.layers.attention.selector import CHOICES as attention_backends
 
         if self.attention_backend not in attention_backends:
@@ -226,23 +281,37 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
+        dtype, dtype_reason = resolve_dtype(self.dtype, hf_config, device)
+        cpu_space, cpu_space_reason = None, ""
+        threads, threads_reason = 0, ""
+        if device == "cpu":
+            from pagedllm.worker.cpu_threads import resolve_num_threads
+            from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes
+
+            if self.kv_cache_memory is None and self.gpu_memory_utilization is None:
+                cpu_space, cpu_space_reason = cpu_kv_cache_space_bytes()
+            threads, threads_reason = resolve_num_threads(self.num_threads)
         model_config = ModelConfig(
             model=model_path,
             tokenizer=self.tokenizer or model_path,
             hf_config=hf_config,
-            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            dtype=dtype,
+            dtype_reason=dtype_reason,
             max_model_len=max_model_len,
             served_model_name=self.served_model_name or (self.model or "shakespeare-llama"),
             load_format=self.load_format,
             seed=self.seed,
+            quantization=None if self.quantization == "none" else self.quantization,
             attention_backend=self.attention_backend,
         )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                gpu_memory_utilization=self.gpu_memory_utilization,
+                gpu_memory_utilization=utilization,
                 kv_cache_memory=self.kv_cache_memory,
+                cpu_kv_cache_space=cpu_space,
+                cpu_kv_cache_space_reason=cpu_space_reason,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
@@ -254,6 +323,7 @@ class EngineArgs:
                                            pipeline_parallel_size=self.pipeline_parallel_size,
                                            nnodes=self.nnodes, node_rank=self.node_rank,
                                            master_addr=self.master_addr, master_port=self.master_port,
-                                           distributed_executor_backend=self.distributed_executor_backend),
+                                           distributed_executor_backend=self.distributed_executor_backend,
+                                           num_threads=threads, num_threads_reason=threads_reason),
             device=device,
         )

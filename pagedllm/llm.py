@@ -24,30 +24,43 @@ class LLM:
     """An engine for offline batches.
 
     Args:
-        model: local Hugging Face folder or hub id; None = the bundled demo model.
-        dtype: "auto" (float32 on a CPU, the checkpoint's dtype on CUDA), "float32", "bfloat16", "float16".
+        model: local Hugging Face folder, GGUF file (or a folder holding exactly one) or hub id;
+            None = the bundled demo model.
+        tokenizer: tokenizer folder, GGUF file or hub id; None = the model's (a GGUF's from its metadata).
+        dtype: "auto" (on a CPU bfloat16 where it has native bf16 matmuls, else float32; the checkpoint's
+            dtype on CUDA), "float32", "bfloat16", "float16".
         max_model_len: longest prompt + output in tokens (default: the config's context length).
         block_size: tokens per KV block.
-        gpu_memory_utilization: fraction of device memory (of RAM on a CPU) the engine may use.
+        gpu_memory_utilization: fraction of device memory (of RAM on a CPU) the engine may use; None:
+            0.9 on a GPU, and on a CPU (without kv_cache_memory) a fixed 4 GiB KV cache
+            (``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB).
         kv_cache_memory: KV-cache bytes per rank; overrides gpu_memory_utilization.
         max_num_seqs, max_num_batched_tokens: scheduler limits per step.
         tensor_parallel_size: number of ranks (processes) the model is sharded over.
         seed: seed of the global random state (unseeded sampling).
         load_format: "auto" (safetensors) or "dummy" (random weights).
         enable_prefix_caching: reuse K/V of shared prompt prefixes.
+        num_threads: CPU threads (None: OMP_NUM_THREADS if set, else the physical cores).
+        quantization: None, "int8" (W8A8: int8 weights per output channel, int8 activations per
+            token, int32 matmuls; see ``layers/quantization/int8.py``) or "int8-g64" (activation
+            scales per token and group of 64 features: closer to fp32, slower prefill).
         attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
             "torch" (pure-PyTorch reference) or "cpu".
         pipeline_parallel_size: pipeline stages (layers split over processes; world = TP x PP).
 
     Raises:
-        ValueError: an invalid setting, an unsupported architecture, or a KV cache too small.
+        ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
+            architecture or quant type, corrupt or truncated file, weights that do not fit the config;
+            one-line message), or a KV cache too small.
     """
 
     def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "auto",
-                 max_model_len: Optional[int] = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 max_model_len: Optional[int] = None, block_size: int = 16, gpu_memory_utilization: Optional[float] = None,
                  kv_cache_memory: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
                  load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
+                 num_threads: Optional[int] = None,
+                 quantization: Optional[str] = None,
                  attention_backend: str = "auto", pipeline_parallel_size: int = 1) -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -55,7 +68,8 @@ class LLM:
                           kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
-                          device=device, attention_backend=attention_backend,
+                          device=device, num_threads=num_threads, quantization=quantization,
+                          attention_backend=attention_backend,
                           pipeline_parallel_size=pipeline_parallel_size)
         self.llm_engine = LLMEngine.from_engine_args(args)
 

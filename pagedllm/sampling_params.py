@@ -27,7 +27,7 @@ class SamplingParams:
         repetition_penalty: CTRL-style penalty (Keskar et al., 2019) over prompt and
             generated tokens; 1.0 disables, > 1 discourages repeats.
         max_tokens: maximum number of generated tokens (>= 1); None = up to max_model_len.
-        min_tokens: EOS and stop token ids are ignored until this many tokens were generated.
+        min_tokens: EOS, stop token ids and stop strings are ignored until this many tokens were generated.
         stop: strings that end generation; the stop string is not part of the output text.
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
         ignore_eos: keep generating past EOS (benchmarks).

@@ -10,6 +10,9 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The oracle is transformers in float32: keep --dtype auto at float32 even on CPUs with native bf16
+# (tests of the auto rule itself clear this).
+os.environ.setdefault("PAGEDLLM_CPU_AUTO_DTYPE", "float32")
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(2)
 

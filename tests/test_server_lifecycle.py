@@ -20,7 +20,7 @@ KEY = "s3cret-key"
 SERVE_FLAGS = ["--host", "--port", "--dtype", "--api-key", "--tensor-parallel-size", "--gpu-memory-utilization",
                "--kv-cache-memory", "--max-model-len", "--served-model-name", "--block-size", "--max-num-seqs",
                "--max-num-batched-tokens", "--seed", "--chat-template", "--load-format", "--log-level",
-               "--enable-prefix-caching", "--no-enable-prefix-caching"]
+               "--enable-prefix-caching", "--no-enable-prefix-caching", "--num-threads"]
 COMMON = ("--served-model-name", "tiny", "--max-model-len", "256", "--kv-cache-memory", "2MiB",
           "--disable-access-log")
 

@@ -5,7 +5,10 @@
 vocabulary decodes to placeholder words `` t<id>``). The benches pass prompts as token ids and force
 output lengths, so the tokenizer only matters for streaming and detokenization cost.
 
-    python -m pagedllm.benchmarks.model_shapes OUT_DIR [--shape qwen2-0.5b]
+    python -m pagedllm.benchmarks.model_shapes OUT_DIR [--shape qwen2-0.5b] [--save-random-weights]
+
+``--save-random-weights`` also saves transformers' random init (seed 0, float32 safetensors), for
+engines that need weight files (llama.cpp's HF-to-GGUF converter, OpenVINO's exporter).
 """
 from __future__ import annotations
 
@@ -20,6 +23,10 @@ SHAPES: dict[str, dict] = {
     "qwen2-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # Issue 10's random Llama (33.6M parameters): the CPU comparison with llama.cpp and OpenVINO.
+    "llama-33m": dict(arch="llama", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=1536, vocab_size=8192, tie_word_embeddings=False,
+                      max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0),
     # A small Llama for quick checks of the bench itself.
     "llama-tiny": dict(arch="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=128, vocab_size=4096, tie_word_embeddings=False,
@@ -98,8 +105,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--save-random-weights", action="store_true",
+                   help="also save random float32 weights (transformers' init, seed 0) as safetensors")
     a = p.parse_args(argv)
-    print(write_model_shape(a.out_dir, a.shape))
+    out = write_model_shape(a.out_dir, a.shape)
+    if a.save_random_weights:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
+        model.save_pretrained(out)
+    print(out)
 
 
 if __name__ == "__main__":

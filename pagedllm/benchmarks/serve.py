@@ -18,6 +18,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -199,7 +200,13 @@ def _plot(results: list[RequestResult], title: str):
     return fig
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace):
+    try:
+        import httpx  # noqa: F401 - the client; not in the base install
+    except ImportError:
+        print("pagedllm bench serve needs httpx, which the base install does not include: "
+              "pip install 'pagedllm[bench]'", file=sys.stderr)
+        return 1
     vocab, special, tok = _vocab(args)
     reqs = ds.sample_requests(args, vocab, special)
     if args.prompt_format == "text" or args.endpoint == "chat":

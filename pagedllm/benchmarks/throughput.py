@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default: the bundled demo model")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--dtype", default="auto")
+    g.add_argument("--quantization", default=None, choices=["int8", "int8-g64"],
+                   help="pagedllm only: int8 = W8A8")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest request of the workload (throughput) / the model's (memory)")
     g.add_argument("--block-size", type=int, default=16)
@@ -123,7 +125,8 @@ def run_pagedllm(args: argparse.Namespace, s: Setup) -> dict:
 
     llm = LLM(s.model_path, dtype=args.dtype, max_model_len=s.max_model_len, block_size=args.block_size,
               kv_cache_memory=s.kv_budget, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, load_format=s.load_format, seed=args.seed)
+              max_num_batched_tokens=args.max_num_batched_tokens, load_format=s.load_format, seed=args.seed,
+              quantization=getattr(args, "quantization", None))
     engine = llm.llm_engine
     try:
         if not args.no_warmup:

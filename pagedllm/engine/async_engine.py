@@ -85,6 +85,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._new: list[tuple[str, Any, SamplingParams, float]] = []
         self._aborts: list[str] = []
+        self._aborts_notify: list[str] = []  # aborted with a final "abort" output to their callers
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -185,6 +186,16 @@ class AsyncLLM:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """End every request in flight (safe from any thread): each caller gets a final output with
+        finish_reason "abort" (a streaming client its last chunk), and one log line per request.
+        Used at shutdown after ``--shutdown-timeout``. Returns how many were in flight."""
+        with self._lock:
+            ids = [rid for rid, st in self._streams.items() if not st.finished]
+            self._aborts_notify.extend(ids)
+        self._wake.set()
+        return len(ids)
+
     # ---- engine thread -------------------------------------------------------------------
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine
@@ -194,20 +205,26 @@ class AsyncLLM:
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
+            notify, self._aborts_notify = self._aborts_notify, []
         for request_id, prompt, params, arrival in new:
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
             except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 self._deliver({request_id: err})
-        for request_id in aborts:
-            if request_id in self.engine.output_processor.states:
-                self.engine.abort_request(request_id)
-                if self.on_abort is not None:
-                    try:
-                        self.on_abort(request_id)
-                    except Exception:  # noqa: BLE001 - metrics must never stop serving
-                        logger.exception("metrics update failed")
+        for request_id, at_shutdown in [(r, False) for r in aborts] + [(r, True) for r in notify]:
+            if request_id not in self.engine.output_processor.states:
+                continue
+            finals = self.engine.abort_request(request_id)
+            if at_shutdown and finals:
+                logger.warning("aborted request %s at shutdown after %d generated token(s)", request_id,
+                               sum(len(c.token_ids) for c in finals[0].outputs))
+                self._deliver({request_id: finals[0]})
+            if self.on_abort is not None:
+                try:
+                    self.on_abort(request_id)
+                except Exception:  # noqa: BLE001 - metrics must never stop serving
+                    logger.exception("metrics update failed")
 
     def _run(self) -> None:
         last_health = time.monotonic()

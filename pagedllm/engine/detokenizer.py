@@ -33,8 +33,10 @@ class IncrementalDetokenizer:
             return self._fast.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int]) -> Optional[str]:
-        """Add tokens; returns the stop string matched (the text is then cut before it), else None."""
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> Optional[str]:
+        """Add tokens; returns the stop string matched (the text is then cut before it), else None.
+        With ``check_stop`` False (still under ``min_tokens``) no stop string is matched; later
+        checks start at the text added from then on (as vLLM's detokenizer does)."""
         self.ids.extend(new_token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -43,7 +45,7 @@ class IncrementalDetokenizer:
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.output_text += delta
-        if not self.stop:
+        if not self.stop or not check_stop:
             return None
         search_from = max(0, len(self.output_text) - len(delta) - self.max_stop_len + 1)
         best = None

@@ -29,9 +29,9 @@ PromptType = Union[str, list[int], dict]
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from pagedllm.models.checkpoint import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def _generation_eos_ids(model_path: str) -> set[int]:
@@ -90,21 +90,28 @@ class LLMEngine:
         if self.config.device == "cpu" and cc.kv_cache_memory is None:
             num_blocks = min(num_blocks, sc.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq:
+            # gpu_memory_utilization is the knob on a GPU; on a CPU give the cache bytes directly
+            raise_what = ("gpu_memory_utilization or kv_cache_memory" if self.config.device.startswith("cuda")
+                          else "kv_cache_memory")
             raise ValueError(
                 f"the KV cache ({max(budget, 0) / 2**20:.1f} MiB from {how}) holds {num_blocks} blocks of "
                 f"{cc.block_size} tokens, fewer than the {blocks_per_seq} one sequence of max_model_len="
-                f"{mc.max_model_len} needs; raise gpu_memory_utilization or kv_cache_memory, or lower max_model_len")
+                f"{mc.max_model_len} needs; raise {raise_what}, or lower max_model_len")
         cc.num_blocks = num_blocks
         self.executor.allocate_kv_cache(num_blocks)
         kv_bytes = num_blocks * per_block * self.config.parallel_config.world_size
+        pc = self.config.parallel_config
+        capped = " capped at max_num_seqs x max_model_len" if num_blocks < budget // per_block else ""
+        threads = f" | threads {pc.num_threads} ({pc.num_threads_reason})" if pc.num_threads else ""
         logger.info(
-            "model=%s arch=%s dtype=%s device=%s tp=%d pp=%d | KV cache: %d blocks x %d tokens = %.1f MiB | "
-            "max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB | prefix caching %s",
-            mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), self.config.device,
-            self.config.parallel_config.tensor_parallel_size, self.config.parallel_config.pipeline_parallel_size,
-            num_blocks, cc.block_size, kv_bytes / 2**20,
+            "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache: %d blocks x %d tokens = %.1f MiB "
+            "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB%s | "
+            "prefix caching %s%s",
+            mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
+            self.config.device, pc.tensor_parallel_size, pc.pipeline_parallel_size, num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
             mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,
-            "on" if cc.enable_prefix_caching else "off")
+            f" ({mc.quantization})" if mc.quantization else "",
+            "on" if cc.enable_prefix_caching else "off", threads)
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -137,6 +144,9 @@ class LLMEngine:
         max_len = self.model_config.max_model_len
         if len(ids) > max_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.n > max_num_seqs:  # its samples could never run together
+            raise ValueError(f"n={params.n} is more than max_num_seqs={max_num_seqs} sequences can run at once")
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
@@ -154,14 +164,20 @@ class LLMEngine:
         self.scheduler.add_request(children[0], forks=children[1:])
         return request_id
 
-    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
-        """Abort requests (by the id given to add_request); their blocks are freed now."""
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> list[RequestOutput]:
+        """Abort requests (by the id given to add_request); their blocks are freed now. Returns
+        their final outputs (``finished``, finish_reason "abort" on every unfinished sample)."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        finals = []
         for rid in request_ids:
-            state = self.output_processor.states.pop(rid, None)
+            state = self.output_processor.states.get(rid)
             if state is not None:
                 self.scheduler.finish_requests([c.request_id for c in state.children], RequestStatus.FINISHED_ABORTED)
+                out = self.output_processor.make_output(rid)  # also drops the state
+                if out is not None:
+                    finals.append(out)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -65,7 +65,8 @@ class OutputProcessor:
                 new = new[:-1]  # EOS / stop token ids are not part of the text
             if not new:
                 continue
-            matched = state.detokenizers[i].update(new)
+            # min_tokens holds back stop strings too: only text ending past it can match one.
+            matched = state.detokenizers[i].update(new, req.num_output_tokens > req.sampling_params.min_tokens)
             if matched is not None:
                 req.stop_reason = matched
                 if not req.is_finished:

@@ -72,6 +72,12 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + sum(len(f) for f in self.forks.values())
 
+    def num_running_seqs(self) -> int:
+        """Sequences that hold (or will hold once their leader's prefill ends) a running slot:
+        the running ones plus the not-yet-forked siblings of running leaders."""
+        return len(self.running) + sum(len(self.forks[r.request_id]) for r in self.running
+                                       if r.request_id in self.forks)
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string) and free their blocks now; unknown ids are ignored."""
         done = []
@@ -133,10 +139,12 @@ class Scheduler:
             i += 1
 
         # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # max_num_seqs counts sequences, so a running leader's siblings waiting to fork count too.
+        num_seqs = self.num_running_seqs()
+        while not preempted and self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
             req = self.waiting[0]
             width = 1 + len(self.forks.get(req.request_id, ()))
-            if self.running and len(self.running) + width > self.config.max_num_seqs:
+            if self.running and num_seqs + width > self.config.max_num_seqs:
                 break
             if req.sampling_params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 cached_blocks, num_cached = [], 0  # cached positions would have no logits to report
@@ -155,6 +163,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             self.running.append(req)
+            num_seqs += width
             scheduled.append((req, num_new))
             budget -= num_new
 

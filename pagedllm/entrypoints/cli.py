@@ -45,21 +45,28 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
         formatter_class=_HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model folder or hub id; omitted = the bundled demo model")
+                   help="local Hugging Face model folder, GGUF file (or a folder holding one) or hub id; "
+                        "omitted = the bundled demo model")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env PAGEDLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the MODEL argument)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder, GGUF file or hub id (default: the model's; a GGUF's from its metadata)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight/activation dtype; auto = the checkpoint's on GPU, float32 on CPU")
+                   help="weight/activation/KV-cache dtype; auto = the checkpoint's on GPU; on a CPU bfloat16 where "
+                        "it has native bf16 matmuls (avx512_bf16/amx_bf16), else float32 (default: auto)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
                    help="paged-attention backend; auto = the compiled CPU kernel on a CPU when it builds, "
                         "else the pure-PyTorch reference (torch)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the model's shape (no weight files needed)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int8-g64", "none"],
+                   help="int8 = W8A8: int8 weights (per output channel) and activations (per token), int32 "
+                        "matmuls; int8-g64: activation scales per token and group of 64 features (closer to "
+                        "fp32, slower prefill); default: none")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
@@ -79,11 +86,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas (processes, each with its own model copy, KV cache and cores / N "
                         "threads) behind this one server; requests go to the least-loaded replica")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights + activations + KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of GPU memory (of RAM on a CPU) for weights + activations + KV cache "
+                        "(default: 0.9). On a CPU, when neither this nor --kv-cache-memory is given, the KV cache "
+                        "has a fixed size instead: 4 GiB, or PAGEDLLM_CPU_KVCACHE_SPACE GiB")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV-cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for the model (default: OMP_NUM_THREADS if set, else the physical cores)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="maximum sequences in the running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default: max(2048, min(max_model_len, 8192)))")
@@ -102,6 +113,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="Responses API: seconds a stored response is kept")
     p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
+    # HTTP limits (uvicorn's names) and CORS (vLLM's flags and defaults)
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    p.add_argument("--timeout-request-read", type=float, default=30.0,
+                   help="seconds a client has to send a whole request (headers and body) before its connection "
+                        "is closed; 0 = no limit")
+    p.add_argument("--limit-concurrency", type=int, default=1000,
+                   help="most open HTTP connections; more get 503 and are closed; 0 = no limit")
+    p.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=16 * 2 ** 10,
+                   help="largest request line plus headers in bytes (larger requests get 400)")
+    p.add_argument("--allowed-origins", default='["*"]',
+                   help="CORS: origins allowed to call the API from a browser (JSON list or comma-separated)")
+    p.add_argument("--allowed-methods", default='["*"]', help="CORS: allowed HTTP methods")
+    p.add_argument("--allowed-headers", default='["*"]', help="CORS: allowed request headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")

@@ -1,20 +1,76 @@
-"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Llama's reference implementation does."""
+"""RMSNorm (Zhang & Sennrich, 2019), computed in float32 as Llama's reference implementation does,
+optionally fused with the residual add that precedes it (vLLM's ``fused_add_rms_norm``)."""
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# torch>=2.4: one call into ATen instead of six from Python; in float32 it computes exactly
+# x * rsqrt(mean(x^2) + eps) * weight, bit for bit the transformers formula (tests/test_layers.py).
+_rms_norm = getattr(F, "rms_norm", None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2, -1) + eps)) for x [..., hidden]: the statistics in float32, the
+    normalized x rounded back to x's dtype before the weight multiply (transformers' LlamaRMSNorm)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and _rms_norm is not None:
+        return _rms_norm(x, weight.shape, weight, eps)
+    dtype = x.dtype
+    if _rms_norm is not None:
+        return weight * _rms_norm(x.float(), weight.shape, None, eps).to(dtype)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 class RMSNorm(nn.Module):
-    """x [..., hidden] -> weight * x / sqrt(mean(x^2) + eps), same dtype as x."""
+    """forward(x) -> norm(x): x [..., hidden] -> same shape and dtype.
+
+    forward(x, residual) -> (norm(x + residual), x + residual): the pre-norm block's residual add
+    fused into the norm call, with vLLM's ``fused_add_rms_norm`` semantics. ``residual`` is updated
+    in place (it must be a tensor the caller owns) and returned as the new residual stream.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        residual.add_(x)  # same rounding as transformers' ``residual + hidden_states``
+        return rms_norm(residual, self.weight, self.eps), residual
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm (Ba et al., 2016) over the last dim: (x - mean) / sqrt(var + eps) * weight + bias,
+    as ``torch.nn.LayerNorm``; ``affine=False`` has neither weight nor bias (OPT's
+    ``layer_norm_elementwise_affine``). x [..., hidden] -> same shape and dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype=torch.float32, affine: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False) if affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if affine else None
+        self.hidden_size, self.eps = hidden_size, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, then cast to x's
+    dtype (transformers' ``Gemma2RMSNorm``; the checkpoint stores weight around 0)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32) -> None:
+        super().__init__(hidden_size, eps, dtype)
+        self.weight.data.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (x * (1.0 + self.weight.float())).to(dtype)

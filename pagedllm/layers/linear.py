@@ -4,16 +4,20 @@ Column-parallel layers split the output features over ranks (no communication); 
 layers split the input features and all-reduce their partial outputs. Each parameter carries a
 ``weight_loader(param, loaded, shard_id=None)`` that copies only this rank's slice; ``loaded``
 is a tensor or a lazy safetensors slice, so a rank reads just its part of the file.
+
+How a layer stores and multiplies its weight is its *linear method*, chosen by a quantization
+config (``layers/quantization``): float by default, ``Int8LinearMethod`` under ``--quantization
+int8``. Every constructor takes optional ``quant_config`` and ``prefix`` (the layer's module path).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagedllm.layers.quantization import QuantizationConfig, get_linear_method
 
 
 def loaded_shape(loaded: Any) -> list[int]:
@@ -40,21 +44,28 @@ def _copy(param: torch.Tensor, target: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b); ``weight`` is [out_features_per_rank, in_features_per_rank]."""
+    """y = x W^T (+ b); the checkpoint's ``weight`` is [out_features_per_rank, in_features_per_rank]
+    (what the layer holds after loading is up to its ``quant_method``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    input_is_parallel = False
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.input_size, self.output_size = in_features, out_features  # per rank
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.prefix = prefix
+        self.quant_method = get_linear_method(self, quant_config, prefix)
+        self.quant_method.create_weights(self, in_features, out_features, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32) -> None:
-        super().__init__(in_features, out_features, bias, dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
+        super().__init__(in_features, out_features, bias, dtype, quant_config, prefix)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -66,11 +77,12 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split evenly over ranks. Input [*, in]; output [*, out / tp_size]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         tp = get_tp_size()
         if out_features % tp:
             raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp}")
-        super().__init__(in_features, out_features // tp, bias, dtype)
+        super().__init__(in_features, out_features // tp, bias, dtype, quant_config, prefix)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -84,13 +96,14 @@ class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel outputs fused in one matmul (e.g. gate_proj and up_proj);
     ``shard_id`` is the index of the fused part being loaded."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, dtype=torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         tp = get_tp_size()
         for s in output_sizes:
             if s % tp:
                 raise ValueError(f"output size {s} is not divisible by tensor_parallel_size {tp}")
         self.output_sizes = [s // tp for s in output_sizes]
-        super().__init__(in_features, sum(self.output_sizes), bias, dtype)
+        super().__init__(in_features, sum(self.output_sizes), bias, dtype, quant_config, prefix)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -106,7 +119,8 @@ class QKVParallelLinear(LinearBase):
     heads, each KV head is replicated on tp_size / num_kv_heads ranks (as vLLM does)."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False, dtype=torch.float32) -> None:
+                 bias: bool = False, dtype=torch.float32, quant_config: Optional[QuantizationConfig] = None,
+                 prefix: str = "") -> None:
         tp = get_tp_size()
         if total_num_heads % tp:
             raise ValueError(f"number of attention heads ({total_num_heads}) must be divisible by "
@@ -123,7 +137,7 @@ class QKVParallelLinear(LinearBase):
         self.num_kv_replicas = max(1, tp // total_num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype, quant_config, prefix)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -142,12 +156,15 @@ class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial outputs are all-reduced. Input [*, in / tp_size];
     output [*, out]. The bias is added once, after the reduction."""
 
+    input_is_parallel = True  # read by quant methods: x holds a slice of each row's features
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, quant_config: Optional[QuantizationConfig] = None,
+                 prefix: str = "") -> None:
         tp = get_tp_size()
         if in_features % tp:
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp}")
-        super().__init__(in_features // tp, out_features, bias, dtype)
+        super().__init__(in_features // tp, out_features, bias, dtype, quant_config, prefix)
         self.reduce_results = reduce_results
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
@@ -162,11 +179,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        if not self.reduce_results:  # the caller sums partial outputs (e.g. an MoE block), bias on rank 0 only
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
-        return out + self.bias if self.bias is not None else out
+            return self.quant_method.apply(self, x, self.bias)
+        return self.quant_method.apply_row_parallel(self, x, self.bias, self.reduce_results)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Optional[Any] = None) -> None:

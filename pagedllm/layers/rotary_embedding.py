@@ -4,6 +4,7 @@ Frequencies follow transformers' ``modeling_rope_utils`` so fp32 results match i
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -39,7 +40,17 @@ def compute_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [N, H, D] and k [N, Hkv, D] at ``positions`` [N] (int64)."""
+    """RoPE for q [N, H, D] and k [N, Hkv, D] at ``positions`` [N] (int64).
+
+    ``forward(positions, q, k)`` returns rotated copies (the original API). The fast path splits the
+    work per step: ``cos_sin(positions)`` gathers cos and sign-folded sin ONCE per step (one index
+    into one table), and ``forward(positions, q, k, cos_sin=...)`` / ``apply_(x, cos_sin)`` rotate in
+    place with four elementwise ops per tensor, so a model shares one gather across its layers.
+
+    In rotate-half form, rot(x) = x * cos + [-x2, x1] * sin. The fast path computes
+    [-x2, x1] * sin as roll(x, D/2) * [-sin, sin]: the same products and the same single add, so
+    float32 results equal transformers' bit for bit.
+    """
 
     def __init__(self, head_dim: int, max_position: int, rope: dict, dtype: torch.dtype) -> None:
         super().__init__()
@@ -47,15 +58,26 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        self.head_dim = head_dim
+        # [max_position, 2, D]: cos and [-sin(f), sin(f)] side by side, gathered with one index.
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", torch.stack((emb.cos(), signed_sin), dim=1).to(dtype),
+                             persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """[N, 2, 1, D]: cos and sign-folded sin at ``positions`` [N]; compute once per step."""
+        return self.cos_sin_cache.index_select(0, positions).unsqueeze(2)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def apply_(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [N, h, D] (any strides, last dim contiguous) in place; returns x."""
+        rot = x.roll(self.head_dim // 2, -1).mul_(cos_sin[:, 1])
+        return x.mul_(cos_sin[:, 0]).add_(rot)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k). With ``cos_sin`` (from ``cos_sin(positions)``) q and k are rotated in
+        place and returned; without it new tensors are returned and q, k are left unchanged."""
+        if cos_sin is not None:
+            return self.apply_(q, cos_sin), self.apply_(k, cos_sin)
+        cos_sin = self.cos_sin(positions)
+        return self.apply_(q.clone(), cos_sin), self.apply_(k.clone(), cos_sin)

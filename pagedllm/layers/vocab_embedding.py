@@ -2,7 +2,7 @@
 slice of the vocabulary rows."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.linear import _copy, load_narrow, loaded_shape
+from pagedllm.layers.quantization import QuantizationConfig, get_linear_method
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,10 +45,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states [M, hidden] -> logits [M, vocab_size] (gathered from every rank's slice)."""
+    """Hidden states [M, hidden] -> logits [M, vocab_size] (gathered from every rank's slice).
+    The matmul is its linear method's (``layers/quantization``; float by default)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
+        super().__init__(vocab_size, hidden_size, dtype)
+        self.prefix = prefix
+        self.quant_method = get_linear_method(self, quant_config, prefix)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.quant_method.apply(self, hidden)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -3,17 +3,21 @@
 Reference: Touvron et al., 2023, "Llama 2"; transformers' ``modeling_llama.py``. Qwen2 (q/k/v
 bias) and Qwen3 (q/k RMSNorm) reuse these blocks with flags (see ``qwen2.py``, ``qwen3.py``).
 Every layer is tensor-parallel (see ``layers/linear.py``).
+
+Around the matmuls (vLLM's layout): the residual add is fused into the next RMSNorm call, RoPE's
+cos/sin are gathered once per step (one table shared by all layers) and applied in place, and the
+SwiGLU product takes two kernels. fp32 results stay bit-equal to transformers.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
 from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
+from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -35,12 +39,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, dtype, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+    """forward(positions [N], x [N, hidden], kv_cache, meta, cos_sin=None) -> [N, hidden].
+    ``rotary_emb``: a RotaryEmbedding shared with other layers (None: one of its own);
+    ``cos_sin``: its ``cos_sin(positions)`` computed once per step (None: gathered here)."""
+
+    def __init__(self, config: Any, dtype, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool,
+                 rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -52,12 +60,12 @@ class LlamaAttention(nn.Module):
                                         bias=getattr(config, "attention_bias", False), dtype=dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config), dtype)
+        self.rotary_emb = rotary_emb or make_rotary_embedding(config, head_dim, dtype)
         self.scale = head_dim ** -0.5
         self.backend = backend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -65,26 +73,51 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if isinstance(self.rotary_emb, RotaryEmbedding):
+            if cos_sin is None:
+                cos_sin = self.rotary_emb.cos_sin(positions)
+            q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)  # in place
+        else:  # a model's own RoPE variant (Phi-3's LongRoPE): rotates on its own
+            q, k = self.rotary_emb(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, -1))
 
 
+def make_rotary_embedding(config: Any, head_dim: int, dtype) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config), dtype)
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block)."""
+    """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block).
+    ``forward(positions, x, kv_cache, meta)`` -> hidden states (the plain API); ``forward_fused(...)``
+    -> (x, residual), the residual stream kept apart as in vLLM so each residual add happens inside
+    the next RMSNorm call. ``rotary_emb``: a RoPE table shared by all layers (None: one of its own)."""
 
     def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
-                 mlp: Optional[nn.Module] = None) -> None:
+                 mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, backend, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, dtype, backend, qkv_bias, qk_norm, rotary_emb)
         self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
                                                         getattr(config, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, residual = self.forward_fused(positions, x.clone(), None, kv_cache, meta)
+        return residual.add_(x)
+
+    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                      kv_cache, meta, cos_sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this block's input (residual None: the first block; x becomes the residual stream and is
+        updated in place) or the previous block's output, to be added to ``residual`` first.
+        Returns (MLP output, residual stream); their sum is the block's output."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
+    sliding_window_by_default = False
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                       ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
@@ -107,8 +142,11 @@ class LlamaForCausalLM(nn.Module):
         first, last = is_first_pp_rank(), is_last_pp_rank()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first \
             else PPMissingLayer()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = make_rotary_embedding(config, head_dim, dtype)  # one table for every layer
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype))
+            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype),
+                               rotary_emb=self.rotary_emb)
              if self.start_layer <= i < self.end_layer else PPMissingLayer()
              for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else PPMissingLayer()
@@ -116,15 +154,34 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False) and first and last:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @classmethod
+    def verify_config(cls, config: Any, max_model_len: int) -> None:
+        """Raise ValueError when a sliding window would be shorter than ``max_model_len``: these
+        blocks attend to the whole context, which equals the window's result only within it."""
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", cls.sliding_window_by_default)
+        if window and uses_window and window < max_model_len:
+            arch = (getattr(config, "architectures", None) or [cls.__name__])[0]
+            raise ValueError(
+                f"{arch} uses sliding-window attention (sliding_window={window}), which pagedllm does not "
+                f"implement for this family; set max_model_len <= {window} (got {max_model_len})")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata, intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``intermediate``: the previous pipeline stage's hidden states [N, hidden] (every stage
-        but the first); a stage but the last returns its hidden states before the final norm."""
-        x = self.embed_tokens(input_ids) if intermediate is None else intermediate
+                meta: AttentionMetadata,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``intermediate``: the previous pipeline stage's (hidden states, residual stream), each
+        [N, hidden] (every stage but the first); a stage but the last returns that pair for the next."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        # once per step, shared by the layers (a model with its own RoPE variant rotates per layer)
+        cos_sin = self.rotary_emb.cos_sin(positions) if isinstance(self.rotary_emb, RotaryEmbedding) else None
         for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
                                    kv_caches[self.start_layer:self.end_layer]):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta, cos_sin)
+        if isinstance(self.norm, PPMissingLayer):
+            return x, residual
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()
@@ -169,4 +226,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    sliding_window_by_default = True

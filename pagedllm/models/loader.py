@@ -1,17 +1,24 @@
-"""Build a model and load its weights from safetensors (one file or a sharded index), or fill
-it with random weights (``load_format="dummy"``)."""
+"""Build a model and load its weights from safetensors (one file or a sharded index) or a GGUF file,
+or fill it with random weights (``load_format="dummy"``). Unreadable files and weights that do not fit
+the config raise ValueError with a one-line message naming the file and the tensor."""
 from __future__ import annotations
 
 import glob
+import inspect
 import json
+import logging
 import os
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_rank
 from pagedllm.layers.attention import get_attention_backend
+from pagedllm.layers.linear import loaded_shape
+from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
+from pagedllm.models.gguf import is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 
 
@@ -33,21 +40,67 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, Any]]:
-    """(name, lazy slice) pairs; a slice reads from disk only the part a rank indexes."""
+    """(name, lazy slice) pairs; a slice reads from disk only the part a rank indexes.
+
+    Raises:
+        ValueError: a file is not valid safetensors (corrupt header, truncated data).
+    """
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read weights file {path} (corrupt or truncated?): {one_line(e)}") from None
+        with f:
             for name in f.keys():
                 yield name, f.get_slice(name)
 
 
+logger = logging.getLogger("pagedllm")
+
+
+def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape the config implies, from transformers' model built on the meta device
+    (no memory). Our tensor-parallel loaders narrow what they read, so a matrix larger than the config
+    says would otherwise load silently. Empty when transformers cannot build the model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            hf_model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception:  # noqa: BLE001 - no check rather than no model
+        return {}
+    return {n: tuple(t.shape) for n, t in hf_model.state_dict().items()}
+
+
+class _CheckedWeights:
+    """Iterates ``weights``, checks each shape against ``shapes`` and remembers the last name, so a
+    load error can say which tensor failed."""
+
+    def __init__(self, weights: Iterator[tuple[str, Any]], shapes: dict[str, tuple[int, ...]]) -> None:
+        self.weights, self.shapes, self.name = weights, shapes, None
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for name, w in self.weights:
+            self.name = name
+            want = self.shapes.get(name)
+            if want is not None and (isinstance(w, torch.Tensor) or hasattr(w, "get_shape")):
+                got = tuple(loaded_shape(w))
+                if got != want:
+                    raise ValueError(f"shape {got} does not match the {want} the config implies")
+            yield name, w
+
+
 def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
-    attention backend ``model_config.attention_backend`` selects for it, and load its weights."""
+    attention backend ``model_config.attention_backend`` selects for it, load its weights,
+    then let each layer's linear method process them (e.g. quantize them to int8)."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
     backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
                                     head_dim=model_config.head_dim, block_size=block_size)
+    # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
+    extra = {"max_model_len": model_config.max_model_len} if "max_model_len" in inspect.signature(cls).parameters else {}
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype, backend=backend)
+        model = cls(model_config.hf_config, model_config.dtype, backend=backend, **extra)
     if model_config.load_format == "dummy":
         gen = torch.Generator(device="cpu").manual_seed(model_config.seed)
         for name, p in model.named_parameters():
@@ -57,5 +110,21 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
                 # Small uniform values keep activations finite through many layers.
                 p.data.copy_(torch.empty(p.shape).uniform_(-0.02, 0.02, generator=gen).to(p.dtype))
     else:
-        model.load_weights(iterate_weights(model_config.model))
+        path = model_config.model
+        raw = iterate_gguf_weights(path, model_config.hf_config) if is_gguf_file(path) else iterate_weights(path)
+        weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
+        try:
+            model.load_weights(weights)
+        except ValueError as e:
+            where = f"weight {weights.name}: " if weights.name and "missing" not in str(e) else ""
+            raise ValueError(f"cannot load {path}: {where}{one_line(e)}") from None
+        except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
+            raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None
+    quant_config = get_quantization_config(model_config.quantization)
+    report = process_weights_after_loading(model, quant_config)
+    model.quantization_report = report
+    if quant_config is not None and get_tp_rank() == 0:
+        logger.info("quantization=%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
+                    report.method, report.num_quantized, report.bytes_before / 2**20, report.bytes_after / 2**20,
+                    report.bytes_saved / 2**20)
     return model.eval()

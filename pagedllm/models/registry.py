@@ -1,43 +1,56 @@
-"""Model registry keyed by the ``architectures`` entry of a Hugging Face config.json."""
+"""Model registry keyed by the ``architectures`` entry of a Hugging Face config.json.
+
+Each entry maps an architecture name to (module under ``pagedllm.models``, class name); the module
+is imported on first use, so a family's imports cost nothing until a model of it is loaded (as
+vLLM's ``model_executor/models/registry.py`` does). A model class may define
+``verify_config(hf_config, max_model_len)`` to refuse a configuration it cannot serve.
+"""
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM
-from pagedllm.models.mixtral import MixtralForCausalLM
-from pagedllm.models.qwen2 import Qwen2ForCausalLM
-from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
-from pagedllm.models.qwen3 import Qwen3ForCausalLM
-from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
-
-MODEL_REGISTRY: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+# architecture -> (module in pagedllm.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
 
 
+def supported_architectures() -> list[str]:
+    """Names of every registered architecture (``architectures`` in config.json), sorted."""
+    return sorted(_MODELS)
+
+
+def _load_class(arch: str) -> type:
+    module, name = _MODELS[arch]
+    return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)
+
+
 def get_model_class(hf_config: Any, max_model_len: int) -> type:
-    """The model class for ``hf_config``.
+    """The model class for ``hf_config`` (the first of its ``architectures`` that is registered).
 
     Raises:
-        ValueError: the architecture is not supported (the message lists those that are), or a
-            sliding-window model would need a window shorter than ``max_model_len``.
+        ValueError: the architecture is not supported (the message lists those that are), or the
+            model class refuses the configuration (its ``verify_config`` says why).
     """
     archs = getattr(hf_config, "architectures", None) or []
     for arch in archs:
-        if arch in MODEL_REGISTRY:
-            window = getattr(hf_config, "sliding_window", None)
-            uses_window = getattr(hf_config, "use_sliding_window",
-                                  arch in ("MistralForCausalLM", "MixtralForCausalLM"))
-            if window and uses_window and window < max_model_len:
-                raise ValueError(
-                    f"{arch} uses sliding-window attention (sliding_window={window}), which pagedllm does not "
-                    f"implement; set max_model_len <= {window} (got {max_model_len})")
-            return MODEL_REGISTRY[arch]
+        if arch in _MODELS:
+            cls = _load_class(arch)
+            verify = getattr(cls, "verify_config", None)
+            if verify is not None:
+                verify(hf_config, max_model_len)
+            return cls
     raise ValueError(f"model architecture {archs or '<none>'} is not supported; supported architectures: "
-                     f"{', '.join(sorted(MODEL_REGISTRY))}")
+                     f"{', '.join(supported_architectures())}")

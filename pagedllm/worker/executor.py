@@ -42,6 +42,8 @@ class UniProcExecutor(Executor):
         self.config = config
         # Build an unsharded model even if a tensor-parallel engine lives in this process too
         # (layers read the TP size once, at construction).
+        if config.parallel_config.num_threads and not config.device.startswith("cuda"):
+            torch.set_num_threads(config.parallel_config.num_threads)  # see worker/cpu_threads.py
         prev, prev_pp = (get_tp_rank(), get_tp_size()), get_pp_state()
         set_tp_state(0, 1)
         set_pp_state(0, 1)
@@ -54,7 +56,7 @@ class UniProcExecutor(Executor):
     def determine_kv_budget(self) -> tuple[int, str]:
         cc = self.config.cache_config
         return kv_cache_budget_bytes(self.config.device, cc.gpu_memory_utilization, cc.kv_cache_memory,
-                                     self.runner.profile_run)
+                                     self.runner.profile_run, cc.cpu_kv_cache_space, cc.cpu_kv_cache_space_reason)
 
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()

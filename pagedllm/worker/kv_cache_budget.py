@@ -6,6 +6,11 @@ by other processes. CPU: ``gpu_memory_utilization`` x physical RAM, less this pr
 memory after the profile pass (weights, libraries, activation peak). ``kv_cache_memory`` (bytes)
 overrides both. On a CPU the cache is also capped at what ``max_num_seqs`` full-length sequences
 can use, since every block is committed memory there.
+
+CPU default: when neither ``kv_cache_memory`` nor ``gpu_memory_utilization`` is given, a fixed size
+(4 GiB, or ``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB; vLLM's CPU backend does the same with
+``VLLM_CPU_KVCACHE_SPACE``) instead of a share of RAM, which a laptop also needs for everything else.
+No profile pass is needed then, which also shortens start-up.
 """
 from __future__ import annotations
 
@@ -24,11 +29,47 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+CPU_KVCACHE_SPACE_ENV = "PAGEDLLM_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0
+
+
+def cpu_kv_cache_space_bytes() -> tuple[int, str]:
+    """(default KV-cache bytes per rank on a CPU, why): ``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB or 4 GiB,
+    at most half the physical RAM.
+
+    Raises:
+        ValueError: the environment variable is not a positive number.
+    """
+    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if raw:
+        try:
+            gib = float(raw)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {raw!r}")
+        how = f"{CPU_KVCACHE_SPACE_ENV}={raw} GiB"
+    else:
+        gib = DEFAULT_CPU_KVCACHE_SPACE_GIB
+        how = (f"CPU default {gib:g} GiB (set --kv-cache-memory, --gpu-memory-utilization or "
+               f"{CPU_KVCACHE_SPACE_ENV} to change)")
+    space = int(gib * 2**30)
+    half_ram = physical_memory_bytes() // 2
+    if space > half_ram:
+        space, how = half_ram, f"{how}, capped at half of {physical_memory_bytes() / 2**30:.1f} GiB RAM"
+    return space, how
+
+
 def kv_cache_budget_bytes(device: str, utilization: float, kv_cache_memory: int | None,
-                          profile_run: Callable[[], None]) -> tuple[int, str]:
-    """(bytes available for the KV cache on this rank, how it was derived for the log)."""
+                          profile_run: Callable[[], None], cpu_kv_cache_space: int | None = None,
+                          cpu_kv_cache_space_reason: str = "") -> tuple[int, str]:
+    """(bytes available for the KV cache on this rank, how it was derived for the log).
+    ``cpu_kv_cache_space``: the fixed CPU default (see ``cpu_kv_cache_space_bytes``); when set on a
+    CPU it is the budget and no profile pass runs."""
     if kv_cache_memory is not None:
         return int(kv_cache_memory), "kv_cache_memory"
+    if cpu_kv_cache_space is not None and not device.startswith("cuda"):
+        return int(cpu_kv_cache_space), cpu_kv_cache_space_reason or "CPU default"
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -209,6 +209,11 @@ class MultiprocExecutor(Executor):
         self._lock = threading.RLock()  # the server checks health from another thread
         self._prev_threads = torch.get_num_threads()
         validate_tensor_parallel(config.model_config.hf_config, tp)
+        if config.parallel_config.pipeline_parallel_size > 1:  # fail before any process starts
+            from pagedllm.models.registry import get_model_class
+            from pagedllm.worker.pp_runner import check_pp_support
+
+            check_pp_support(get_model_class(config.model_config.hf_config, config.model_config.max_model_len))
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process (another "
                                "tensor-parallel engine?); shut it down before starting a new one")
@@ -420,7 +425,7 @@ class MultiprocExecutor(Executor):
         results = self._call("determine_kv_budget")
         budgets = [b for b, _ in results]
         cc = self.config.cache_config
-        if self.config.device == "cpu" and cc.kv_cache_memory is None:
+        if self.config.device == "cpu" and cc.kv_cache_memory is None and cc.cpu_kv_cache_space is None:
             # All ranks share this host's RAM: each computed (limit - own RSS); split what is left.
             limit = int(physical_memory_bytes() * cc.gpu_memory_utilization)
             used = sum(limit - b for b in budgets)

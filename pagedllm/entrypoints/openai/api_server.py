@@ -26,6 +26,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from pagedllm import __version__
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     RequestError, TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.http_server import GracefulServer, ensure_file_limit, guarded_http_protocol
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -145,6 +147,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if err.get("type") == "json_invalid":
         return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
+    raised = (err.get("ctx") or {}).get("error")
+    if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
+        return raised.message, ".".join(loc) or raised.param
     if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "The request body must be a JSON object.", None
     param = ".".join(loc) or None
@@ -157,10 +162,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
-              dashboard: bool = True) -> FastAPI:
+              dashboard: bool = True, cors: Optional[dict] = None) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
-    responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard."""
+    responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
+    keyword arguments of starlette's CORSMiddleware (allow_origins, allow_methods, allow_headers,
+    allow_credentials); None = no CORS headers."""
     served = served_model_name or llm.model_config.served_model_name
     metrics = ServerMetrics(lambda: llm.snapshot, served)
     llm.on_outputs = metrics.record_outputs
@@ -276,7 +283,29 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     if dashboard:
         add_dashboard(app, llm, metrics)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if cors is not None:
+        # Added last, so outermost: a preflight (OPTIONS) is answered before the API-key check, and
+        # errors from the guard (401, 413) still carry the CORS headers the browser needs to read them.
+        app.add_middleware(CORSMiddleware, **cors)
     return app
+
+
+def parse_list(value: str) -> list[str]:
+    """A flag's list: JSON (``'["https://a.com"]'``, as vLLM takes it) or comma-separated."""
+    value = value.strip()
+    if value.startswith("["):
+        items = json.loads(value)
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError(f"expected a JSON list of strings, got {value!r}")
+        return items
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def cors_options(args: argparse.Namespace) -> dict:
+    """CORSMiddleware keyword arguments from ``--allowed-origins/--allowed-methods/--allowed-headers/
+    --allow-credentials`` (vLLM's flags and defaults)."""
+    return dict(allow_origins=parse_list(args.allowed_origins), allow_methods=parse_list(args.allowed_methods),
+                allow_headers=parse_list(args.allowed_headers), allow_credentials=args.allow_credentials)
 
 
 # ---- running the server ----------------------------------------------------------------------
@@ -294,6 +323,17 @@ def _bind(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def flag_names(message: str) -> str:
+    """An engine error as ``pagedllm serve`` users know it: EngineArgs field names (max_model_len)
+    become the CLI flags that set them (--max-model-len)."""
+    from pagedllm.config import EngineArgs
+
+    for name in EngineArgs.__dataclass_fields__:
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+    return message
 
 
 class _Interrupted(BaseException):
@@ -340,6 +380,8 @@ def _engine_args(args: argparse.Namespace):
         seed=args.seed, load_format=args.load_format,
         served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
         device=None if args.device == "auto" else args.device,
+        num_threads=getattr(args, "num_threads", None),
+        quantization=getattr(args, "quantization", None),
         attention_backend=getattr(args, "attention_backend", "auto"))
 
 
@@ -399,19 +441,27 @@ def run_server(args: argparse.Namespace) -> int:
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
-            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            print(f"pagedllm serve: error: {flag_names(str(e))}", file=sys.stderr)
             return 1
         except RuntimeError as e:  # a worker or replica failed to start
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
 
+        try:
+            cors = cors_options(args)
+        except ValueError as e:
+            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            return 1
         # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
         dashboard = args.dashboard and getattr(args, "data_parallel_size", 1) == 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
-                        response_store=store, dashboard=dashboard)
+                        response_store=store, dashboard=dashboard, cors=cors)
+        ensure_file_limit(args.limit_concurrency)
+        http = guarded_http_protocol(args.limit_concurrency or None, args.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
-                                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
-        server = uvicorn.Server(config)
+                                timeout_keep_alive=args.timeout_keep_alive, http=http,
+                                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+        server = GracefulServer(config, args.shutdown_timeout, llm.abort_all)
         app.state.uvicorn_server = server  # long-lived streams (the dashboard) end when it stops
         shown_host = host if ":" not in host else f"[{host}]"
         url = f"http://{shown_host}:{sock.getsockname()[1]}"

@@ -5,12 +5,13 @@ Request models turn themselves into ``SamplingParams``; any out-of-range value b
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields (tools, logit_bias, ...) are ignored, as vLLM does; NaN/inf are rejected.
+    # Unknown fields are ignored, as vLLM does (request models log each name once); NaN/inf are rejected.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
 
 
@@ -55,13 +56,97 @@ class ErrorResponse(OpenAIBaseModel):
 # ---- shared request fields -----------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true
 
 
 _FIELD_RE = re.compile(r"^(\w+)\b")
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
-class _SamplingRequest(OpenAIBaseModel):
+# ---- documented fields this server does not apply ---------------------------------------------
+# Every field OpenAI or vLLM documents for /v1/completions and /v1/chat/completions is either applied
+# or refused with a 400 naming it; none is dropped silently. Fields here are declared so that their
+# use can be refused (or, for pure metadata, accepted: they ask nothing of the server).
+_unknown_logged: set[str] = set()
+_logger = logging.getLogger("pagedllm")
+
+
+class _DocumentedFields(OpenAIBaseModel):
+    # OpenAI metadata: accepted, they change nothing about the output.
+    metadata: Optional[dict[str, Any]] = None
+    prompt_cache_key: Optional[str] = None  # prefix caching is automatic
+    safety_identifier: Optional[str] = None
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    # vLLM sampling/engine fields
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
+    prompt_logprobs: Optional[int] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+    logits_processors: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    return_token_ids: Optional[bool] = None
+    cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        """Unknown fields stay accepted (as in vLLM) and are logged once per field name."""
+        if isinstance(data, dict):
+            for key in data:
+                if key not in cls.model_fields and key not in _unknown_logged and len(_unknown_logged) < 1000:
+                    _unknown_logged.add(key)
+                    _logger.warning("ignoring unknown request field %r (logged once per field name)", key[:100])
+        return data
+
+    def check_documented_fields(self, n: int) -> None:
+        """RequestError naming the first documented field asked for that this server cannot apply."""
+        best_of = self.best_of
+        refused = {
+            "store": (self.store, "store=true is not supported: completions are not stored"),
+            "service_tier": (self.service_tier not in (None, "auto", "default"),
+                             f"service_tier {self.service_tier!r} is not supported; use 'auto' or 'default'"),
+            "best_of": (best_of is not None and best_of != n,
+                        f"best_of must equal n ({n}), got {best_of}: returning the best of more samples "
+                        f"is not supported"),
+            "use_beam_search": (self.use_beam_search, "use_beam_search is not supported"),
+            "length_penalty": (self.length_penalty != 1.0,
+                               "length_penalty applies to beam search, which is not supported"),
+            "spaces_between_special_tokens": (not self.spaces_between_special_tokens,
+                                              "spaces_between_special_tokens=false is not supported"),
+            "prompt_logprobs": (self.prompt_logprobs is not None,
+                                "prompt_logprobs is not supported; on /v1/completions use echo=true with logprobs"),
+            "priority": (self.priority != 0, "priority is not supported: requests are served first come, first served"),
+            "logits_processors": (self.logits_processors is not None, "logits_processors is not supported"),
+            "return_tokens_as_token_ids": (bool(self.return_tokens_as_token_ids),
+                                           "return_tokens_as_token_ids is not supported"),
+            "return_token_ids": (bool(self.return_token_ids), "return_token_ids is not supported"),
+            "cache_salt": (self.cache_salt is not None, "cache_salt is not supported"),
+            "kv_transfer_params": (self.kv_transfer_params is not None, "kv_transfer_params is not supported"),
+            "vllm_xargs": (self.vllm_xargs is not None, "vllm_xargs is not supported"),
+        }
+        for name, (bad, message) in refused.items():
+            if bad:
+                raise RequestError(message, name)
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise RequestError("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+        k = max_model_len if k == -1 else k
+        return ids[-k:]
+
+
+class _SamplingRequest(_DocumentedFields):
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
@@ -84,6 +169,12 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def make_sampling_params(self, max_tokens: int, logprobs: Optional[int],
                              prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        self.check_documented_fields(self.n)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options can only be given when stream is true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise RequestError("stream_options.continuous_usage_stats is not supported; use include_usage",
+                               "stream_options.continuous_usage_stats")
         if self.n > MAX_N:
             raise RequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
@@ -131,8 +222,18 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    add_special_tokens: bool = True
+    prompt_embeds: Optional[Any] = None  # vLLM's; refused
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) without generating (legacy OpenAI)."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         _check_logprobs(self.logprobs, "logprobs")
+        if self.prompt_embeds is not None:
+            raise RequestError("prompt_embeds is not supported; send the prompt as text or token ids", "prompt_embeds")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -189,6 +290,17 @@ class ChatMessageParam(OpenAIBaseModel):
     content: Optional[Union[str, list[ChatTextPart]]] = None
     name: Optional[str] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # An image/audio/file part gets one clear sentence instead of pydantic's union-mismatch dump.
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise RequestError(f"This model accepts only text, so a message content part of type "
+                                   f"{kind[:40]!r} cannot be used.", "messages")
+        return value
+
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"role": self.role}
         if isinstance(self.content, list):
@@ -210,10 +322,50 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
+    # OpenAI/vLLM chat fields this server refuses when used (see check_chat_fields)
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[Any] = None
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True  # vLLM's; accepted: without a reasoning parser there is none to include
+
+    def check_chat_fields(self) -> None:
+        refused = {
+            "functions": (self.functions is not None, "functions is deprecated and not supported; use tools"),
+            "function_call": (self.function_call is not None,
+                              "function_call is deprecated and not supported; use tool_choice"),
+            "audio": (self.audio is not None, "audio output is not supported: this model outputs text"),
+            "modalities": (self.modalities is not None and any(m != "text" for m in self.modalities),
+                           "only the 'text' modality is supported"),
+            "prediction": (self.prediction is not None, "prediction (predicted outputs) is not supported"),
+            "reasoning_effort": (self.reasoning_effort is not None,
+                                 "reasoning_effort is not supported by this model"),
+            "verbosity": (self.verbosity is not None, "verbosity is not supported by this model"),
+            "web_search_options": (self.web_search_options is not None, "web search is not supported"),
+            "echo": (self.echo, "echo is not supported on /v1/chat/completions"),
+            "chat_template": (self.chat_template is not None,
+                              "a chat_template in the request is not accepted; start the server with --chat-template"),
+            "mm_processor_kwargs": (self.mm_processor_kwargs is not None,
+                                    "mm_processor_kwargs is not supported: this model is text-only"),
+        }
+        for name, (bad, message) in refused.items():
+            if bad:
+                raise RequestError(message, name)
+
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        self.check_chat_fields()
         _check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")

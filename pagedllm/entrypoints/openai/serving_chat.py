@@ -22,22 +22,33 @@ _BIG_CONVERSATION_CHARS = 16384
 
 
 class OpenAIServingChat(OpenAIServing):
-    def render(self, messages: list[ChatMessageParam], add_generation_prompt: bool = True,
+    def render(self, messages: list[ChatMessageParam], add_generation_prompt: Optional[bool] = True,
                continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> list[int]:
         """Token ids of the conversation; RequestError when the template cannot render it."""
         kwargs = dict(chat_template_kwargs or {})
-        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                               "continues the last message, the second starts a new one", "continue_final_message")
+        # None = not given: on, unless the final message is continued
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         try:
             return apply_chat_template(self.tokenizer, [m.to_dict() for m in messages], self.chat_template,
-                                       add_generation_prompt=add_generation_prompt,
+                                       add_generation_prompt=bool(add_generation_prompt),
                                        continue_final_message=continue_final_message,
                                        chat_template_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - template errors come from user content/kwargs
             raise RequestError(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
 
     async def render_async(self, req) -> list[int]:
-        args = (req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        # add_generation_prompt defaults to true; only an explicit true conflicts with continue_final_message
+        agp = req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else None
+        kwargs = req.chat_template_kwargs
+        if getattr(req, "documents", None) is not None:  # vLLM's RAG documents, given to the template
+            kwargs = {**(kwargs or {}), "documents": req.documents}
+        args = (req.messages, agp, req.continue_final_message, kwargs)
         size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
                    for m in req.messages)
         if size > _BIG_CONVERSATION_CHARS:
@@ -49,11 +60,17 @@ class OpenAIServingChat(OpenAIServing):
         ids = await self.render_async(req)
         if not ids:
             raise RequestError("the rendered conversation is empty", "messages")
+        if req.add_special_tokens:
+            raise RequestError("add_special_tokens=true is not supported on chat: the chat template adds the "
+                               "model's special tokens", "add_special_tokens")
+        self.check_limits(req)
+        ids = req.truncate_prompt(ids, self.max_model_len)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", param)
         params = req.to_sampling_params(max_tokens)
         request_id = random_id("chatcmpl")
         gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id)
+        request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

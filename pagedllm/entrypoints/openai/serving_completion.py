@@ -29,17 +29,26 @@ class OpenAIServingCompletion(OpenAIServing):
         params = []
         # Many short prompts add up: tokenize them off the event loop too.
         offload = sum(len(p) for p in prompts if isinstance(p, str)) > BIG_PROMPT_CHARS
-        for p in prompts:
-            ids = await self.tokenize(p, offload=offload)
-            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens)
+        self.check_limits(req)
+        scoring = req.scores_prompt_only
+        for k, p in enumerate(prompts):
+            ids = await self.tokenize(p, offload=offload, add_special_tokens=req.add_special_tokens)
+            truncated = req.truncate_prompt(ids, self.max_model_len)
+            if len(truncated) < len(ids):
+                prompts[k] = ids = truncated  # echo shows what the model saw
+            # Prompt scoring still samples one token (the engine's unit of work); it is not returned.
+            max_tokens = self.resolve_max_tokens(len(ids), 1 if scoring else req.max_tokens)
             prompt_ids.append(ids)
             params.append(req.to_sampling_params(max_tokens))
         prompt_texts: list[Optional[str]] = [
             (p if isinstance(p, str) else self.tokenizer.decode(ids)) if req.echo else None
             for p, ids in zip(prompts, prompt_ids)]
+        if scoring:
+            return await self._score_prompts(req, raw_request, prompt_ids, prompt_texts, params)
         request_id = random_id("cmpl")
         gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}")
                 for i, (ids, sp) in enumerate(zip(prompt_ids, params))]
+        request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -76,6 +85,55 @@ class OpenAIServingCompletion(OpenAIServing):
                           total_tokens=num_prompt_tokens + completion_tokens)
         resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
+
+    async def _score_prompts(self, req: CompletionRequest, raw_request: Request, prompt_ids: list[list[int]],
+                             prompt_texts: list, params: list) -> Response:
+        """echo with max_tokens 0: each prompt back, with its logprobs when asked (prompt scoring, as the
+        legacy OpenAI completions API allowed). The engine runs only when logprobs are wanted."""
+        request_id = random_id("cmpl")
+        response_id = self.response_id(req, request_id)
+        finals: list = [None] * len(prompt_ids)
+        if req.logprobs is not None:
+            gens = []
+            for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
+                sp = sp.clone()
+                sp.n = 1  # every choice of one prompt scores the same
+                gens.append(self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}"))
+
+            async def collect() -> list[RequestOutput]:
+                async for i, out in merge_streams(gens):
+                    finals[i] = out
+                return finals
+
+            await run_unless_disconnected(raw_request, collect())
+        choices = []
+        for i, ids in enumerate(prompt_ids):
+            logprobs = None
+            if finals[i] is not None:
+                logprobs = CompletionLogProbs()
+                self._add_logprobs(logprobs, ids, finals[i].prompt_logprobs, 0)
+            for j in range(req.n):
+                choices.append(CompletionResponseChoice(index=i * req.n + j, text=prompt_texts[i],
+                                                        logprobs=logprobs, finish_reason="length"))
+        num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens)
+        model = self.served_model_name
+        if not req.stream:
+            resp = CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
+            return Response(resp.model_dump_json(), media_type="application/json")
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def stream() -> AsyncIterator[str]:
+            for c in choices:
+                yield sse(CompletionStreamResponse(id=response_id, created=created, model=model,
+                                                   choices=[c]).model_dump_json())
+            if include_usage:
+                yield sse(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
+                                                   usage=usage).model_dump_json())
+            yield sse("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     def _add_logprobs(self, lp: CompletionLogProbs, token_ids: list[int],
                       positions: Optional[list[Optional[PositionLogprobs]]], offset: int) -> int:

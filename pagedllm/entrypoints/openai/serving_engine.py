@@ -3,6 +3,7 @@ merging the streams of several prompts, and aborting when the HTTP client goes a
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
 
@@ -52,9 +53,17 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
 
-    async def tokenize(self, prompt: Union[str, list[int]], param: str = "prompt", offload: bool = False) -> list[int]:
+    async def tokenize(self, prompt: Union[str, list[int]], param: str = "prompt", offload: bool = False,
+                       add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt (text or ids); RequestError when empty or out of vocabulary.
         A long text (or any text with ``offload``) is tokenized off the event loop."""
+        if isinstance(prompt, str) and not add_special_tokens:
+            encode = functools.partial(self.tokenizer.encode, prompt, add_special_tokens=False)
+            try:
+                ids = await asyncio.to_thread(encode) if offload or len(prompt) > BIG_PROMPT_CHARS else encode()
+            except Exception as e:  # noqa: BLE001 - the tokenizer rejects some strings (lone surrogates)
+                raise RequestError(f"cannot tokenize the {param}: {type(e).__name__}", param) from None
+            prompt = ids
         try:
             if isinstance(prompt, str) and (offload or len(prompt) > BIG_PROMPT_CHARS):
                 _, ids = await asyncio.to_thread(self.llm.engine.tokenize_prompt, prompt)
@@ -86,6 +95,25 @@ class OpenAIServing:
                                f"prompt tokens plus {max_tokens_param}={max_tokens} were requested.",
                                max_tokens_param, code="context_length_exceeded")
         return max_tokens
+
+    def check_limits(self, req) -> None:
+        """Request-level checks against the engine (issue 13): stop_token_ids in the vocabulary, and
+        ``n`` no more than ``--max-num-seqs`` (its samples must fit in the running batch together)."""
+        vocab = self.llm.engine.vocab_size
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}", "stop_token_ids")
+        max_num_seqs = self.llm.engine.config.scheduler_config.max_num_seqs
+        if req.n > max_num_seqs:
+            raise RequestError(f"n={req.n} is more than the server runs at once (--max-num-seqs {max_num_seqs})",
+                               "n")
+
+    @staticmethod
+    def response_id(req, engine_request_id: str) -> str:
+        """The id the client sees: vLLM's ``request_id`` field when given (prefixed like ours), else
+        the engine's id. The engine keeps its own unique id, so two clients may reuse one."""
+        given = getattr(req, "request_id", None)
+        return f"{engine_request_id.split('-', 1)[0]}-{given}" if given else engine_request_id
 
     def token_text(self, token_id: int) -> str:
         """Text of one token, from the engine's cache of decoded tokens (shared with logprobs)."""

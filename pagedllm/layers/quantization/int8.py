@@ -1,0 +1,212 @@
+"""W8A8 int8 linear layers: symmetric int8 weights per output channel, activations quantized per
+token (row; optionally per group of features within the row, see ``Int8Config``) on the fly,
+``int8 x int8 -> int32`` matmul (``torch._int_mm``), scales applied once after each matmul:
+
+    x[i, :] ~ sx[i] * xq[i, :],   W[j, :] ~ sw[j] * wq[j, :],   y[i, j] = sx[i] * sw[j] * sum_k xq[i,k] wq[j,k]
+
+(SmoothQuant, Xiao et al., 2023, per-token / per-channel "O1" setting; LLM.int8(), Dettmers et al.,
+2022, vector-wise quantization). The int32 sum is exact (|sum| <= k * 127^2 < 2^31 for
+k < 133,000), and every scale is per row or per column, so a row's result does not depend on the
+other rows in the batch: batch composition, chunked prefill and preemption cannot change it.
+
+Tensor parallelism: column-parallel layers (and the vocab-parallel LM head) hold whole output rows,
+so their scales are those of one rank. A row-parallel layer holds a slice of each row's inputs; its
+weight scales take the max over ranks at load time, its activation scales the max over ranks per
+step (one all-reduce of [tokens] floats), and the ranks sum int32 partial products: TP=N gives the
+same numbers as TP=1. (With activation groups, each rank scales its groups' int32 results and
+the ranks sum float32 partials: TP=N equals TP=1 up to float rounding.)
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+QMAX = 127  # symmetric: [-127, 127]; -128 unused so that negation is exact
+_TINY = 1e-12  # all-zero rows get this scale (their int8 values are then 0)
+
+
+def _all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def quantize_per_channel(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [n, k] (float) -> (int8 [n, k], float32 scale [n]) with ``w ~ scale[:, None] * q``.
+
+    ``amax`` [n] overrides the rows' max |w| (row-parallel layers pass the max over ranks).
+    Error per element <= scale / 2.
+    """
+    w = w.float()
+    if amax is None:
+        amax = w.abs().amax(dim=1)
+    scale = amax.float().clamp_min(_TINY) / QMAX
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_per_token(x: torch.Tensor, reduce_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [m, k] -> (int8 [m, k], float32 scale [m, 1]) with ``x ~ scale * q``.
+
+    Four passes over x: |x| and its row max, one multiply by 127 / amax, one in-place round, one
+    cast (measured on a CPU: ``vector_norm(ord=inf)`` and ``aminmax`` are 4-7x slower than
+    ``abs().amax()``, and dividing by the scale instead of multiplying by its reciprocal is up to
+    10x slower at k = 1536). ``x * (127 / amax)`` lies in [-127, 127] up to rounding, so no clamp
+    is needed. ``reduce_amax`` takes the max over tensor-parallel ranks. Error per element <= scale / 2.
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    if reduce_amax:
+        amax = _all_reduce_max(amax)
+    amax = amax.clamp_min_(_TINY)
+    q = (x * (QMAX / amax)).round_().to(torch.int8)
+    return q, amax.div_(QMAX)
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 [m, k] x int8 [k, n] -> exact int32 [m, n] via ``torch._int_mm``.
+
+    On a CPU ``_int_mm`` takes any shape. On CUDA it needs m > 16 and k, n multiples of 8, and
+    cuBLASLt refuses a row-major ``b`` for some shapes (seen on an H200, torch 2.11: [k, n]
+    contiguous failed at m=1, n=48 and n=49152; the transposed view of an [n, k] weight, which the
+    int8 method stores on CUDA, ran every shape exactly). So m <= 16 rows are padded with zeros,
+    and other k, n fall back to a float32 matmul of the int8 values (exact while
+    k * 127^2 < 2^24, i.e. k <= 1040; a relative error ~1e-7 beyond).
+    """
+    if a.device.type == "cuda":
+        m, k = a.shape
+        n = b.shape[1]
+        if k % 8 or n % 8:
+            return torch.mm(a.float(), b.float()).round_().to(torch.int32)
+        if m <= 16:
+            return torch._int_mm(torch.cat([a, a.new_zeros(17 - m, k)]), b)[:m]
+    return torch._int_mm(a, b)
+
+
+def int8_weight_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 weight [n, k] -> the [k, n] operand of ``int8_mm``: the transposed view (column-major).
+    cuBLASLt needs it; on a CPU it also ran faster than a contiguous [k, n] copy (1 thread,
+    k=576, n=3072: 0.55 vs 0.85 ms at m=48, 2.4 vs 7.8 ms at m=256)."""
+    return q.t()
+
+
+class Int8LinearMethod(LinearMethodBase):
+    """Float weights are loaded as usual (``create_weights`` of the float method), then replaced
+    by ``weight_q`` (int8, [k, n] layout of ``int8_weight_layout``) and ``weight_scale`` (float32 [n]).
+
+    ``act_group_size`` g > 0 (and dividing k): each token's activations get one scale per group
+    of g input features instead of one per row (finer scales around outlier channels); the layer
+    then runs k / g int8 matmuls of depth g and sums their scaled int32 results in float32.
+    Row-parallel layers then sum float partials over ranks (groups never cross a rank's slice
+    when g divides k / tp_size; otherwise the layer falls back to per-token scales).
+    """
+
+    def __init__(self, act_group_size: int = 0) -> None:
+        self._float = UnquantizedLinearMethod()
+        self.act_group_size = act_group_size
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype) -> None:
+        self._float.create_weights(layer, input_size, output_size, bias, dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "weight_q", None) is not None:
+            return  # already int8 (e.g. set from a GGUF Q8_0 tensor by set_int8_weight)
+        w = layer.weight.data
+        amax = None
+        if getattr(layer, "input_is_parallel", False) and getattr(layer, "tp_size", 1) > 1:
+            amax = _all_reduce_max(w.float().abs().amax(dim=1))
+        q, scale = quantize_per_channel(w, amax)
+        set_int8_weight(layer, q, scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._apply(layer, x, bias, parallel_input=False, reduce_results=False)
+
+    def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+                           reduce_results: bool) -> torch.Tensor:
+        if not reduce_results and layer.tp_rank != 0:
+            bias = None  # the caller sums the ranks' outputs: the bias once, from rank 0
+        return self._apply(layer, x, bias, parallel_input=True, reduce_results=reduce_results)
+
+    def _apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor], parallel_input: bool,
+               reduce_results: bool) -> torch.Tensor:
+        shape = x.shape
+        g = self.act_group_size
+        if g > 0 and shape[-1] % g == 0:
+            out = _grouped_matmul(layer, x.reshape(-1, shape[-1]), g)
+            if reduce_results:
+                out = tensor_model_parallel_all_reduce(out)
+            if bias is not None:
+                out.add_(bias)
+            return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+        xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
+        acc = int8_mm(xq, layer.weight_q)
+        if reduce_results:
+            acc = tensor_model_parallel_all_reduce(acc)  # int32 sum: exact, order-free
+        out = acc.float().mul_(sx).mul_(layer.weight_scale)  # float32 [m, n]
+        if bias is not None:
+            out.add_(bias)
+        return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+
+
+def _grouped_matmul(layer: nn.Module, x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [m, k] float -> float32 [m, n] = sum over groups of sx[:, grp] * (xq_grp @ wq_grp) * sw."""
+    m, k = x.shape
+    groups = k // g
+    xq, sx = quantize_per_token(x.reshape(m, groups, g))  # [m, G, g], [m, G, 1]
+    xq = xq.transpose(0, 1).contiguous()  # [G, m, g]: each group's rows contiguous for _int_mm
+    out: Optional[torch.Tensor] = None
+    for i in range(groups):
+        part = int8_mm(xq[i], layer.weight_q[i * g:(i + 1) * g]).float().mul_(sx[:, i])
+        out = part if out is None else out.add_(part)
+    return out.mul_(layer.weight_scale)
+
+
+def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Give ``layer`` int8 weights ``q`` [n, k] with per-output-channel ``scale`` [n] (float),
+    replacing its float ``weight`` (a tied weight stays alive in the module that shares it)."""
+    if hasattr(layer, "weight"):
+        del layer.weight
+    layer.weight_q = nn.Parameter(int8_weight_layout(q), requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
+
+
+class Int8Config(QuantizationConfig):
+    """``--quantization int8``: every linear layer in W8A8 int8, the LM head too unless
+    ``quantize_lm_head`` is False; layers whose name starts with a prefix in ``ignore`` stay float.
+
+    Activation scales are per token (row), or per token and per group of ``act_group_size``
+    input features (``int8-g64``; one scale per row when g does not divide k). On SmolLM2-135M one
+    scale per row cost +4.7 % held-out perplexity, groups of 64 +1.2 %; but k / 64 shallow int8
+    matmuls plus their float epilogues made a 1024-token prefill matmul ~8x slower
+    (benchmarks/README.md).
+    """
+
+    name = "int8"
+
+    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 0) -> None:
+        self.quantize_lm_head = quantize_lm_head
+        self.ignore = tuple(ignore)
+        self.act_group_size = act_group_size
+
+    def is_layer_skipped(self, prefix: str) -> bool:
+        return any(prefix == p or prefix.startswith(p + ".") for p in self.ignore)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+        if self.is_layer_skipped(prefix):
+            return None
+        if isinstance(layer, ParallelLMHead) and not self.quantize_lm_head:
+            return None
+        return Int8LinearMethod(self.act_group_size)
+
+    def describe(self) -> str:
+        acts = f"groups of {self.act_group_size}" if self.act_group_size else "per token"
+        return "int8 (W8A8, activations {}, LM head {})".format(acts, "int8" if self.quantize_lm_head else "float")

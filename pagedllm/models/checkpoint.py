@@ -1,0 +1,80 @@
+"""Which files a model path names, and its config and tokenizer, with one clear error when they are bad.
+
+A model is a Hugging Face folder (config.json + *.safetensors + tokenizer files), a ``.gguf`` file, or
+a folder without config.json holding exactly one ``.gguf`` (see ``models/gguf.py``). Every failure is a
+``ValueError`` with a one-line message: ``pagedllm serve`` prints it and exits 1, ``LLM`` raises it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from pagedllm.models.gguf import find_gguf_file, load_gguf_config, load_gguf_tokenizer, one_line
+
+# A Hugging Face hub id: "name" or "owner/name" (letters, digits, "-", "_", ".").
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def looks_like_local_path(model: str) -> bool:
+    """True for a string that cannot be a hub id: "/x", "./x", "~/x", "a/b/c", "x.gguf", ..."""
+    return (not _HUB_ID.fullmatch(model) or model.startswith((".", "~"))
+            or model.lower().endswith((".gguf", ".safetensors", ".json")))
+
+
+def local_model_path(path: str) -> str:
+    """The GGUF file ``path`` names (itself, or the only .gguf in a folder without config.json),
+    else ``path`` itself. Raises ValueError when ``path`` does not exist."""
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path} does not exist")
+    return find_gguf_file(path) or path
+
+
+def load_hf_config(path: str) -> Any:
+    """The transformers config of a local model (a folder with config.json, or a GGUF file).
+
+    Raises:
+        ValueError: the path is neither, config.json is unreadable, or transformers does not know its type.
+    """
+    gguf_file = find_gguf_file(path)
+    if gguf_file:
+        return load_gguf_config(gguf_file)
+    if os.path.isfile(path):
+        raise ValueError(f"{path} is neither a GGUF file nor a model folder; pass a Hugging Face model folder "
+                         f"(config.json + *.safetensors) or a .gguf file")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise ValueError(f"{path} has no config.json and no .gguf file, so it is not a model folder; pass a "
+                         f"Hugging Face model folder (config.json + *.safetensors) or a .gguf file")
+    try:
+        with open(config_file) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {config_file}: {one_line(e)}") from None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - unknown model_type, bad values, ...
+        from pagedllm.models.registry import supported_architectures
+
+        raise ValueError(f"cannot load the config of {path} ({one_line(e)}); supported architectures: "
+                         f"{', '.join(supported_architectures())}") from None
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a local folder, a GGUF file (from its metadata) or a hub id.
+
+    Raises:
+        ValueError: no tokenizer can be built from ``path``.
+    """
+    gguf_file = find_gguf_file(path) if os.path.exists(path) else None
+    if gguf_file:
+        return load_gguf_tokenizer(gguf_file)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot load a tokenizer from {path} ({one_line(e)}); pass one with --tokenizer") from None

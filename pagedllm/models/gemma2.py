@@ -1,0 +1,166 @@
+"""Gemma 2 (Gemma Team, 2024, "Gemma 2: Improving Open Language Models at a Practical Size"):
+transformers' ``modeling_gemma2.py``. Against Llama it adds
+
+- sliding-window layers interleaved with global ones (``config.layer_types``; older configs:
+  even layers slide): a sliding layer's query at position p sees keys p - W < j <= p;
+- logit soft-capping, c * tanh(x / c): on attention scores (``attn_logit_softcapping``) and on
+  the final logits (``final_logit_softcapping``);
+- four RMSNorms per layer (before and after attention and MLP), all x * (1 + weight);
+- token embeddings scaled by sqrt(hidden_size), that factor rounded to the model dtype first;
+- a GELU-tanh gated MLP and attention scale ``query_pre_attn_scalar ** -0.5``.
+
+Gemma 3 (``gemma3.py``) is this decoder with q/k norms and a RoPE base per layer type. The
+checkpoint layout is Llama's, so loading reuses ``LlamaForCausalLM.load_weights``. KV blocks
+are kept for the whole context (global layers need them); none are freed early.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.config import get_rope_parameters
+from pagedllm.layers.activation import get_act_fn
+from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.llama import LlamaForCausalLM
+
+
+def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(x / cap) (identity when cap is None or 0)."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def layer_types(config: Any, default_pattern: int) -> list[str]:
+    """``sliding_attention`` or ``full_attention`` for each layer: ``config.layer_types``, else
+    every ``sliding_window_pattern``-th layer global, the others sliding (older configs)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    pattern = getattr(config, "sliding_window_pattern", None) or default_pattern
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
+
+
+def gemma_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class GemmaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with act = GELU (tanh approximation in Gemma 2/3 configs)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, dtype=dtype)
+        self.act = get_act_fn(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma2Attention(nn.Module):
+    qk_norm = False
+
+    def __init__(self, config: Any, layer_type: str, rotary: RotaryEmbedding, dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        head_dim = gemma_head_dim(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=getattr(config, "attention_bias", False),
+                                          dtype=dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False), dtype=dtype)
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if self.qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if self.qk_norm else None
+        self.rotary_emb = rotary  # shared by the layers of one type
+        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.logits_soft_cap = getattr(config, "attn_logit_softcapping", None)
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                 logits_soft_cap=self.logits_soft_cap)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class Gemma2DecoderLayer(nn.Module):
+    attention_cls = Gemma2Attention
+
+    def __init__(self, config: Any, layer_type: str, rotary: RotaryEmbedding, dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = self.attention_cls(config, layer_type, rotary, dtype, backend)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
+        self.mlp = GemmaMLP(h, config.intermediate_size, act, dtype)
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """forward: input_ids [N] (int64), positions [N] (int64) -> hidden states [N, hidden];
+    compute_logits: hidden [M, hidden] -> soft-capped logits [M, vocab_size] (float32)."""
+
+    decoder_layer_cls = Gemma2DecoderLayer
+    sliding_window_pattern = 2  # when the config has no layer_types: one global layer in 2
+
+    def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None,
+                 max_model_len: Optional[int] = None) -> None:
+        nn.Module.__init__(self)  # Llama's checkpoint layout and loader, not its blocks
+        self.config = config
+        backend = backend or TorchPagedAttention()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # transformers keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
+        self.register_buffer("normalizer", torch.tensor(config.hidden_size ** 0.5, dtype=dtype), persistent=False)
+        types = layer_types(config, self.sliding_window_pattern)
+        # One cos/sin table per layer type, for the positions the engine can reach.
+        positions = max_model_len or config.max_position_embeddings
+        rotary = {t: RotaryEmbedding(gemma_head_dim(config), positions, self.rope_for(config, t), dtype)
+                  for t in sorted(set(types))}
+        self.layers = nn.ModuleList([self.decoder_layer_cls(config, t, rotary[t], dtype, backend) for t in types])
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
+
+    @staticmethod
+    def rope_for(config: Any, layer_type: str) -> dict:
+        return get_rope_parameters(config)
+
+    @classmethod
+    def verify_config(cls, config: Any, max_model_len: int) -> None:
+        """Sliding windows are implemented, so any ``max_model_len`` is served; bidirectional
+        attention (embedding models built on Gemma 3) is not causal generation and is refused."""
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(f"{cls.__name__}: use_bidirectional_attention=True (an embedding model) is not supported")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.normalizer
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return soft_cap(self.lm_head.compute_logits(hidden), self.final_soft_cap).float()

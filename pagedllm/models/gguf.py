@@ -1,0 +1,233 @@
+"""GGUF checkpoints (llama.cpp's one-file format): config, tokenizer and weights from one ``.gguf``.
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. The file is read with the ``gguf``
+library (``GGUFReader``, memory-mapped; ``gguf.quants.dequantize`` for every quant type it implements).
+The metadata -> config / tokenizer conversion and the GGUF -> Hugging Face tensor-name map, with the
+per-architecture fix-ups (e.g. undoing the Q/K row permutation llama.cpp's converter applies to Llama),
+are transformers' (``transformers.modeling_gguf_pytorch_utils``), so the weights come out under Hugging
+Face checkpoint names and each model's own ``load_weights`` takes them as it takes safetensors.
+
+Errors are ``ValueError`` with a one-line message (``pagedllm serve`` prints it and exits 1).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from unittest import mock
+from typing import Any, Iterator, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+# Q8_0 block (ggml-common.h, block_q8_0): one float16 scale d, then 32 int8 values q; x = d * q.
+Q8_0_BLOCK = 32
+
+
+class Q8_0Weight(NamedTuple):
+    """A Q8_0 tensor kept quantized: ``weight = qweight * scales`` repeated over blocks of 32 columns.
+
+    qweight: int8 [rows, cols]; scales: float16 [rows, cols // 32] (one per block of 32 columns).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]."""
+        q = self.qweight.float().view(self.qweight.shape[0], -1, Q8_0_BLOCK)
+        return (q * self.scales.float().unsqueeze(-1)).view(self.qweight.shape)
+
+
+def one_line(e: BaseException) -> str:
+    """``e``'s message on one line (library messages often span several), at most 400 characters."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if len(msg) <= 400 else msg[:397] + "..."
+
+
+def is_gguf_file(path: str) -> bool:
+    """True when ``path`` is a file that starts with the GGUF magic, or is named ``*.gguf``."""
+    if not os.path.isfile(path):
+        return False
+    if path.lower().endswith(".gguf"):
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def find_gguf_file(path: str) -> Optional[str]:
+    """The GGUF file ``path`` names: itself, or the only ``.gguf`` in a folder without config.json.
+
+    Returns None when ``path`` is a Hugging Face folder (has config.json) or holds no ``.gguf``.
+    Raises ValueError for a folder without config.json holding several ``.gguf`` files.
+    """
+    if os.path.isfile(path):
+        return path if is_gguf_file(path) else None
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
+        return None
+    found = sorted(n for n in os.listdir(path) if n.lower().endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} GGUF files ({', '.join(found)}); pass the one to load")
+    return os.path.join(path, found[0]) if found else None
+
+
+def dequantizable_types() -> list[str]:
+    """Names of the GGML tensor types ``gguf.quants.dequantize`` implements in this ``gguf`` version."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    names = []
+    for t in T:
+        if t in (T.F32, T.F16):
+            names.append(t.name)
+            continue
+        traits = quants._type_traits.get(t)
+        # A traits class without its own dequantize_blocks raises NotImplementedError when used.
+        if traits is not None and "dequantize_blocks" in vars(traits):
+            names.append(t.name)
+    return names
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` of ``path`` with every tensor checked to be dequantizable.
+
+    Raises:
+        ValueError: not a GGUF file, corrupt or truncated, or a tensor type ``gguf`` cannot dequantize.
+    """
+    from gguf import GGUFReader
+
+    name = os.path.basename(path)
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - corrupt headers fail in many ways inside the reader
+        if "GGMLQuantizationType" in str(e):
+            raise ValueError(f"{name}: a tensor has an unknown quant type ({one_line(e)}); the gguf library "
+                             f"dequantizes {', '.join(dequantizable_types())}") from None
+        raise ValueError(f"cannot read GGUF file {path} (corrupt or truncated?): {one_line(e)}") from None
+    size = os.path.getsize(path)
+    ok = set(dequantizable_types())
+    for t in reader.tensors:
+        if t.tensor_type.name not in ok:
+            raise ValueError(f"{name}: tensor {t.name} has quant type {t.tensor_type.name}, which the gguf library "
+                             f"cannot dequantize; supported types: {', '.join(sorted(ok))}")
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"GGUF file {path} is truncated: tensor {t.name} ends at byte "
+                             f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
+    return reader
+
+
+def gguf_architecture(path: str) -> str:
+    """``general.architecture`` of the file (llama.cpp's name, e.g. "llama", "qwen2")."""
+    field = open_gguf(path).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path} has no general.architecture in its metadata")
+    return field.contents()
+
+
+def load_gguf_config(path: str) -> Any:
+    """The transformers config built from the file's metadata (``AutoConfig.from_pretrained(gguf_file=)``),
+    with ``architectures`` set to the causal-LM class of its ``model_type``.
+
+    Raises:
+        ValueError: unreadable file, or an architecture transformers cannot convert from GGUF.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = gguf_architecture(path)
+    try:
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError here
+        from pagedllm.models.registry import supported_architectures
+
+        raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported ({one_line(e)}); "
+                         f"supported architectures: {', '.join(supported_architectures())}") from None
+    if not getattr(config, "architectures", None):
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        config.architectures = [cls] if cls else [f"<GGUF architecture {arch}>"]
+    return config
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The tokenizer (with chat template) built from the file's metadata by transformers."""
+    from transformers import AutoTokenizer
+
+    open_gguf(path)  # a clear error for a bad file first
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot build a tokenizer from the metadata of {path} ({one_line(e)}); "
+                         f"pass one with --tokenizer") from None
+
+
+def read_q8_0(data: np.ndarray) -> Q8_0Weight:
+    """Split a Q8_0 tensor's bytes (uint8 [rows, cols / 32 * 34], as ``GGUFReader`` maps them) into
+    int8 values [rows, cols] and float16 scales [rows, cols / 32], without dequantizing."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, 2 + Q8_0_BLOCK)
+    scales = blocks[:, :, :2].copy().view(np.float16).reshape(rows, -1)
+    qweight = blocks[:, :, 2:].copy().view(np.int8).reshape(rows, -1)
+    return Q8_0Weight(torch.from_numpy(qweight), torch.from_numpy(scales))
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    # Dequantized F32 tensors are read-only views of the memory map; torch wants writable memory.
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face checkpoint name, float32 tensor) pairs of the file's weights, one tensor at a time.
+
+    Args:
+        path: the .gguf file.
+        hf_config: its config (``load_gguf_config``).
+        raw_q8_0: yield Q8_0 matrices as ``Q8_0Weight`` (int8 values + float16 block scales) instead of
+            dequantizing them, for an int8 linear method to take as they are.
+
+    Raises:
+        ValueError: the file is unreadable, or its tensors do not map to the architecture's parameters.
+    """
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    reader = open_gguf(path)
+    arch = gguf_architecture(path)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
+    # The name map comes from the parameter names of the transformers model, built without memory.
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    try:
+        # transformers rebuilds gguf's TensorNameMap (thousands of formatted names) for every submodule
+        # it recurses into; one cached map per (arch, layers) turns ~400 builds into one.
+        cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+        with mock.patch.object(gguf, "get_tensor_name_map", cached):
+            name_map = get_gguf_hf_weights_map(hf_model, processor)
+    except NotImplementedError as e:
+        raise ValueError(f"{path}: {one_line(e)}") from None
+    del hf_model
+    merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # MoE processors merge experts here
+    for t in reader.tensors:
+        if raw_q8_0 and t.tensor_type.name == "Q8_0" and len(t.data.shape) == 2:
+            raw = read_q8_0(t.data)
+            q = processor.process(weights=raw.qweight.numpy(), name=t.name)
+            s = processor.process(weights=raw.scales.numpy(), name=t.name)
+            if q.name in name_map:
+                yield name_map[q.name], Q8_0Weight(_tensor(q.weights), _tensor(s.weights))
+                continue
+        try:
+            weights = dequantize(t.data, t.tensor_type)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {one_line(e)}") from None
+        result = processor.process(weights=weights, name=t.name, tensor_key_mapping=name_map,
+                                   parsed_parameters=merged)
+        if result.name in name_map:
+            yield name_map[result.name], _tensor(np.ascontiguousarray(result.weights))
+    yield from merged["tensors"].items()
+    open_gguf.cache_clear()  # the reader's parsed metadata (vocabulary, merges) is no longer needed

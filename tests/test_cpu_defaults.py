@@ -1,0 +1,109 @@
+"""CPU defaults: the dtype ``auto`` picks, the fixed-size KV cache, the thread count, and the start-up
+line that explains them."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import pagedllm.config as config_mod
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs, resolve_dtype
+from pagedllm.worker import cpu_threads
+from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes, physical_memory_bytes
+
+from conftest import assert_pool_empty
+
+
+class _Cfg:
+    dtype = "bfloat16"
+
+
+@pytest.mark.parametrize("native, want", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native, want):
+    monkeypatch.delenv("PAGEDLLM_CPU_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: native)
+    dtype, why = resolve_dtype("auto", _Cfg(), "cpu")
+    assert dtype == want and why.startswith("auto: this CPU has") == native
+    assert resolve_dtype("float32", _Cfg(), "cpu") == (torch.float32, "given")
+    assert resolve_dtype("auto", _Cfg(), "cuda")[0] == torch.bfloat16  # CUDA: the checkpoint's dtype
+
+
+def test_auto_dtype_env_override_and_errors(monkeypatch):
+    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setenv("PAGEDLLM_CPU_AUTO_DTYPE", "float32")
+    assert resolve_dtype("auto", _Cfg(), "cpu")[0] == torch.float32
+    monkeypatch.setenv("PAGEDLLM_CPU_AUTO_DTYPE", "int3")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_AUTO_DTYPE"):
+        resolve_dtype("auto", _Cfg(), "cpu")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("float8", _Cfg(), "cpu")
+
+
+def test_cpu_bf16_flag_matches_proc_cpuinfo():
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags on this platform")
+    assert config_mod.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_kv_cache_space_default_env_and_errors(monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_CPU_KVCACHE_SPACE", raising=False)
+    space, why = cpu_kv_cache_space_bytes()
+    assert space == min(4 * 2**30, physical_memory_bytes() // 2) and "4 GiB" in why
+    monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "0.5")
+    assert cpu_kv_cache_space_bytes()[0] == 2**29
+    monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "1e9")
+    assert cpu_kv_cache_space_bytes()[0] == physical_memory_bytes() // 2
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="PAGEDLLM_CPU_KVCACHE_SPACE"):
+            cpu_kv_cache_space_bytes()
+
+
+def test_fixed_kv_space_only_when_no_memory_setting_given(llama_dir, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_CPU_KVCACHE_SPACE", raising=False)
+    cc = EngineArgs(model=llama_dir, device="cpu").create_engine_config().cache_config
+    assert cc.cpu_kv_cache_space == min(4 * 2**30, physical_memory_bytes() // 2)
+    for kw in ({"gpu_memory_utilization": 0.5}, {"kv_cache_memory": 2**20}):
+        cc = EngineArgs(model=llama_dir, device="cpu", **kw).create_engine_config().cache_config
+        assert cc.cpu_kv_cache_space is None
+    assert EngineArgs(model=llama_dir, device="cpu").create_engine_config().cache_config.gpu_memory_utilization == 0.9
+
+
+def test_threads(monkeypatch):
+    assert cpu_threads.resolve_num_threads(3) == (3, "--num-threads")
+    with pytest.raises(ValueError, match="num_threads"):
+        cpu_threads.resolve_num_threads(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert cpu_threads.resolve_num_threads(None) == (5, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    n, why = cpu_threads.resolve_num_threads(None)
+    assert n == cpu_threads.physical_cores() and 1 <= n <= len(cpu_threads._allowed_cpus()) and "physical" in why
+
+
+def test_engine_uses_fixed_kv_space_and_logs_choices(llama_dir, monkeypatch, caplog):
+    from pagedllm.logger import init_logger
+
+    monkeypatch.setattr(init_logger(), "propagate", True)  # let caplog see the start-up line
+    space_gib = 0.001
+    monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", str(space_gib))
+    prev = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            llm = LLM(llama_dir, device="cpu", num_threads=1, max_model_len=128)
+        engine = llm.llm_engine
+        assert torch.get_num_threads() == 1
+        per_block = engine.executor.bytes_per_block()
+        assert engine.config.cache_config.num_blocks == int(space_gib * 2**30) // per_block
+        line = next(r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage())
+        assert "PAGEDLLM_CPU_KVCACHE_SPACE=0.001 GiB" in line and "threads 1 (--num-threads)" in line
+        assert "dtype=float32 (auto: PAGEDLLM_CPU_AUTO_DTYPE=float32)" in line
+        out = llm.generate(["the king"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 4
+        assert_pool_empty(llm)
+    finally:
+        torch.set_num_threads(prev)

@@ -1,0 +1,103 @@
+"""The fused elementwise layers (add + RMSNorm, in-place RoPE with cos/sin gathered once, SiLU*mul)
+against transformers' own Llama modules: float32 results equal bit for bit, bfloat16 too."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.models.llama import modeling_llama as hf
+
+from pagedllm.config import get_rope_parameters
+from pagedllm.layers.activation import silu_and_mul
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (48, 896)])
+def test_rms_norm_and_fused_add_equal_transformers(dtype, shape):
+    g = torch.Generator().manual_seed(shape[0])
+    x, res = (torch.randn(*shape, generator=g) * 3).to(dtype), torch.randn(*shape, generator=g).to(dtype)
+    ref = hf.LlamaRMSNorm(shape[-1], eps=1e-5).to(dtype)
+    ours = RMSNorm(shape[-1], 1e-5, dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    ref.weight.data.copy_(w)
+    ours.weight.data.copy_(w)
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+        summed = res + x  # transformers' residual add
+        residual = res.clone()
+        out, new_res = ours(x, residual)
+        assert new_res is residual and torch.equal(new_res, summed)  # updated in place
+        assert torch.equal(out, ref(summed))
+
+
+def _hf_rope(config, positions, q, k, dtype):
+    rope = hf.LlamaRotaryEmbedding(config)
+    cos, sin = rope(q.to(dtype), positions[None])
+    # transformers' layout: [B, H, N, D]
+    qh, kh = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
+    qr, kr = hf.apply_rotary_pos_emb(qh, kh, cos, sin)
+    return qr[0].transpose(0, 1), kr[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                          {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_in_place_equals_transformers(dtype, rope_scaling):
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, rope_scaling=rope_scaling)
+    head_dim, n = 64, 37
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 512, (n,), generator=g)
+    # q and k as views of one fused qkv output, as the model produces them (non-contiguous rows).
+    qkv = torch.randn(n, (4 + 2 + 2) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :256].view(n, 4, head_dim)
+    k = qkv[:, 256:384].view(n, 2, head_dim)
+    v_before = qkv[:, 384:].clone()
+    want_q, want_k = _hf_rope(config, positions, q.clone(), k.clone(), dtype)
+    rot = RotaryEmbedding(head_dim, 512, get_rope_parameters(config), dtype)
+    copy_q, copy_k = rot(positions, q, k)  # the original API: new tensors, inputs unchanged
+    assert torch.equal(copy_q, want_q) and torch.equal(copy_k, want_k)
+    cos_sin = rot.cos_sin(positions)
+    out_q, out_k = rot(positions, q, k, cos_sin=cos_sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, 384:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_transformers_mlp_product(dtype):
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(9, 2 * 48, generator=g).to(dtype)
+    want = F.silu(gate_up[:, :48]) * gate_up[:, 48:]  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    got = silu_and_mul(gate_up)
+    assert got.shape == (9, 48) and got.is_contiguous() and torch.equal(got, want)
+
+
+def test_decoder_layer_plain_forward_equals_fused(llama_dir):
+    """The plain per-layer API (used by other model files) and the fused path agree, and the
+    model shares one RoPE table across its layers."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.models.loader import load_model
+
+    cfg = EngineArgs(model=llama_dir, dtype="float32", device="cpu").create_engine_config()
+    model = load_model(cfg.model_config, "cpu")
+    assert all(layer.self_attn.rotary_emb is model.rotary_emb for layer in model.layers)
+    from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+
+    n = 11
+    x = torch.randn(n, cfg.model_config.hf_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSeq(0, n, n)])
+    pos = torch.arange(n)
+    layer = model.layers[0]
+    with torch.inference_mode():
+        x_before = x.clone()
+        plain = layer(pos, x, None, meta)
+        assert torch.equal(x, x_before)  # the plain API leaves its input alone
+        out, residual = layer.forward_fused(pos, x.clone(), None, None, meta, model.rotary_emb.cos_sin(pos))
+        assert torch.equal(plain, out + residual)

@@ -1,0 +1,234 @@
+"""OPT, GPT-2, Phi-3, Gemma 2 and Gemma 3: fp32 greedy ids equal transformers' on tiny random
+checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
+
+Each family's checkpoint is built once per module (transformers config with small sizes,
+``save_pretrained``) and transformers' greedy ids for it are computed once per prompt set.
+Variants cover each family's options: OPT with ``project_in``/``project_out`` and OPT-350m's
+post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE factors on both sides
+of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from conftest import assert_pool_empty, build_tokenizer, record_schedule
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.registry import supported_architectures
+from test_correctness import hf_greedy
+
+MAX_TOKENS = 16
+PROMPT_LENS = [1, 4, 23, 57, 130]
+_rng = random.Random(0)
+_LONGROPE = {"rope_type": "longrope", "short_factor": [_rng.uniform(1, 3) for _ in range(8)],
+             "long_factor": [_rng.uniform(2, 8) for _ in range(8)]}
+
+# name -> (transformers config class name, model class name, config keywords, LLM keywords)
+FAMILIES = {
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32,
+                 max_position_embeddings=512, init_std=0.15), {}),
+    "opt_post_norm": ("OPTConfig", "OPTForCausalLM",
+                      dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                           do_layer_norm_before=False, word_embed_proj_dim=48, max_position_embeddings=512,
+                           init_std=0.15), {}),  # OPT-350m's shape: post-norm and projections
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15,
+                  scale_attn_by_inverse_layer_idx=True), {}),
+    # max_model_len 512 > original 32: long factors, as transformers uses for sequences past 32;
+    # a 48-token window on every layer.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=32,
+                  rope_scaling=_LONGROPE, sliding_window=48, initializer_range=0.15, tie_word_embeddings=False), {}),
+    # Sliding window 16 < most prompts; small caps so soft-capping changes the result; Gemma 2's
+    # heads x head_dim (96) differs from hidden_size, as in Gemma 2 9B/27B.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=24, sliding_window=16, query_pre_attn_scalar=20,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, max_position_embeddings=512,
+                    initializer_range=0.1), {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                        "rope_theta": 1000000.0}},
+                    max_position_embeddings=512, initializer_range=0.1), {}),
+}
+# Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
+PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("tok"))
+    build_tokenizer(d)
+    return d
+
+
+_BUILT: dict = {}
+
+
+def build(name: str, tokenizer_dir: str, root: str):
+    """(checkpoint dir, transformers model) for family ``name``, built once per session."""
+    if name not in _BUILT:
+        cfg_cls, model_cls, kw, _ = FAMILIES[name]
+        d = os.path.join(root, name)
+        shutil.copytree(tokenizer_dir, d)
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+        config = getattr(transformers, cfg_cls)(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+        torch.manual_seed(sum(map(ord, name)))
+        model = getattr(transformers, model_cls)(config).eval()
+        model.save_pretrained(d)
+        _BUILT[name] = (d, model, {})
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module")
+def family(request, tokenizer_dir, tmp_path_factory):
+    return (request.param, *build(request.param, tokenizer_dir, str(tmp_path_factory.getbasetemp())))
+
+
+def prompts_for(name: str, vocab: int, seed: int = 0, lens=None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, vocab) for _ in range(n)] for n in lens or PROMPTS_FOR.get(name, PROMPT_LENS)]
+
+
+def expected(fam, prompts) -> list[list[int]]:
+    _, _, model, cache = fam
+    for p in prompts:
+        if tuple(p) not in cache:
+            cache[tuple(p)] = hf_greedy(model, p, MAX_TOKENS)[0]
+    return [cache[tuple(p)] for p in prompts]
+
+
+def generate(llm: LLM, prompts) -> list:
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm.generate(prompts, sp, use_tqdm=False)
+
+
+def make_llm(fam, **kw) -> LLM:
+    name, d, _, _ = fam
+    return LLM(d, **{**FAMILIES[name][3], **kw})
+
+
+def bytes_per_block(config, block_size: int = 16) -> int:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * 4
+
+
+ALL = list(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ALL, indirect=True)
+def test_batch_with_chunked_prefill_matches_transformers(family, monkeypatch):
+    name, _, model, _ = family
+    prompts = prompts_for(name, model.config.vocab_size)
+    llm = make_llm(family, kv_cache_memory=4 << 20, max_num_batched_tokens=32)
+    log = record_schedule(llm, monkeypatch)
+    outs = generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == expected(family, prompts)
+    longest = outs[max(range(len(prompts)), key=lambda i: len(prompts[i]))].request_id
+    assert len([1 for rid, done, n, total in log if rid == longest and done + n <= total]) >= 4  # chunked
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("family", ALL, indirect=True)
+def test_preemption_matches_transformers(family):
+    name, _, model, _ = family
+    prompts = prompts_for(name, model.config.vocab_size, seed=1, lens=[40, 41, 43, 44])
+    # 11 blocks of 16 tokens: three prompts start (3 blocks each), then each needs a 4th to decode.
+    llm = make_llm(family, kv_cache_memory=11 * bytes_per_block(model.config), max_model_len=176,
+                   enable_prefix_caching=False)
+    assert llm.llm_engine.config.cache_config.num_blocks == 11
+    outs = generate(llm, prompts)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected(family, prompts)
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("family", ALL, indirect=True)
+def test_prefix_caching_matches_transformers(family):
+    name, _, model, _ = family
+    rng = random.Random(2)
+    shared = [rng.randrange(6, model.config.vocab_size) for _ in range(50)]
+    prompts = [shared + [rng.randrange(6, model.config.vocab_size) for _ in range(n)] for n in (3, 20, 7)]
+    llm = make_llm(family, kv_cache_memory=4 << 20)
+    first = generate(llm, prompts[:1])
+    rest = generate(llm, prompts[1:])
+    assert [o.num_cached_tokens for o in rest] == [48, 48]  # 3 full blocks of the shared 50 tokens
+    assert [o.outputs[0].token_ids for o in first + rest] == expected(family, prompts)
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "phi3", "gemma2"], indirect=True)
+def test_tensor_parallel_2_matches_transformers(family):
+    name, _, model, _ = family
+    prompts = prompts_for(name, model.config.vocab_size, seed=3)[-3:]
+    llm = make_llm(family, tensor_parallel_size=2, kv_cache_memory=2 << 20, max_num_batched_tokens=64)
+    try:
+        outs = generate(llm, prompts)
+        assert [o.outputs[0].token_ids for o in outs] == expected(family, prompts)
+        assert_pool_empty(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_phi3_short_factors_within_original_length(tokenizer_dir, tmp_path_factory):
+    """max_model_len <= original_max_position_embeddings: short factors, as transformers uses there."""
+    d, model, _ = build("phi3", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
+    prompts = prompts_for("short", model.config.vocab_size)[:3]  # 1, 4, 23 tokens + 8 new <= 32
+    llm = LLM(d, max_model_len=32, kv_cache_memory=1 << 20)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 8)[0] for p in prompts]
+    assert_pool_empty(llm)
+
+
+def test_registry_lists_and_imports_on_first_use(monkeypatch):
+    from pagedllm.models import registry
+
+    assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM"} <= set(supported_architectures())
+    config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
+    calls: list[str] = []
+    real = registry.importlib.import_module
+    monkeypatch.setattr(registry.importlib, "import_module", lambda n, *a: calls.append(n) or real(n, *a))
+    cls = registry.get_model_class(config, 128)
+    assert cls.__name__ == "GPT2LMHeadModel" and calls == ["pagedllm.models.gpt2"]
+
+
+@pytest.mark.parametrize("name,prefix", [("gpt2", "transformer."), ("opt", "model.")])
+def test_hub_checkpoint_names_without_prefix(name, prefix, tokenizer_dir, tmp_path_factory, tmp_path):
+    """The original hub files of gpt2 and facebook/opt-* name tensors without ``transformer.`` /
+    ``model.``, and old GPT-2 files carry ``attn.bias`` causal-mask buffers."""
+    from safetensors.torch import load_file, save_file
+
+    fam = (name, *build(name, tokenizer_dir, str(tmp_path_factory.getbasetemp())))
+    d = str(tmp_path / name)
+    shutil.copytree(fam[1], d)
+    path = os.path.join(d, "model.safetensors")
+    tensors = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in load_file(path).items()}
+    if name == "gpt2":
+        tensors["h.0.attn.bias"] = torch.ones(1, 1, 512, 512).tril()
+    save_file(tensors, path, metadata={"format": "pt"})
+    prompts = prompts_for(name, fam[2].config.vocab_size, seed=4)[2:4]
+    llm = LLM(d, kv_cache_memory=1 << 20)
+    assert [o.outputs[0].token_ids for o in generate(llm, prompts)] == expected(fam, prompts)
+    assert_pool_empty(llm)
+
+
+def test_learned_positions_bound_max_model_len(tokenizer_dir, tmp_path_factory):
+    d, _, _ = build("gpt2", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
+    with pytest.raises(ValueError, match="learns 512 positions; max_model_len=600"):
+        LLM(d, max_model_len=600, kv_cache_memory=1 << 20)

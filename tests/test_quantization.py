@@ -1,0 +1,263 @@
+"""W8A8 int8 quantization (``--quantization int8``): the quantized linear stays within the error
+bound the method allows, int32 matmuls are exact and batch invariant, greedy ids of an int8 model
+do not depend on batching, chunked prefill, preemption or prefix caching, TP=2 equals TP=1, and
+GGUF Q8_0 blocks convert to per-channel int8."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conftest import assert_pool_empty, build_checkpoint
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import (Int8Config, Int8LinearMethod, UnquantizedLinearMethod,
+                                          get_quantization_config, process_weights_after_loading)
+from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_channel, quantize_per_token
+from pagedllm.layers.quantization.q8_0 import q8_0_to_int8_per_channel, set_q8_0_weight, split_q8_0
+from pagedllm.layers.vocab_embedding import ParallelLMHead
+from test_correctness import make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def int8_error_bound(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """Bound on |y_int8 - x W^T| [m, n] for activation scales per token and per group of ``group``
+    features (0: one per token), sx = max |x| of the group / 127, and weight scales sw [n].
+
+    With x = sx xq + ex, W = sw wq + ew and |ex| <= sx / 2, |ew| <= sw / 2 elementwise (round to
+    nearest), x W^T - sum_g sx_g sw xq_g wq_g^T = sum_k (x ew + ex w - ex ew), so per group g
+    |error_g| <= sw/2 sum_{k in g} |x| + sx_g/2 sum_{k in g} |w| + |g| sx_g sw / 4, summed over groups.
+    The int32 sums are exact; the float reference and the scale products add a relative 1e-5 of
+    sum_k |x||w| (fp32 rounding, k <= 2048)."""
+    m, k = x.shape
+    g = group if group and k % group == 0 else k
+    ax, aw = x.abs().double(), w.abs().double()
+    sw = sw.double().reshape(1, -1)
+    bound = 1e-5 * ax @ aw.t()
+    for i in range(0, k, g):
+        axg, awg = ax[:, i:i + g], aw[:, i:i + g]
+        sx = axg.amax(1, keepdim=True) / 127
+        bound += sw / 2 * axg.sum(1, keepdim=True) + sx / 2 * awg.sum(1).reshape(1, -1) + g * sx * sw / 4
+    return bound
+
+
+def make_linear(cls, *args, group: int = 64, **kw):
+    """A layer built with an explicit int8 config (``layer.cfg``: pass it to the post-load step too)."""
+    cfg = Int8Config(act_group_size=group)
+    layer = cls(*args, quant_config=cfg, **kw)
+    layer.cfg = cfg
+    assert isinstance(layer.quant_method, Int8LinearMethod)
+    return layer
+
+
+@pytest.mark.parametrize("group", [0, 64])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (7, 100, 30), (48, 576, 192), (130, 256, 520)])
+def test_int8_linear_within_derived_bound(m, k, n, group):
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=g)
+    x[0, 3] = 25.0  # an outlier inflates one token's scale: the bound must follow it
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[1] *= 10  # and one output channel's scale
+    b = torch.randn(n, generator=g)
+    layer = make_linear(ColumnParallelLinear, k, n, bias=True, group=group)
+    layer.weight_loader(layer.weight, w)
+    layer.bias.weight_loader(layer.bias, b)
+    process_weights_after_loading(layer, layer.cfg)
+    assert layer.weight_q.dtype == torch.int8 and not hasattr(layer, "weight")
+    y = layer(x)
+    ref = x.double() @ w.double().t() + b.double()
+    err = (y.double() - ref).abs()
+    bound = int8_error_bound(x, w, w.abs().amax(1) / 127, group)
+    assert (err <= bound).all(), float((err / bound).max())
+    assert err.max() > 0  # really quantized
+    # The bound is not vacuous: the error stays a small fraction of the output's scale.
+    assert err.max() < 0.05 * ref.abs().max()
+
+
+def test_quantize_per_token_rows_are_independent():
+    x = torch.randn(6, 40)
+    x[2] = 0.0  # an all-zero row quantizes to zeros
+    x[4, 7] = -1e4
+    q, s = quantize_per_token(x)
+    assert q.dtype == torch.int8 and s.shape == (6, 1)
+    assert q.abs().amax(1)[[0, 1, 3, 4, 5]].eq(127).all() and q[2].eq(0).all()
+    assert ((q.float() * s - x).abs() <= s / 2 * (1 + 1e-6)).all()
+    for i in range(6):
+        qi, si = quantize_per_token(x[i:i + 1])
+        assert torch.equal(qi, q[i:i + 1]) and torch.equal(si, s[i:i + 1])
+    wq, ws = quantize_per_channel(x)
+    assert torch.equal(wq, q) and torch.allclose(ws, s[:, 0])
+
+
+@pytest.mark.parametrize("m", [1, 5, 17, 48, 200])
+def test_int_mm_is_exact_and_batch_invariant(m):
+    g = torch.Generator().manual_seed(m)
+    a = torch.randint(-127, 128, (200, 576), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (1536, 576), dtype=torch.int8, generator=g)
+    from pagedllm.layers.quantization.int8 import int8_weight_layout
+
+    b = int8_weight_layout(w)
+    full = int8_mm(a, b)
+    assert torch.equal(full, (a.long() @ w.long().t()).int())
+    rows = torch.randperm(200, generator=g)[:m]
+    assert torch.equal(int8_mm(a[rows].contiguous(), b), full[rows])
+
+
+def test_row_parallel_and_merged_layers_quantize():
+    x = torch.randn(9, 64)
+    w = torch.randn(32, 64)
+    row = make_linear(RowParallelLinear, 64, 32, bias=True)
+    row.weight_loader(row.weight, w)
+    row.bias.weight_loader(row.bias, torch.ones(32))
+    merged = make_linear(MergedColumnParallelLinear, 64, [16, 16])
+    merged.weight_loader(merged.weight, w[:16], 0)
+    merged.weight_loader(merged.weight, w[16:], 1)
+    for layer in (row, merged):
+        process_weights_after_loading(layer, layer.cfg)
+    bound = int8_error_bound(x, w, w.abs().amax(1) / 127, 64)
+    assert ((row(x) - 1 - x @ w.t()).abs() <= bound).all()
+    assert ((merged(x) - x @ w.t()).abs() <= bound).all()
+
+
+def test_lm_head_quantized_unless_skipped():
+    head = ParallelLMHead(100, 32, quant_config=Int8Config())
+    head.weight.data.copy_(torch.randn(100, 32))
+    w = head.weight.detach().clone()
+    process_weights_after_loading(head, Int8Config())
+    h = torch.randn(3, 32)
+    bound = int8_error_bound(h, w, w.abs().amax(1) / 127, 64)
+    logits = head.compute_logits(h)
+    assert logits.shape == (3, 100) and ((logits - h @ w.t()).abs() <= bound).all()
+    for cfg, prefix in ((Int8Config(quantize_lm_head=False), ""), (Int8Config(ignore=["lm_head"]), "lm_head")):
+        skipped = ParallelLMHead(100, 32, quant_config=cfg, prefix=prefix)
+        assert isinstance(skipped.quant_method, UnquantizedLinearMethod)
+    # Prefix binding at load time: a model built without prefixes still honours "ignore".
+    model = torch.nn.ModuleDict({"lm_head": ParallelLMHead(100, 32), "proj": ColumnParallelLinear(32, 8)})
+    report = process_weights_after_loading(model, Int8Config(ignore=["lm_head"]))
+    assert isinstance(model["lm_head"].quant_method, UnquantizedLinearMethod)
+    assert isinstance(model["proj"].quant_method, Int8LinearMethod) and report.num_quantized == 1
+    assert report.bytes_saved == 8 * 32 * 4 - (8 * 32 + 8 * 4)
+
+
+def test_unknown_quantization_is_a_clear_error(llama_dir):
+    assert get_quantization_config(None) is None and get_quantization_config("none") is None
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(llama_dir, quantization="int4", kv_cache_memory=1 << 20)
+
+
+# ---- GGUF Q8_0 -> per-channel int8 --------------------------------------------------------------
+def test_q8_0_requantizes_within_bound_and_keeps_uniform_rows_exact():
+    gguf = pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 128, generator=g) * torch.logspace(-2, 0, 128)  # block scales differ along k
+    w[5] = torch.randn(128, generator=g).sign() * 0.3  # every block has amax 0.3: one shared scale
+    raw = gguf.quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    deq = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q8_0).copy()).float()
+    qs, d = split_q8_0(raw)
+    assert qs.shape == (24, 128) and d.shape == (24, 4)
+    assert torch.equal(qs.float().reshape(24, 4, 32).mul(d.float()[:, :, None]).reshape(24, 128), deq)
+    q, scale = q8_0_to_int8_per_channel(qs, d)
+    assert q.dtype == torch.int8 and scale.shape == (24,)
+    err = (q.float() * scale[:, None] - deq).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-6)).all()
+    assert torch.equal(q[5], qs[5]) and scale[5] == d[5, 0].float()  # kept exactly
+    assert err[5].max() == 0
+
+    layer = make_linear(ColumnParallelLinear, 128, 24)
+    set_q8_0_weight(layer, raw)
+    process_weights_after_loading(layer, layer.cfg)  # keeps the Q8_0-derived weights
+    assert torch.equal(layer.weight_scale, scale)
+    x = torch.randn(5, 128, generator=g)
+    bound = int8_error_bound(x, deq, scale, 64)
+    assert ((layer(x) - x @ deq.t()).abs() <= bound).all()
+
+
+def test_q8_0_rejects_bad_rows():
+    with pytest.raises(ValueError, match="Q8_0 data"):
+        split_q8_0(torch.zeros(2, 35, dtype=torch.uint8))
+
+
+# ---- engine --------------------------------------------------------------------------------------
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_int8_model_batch_invariant_with_chunking_preemption_prefix_caching(llama_dir):
+    vocab = transformers.AutoConfig.from_pretrained(llama_dir).vocab_size
+    prompts = make_prompts(vocab, [1, 5, 17, 40, 96, 150, 231], seed=5)
+    prompts.append(prompts[5][:100] + [7, 8, 9])  # shares a cached prefix with another prompt
+    alone_llm = LLM(llama_dir, quantization="int8", kv_cache_memory=4 << 20, enable_prefix_caching=False)
+    model = alone_llm.llm_engine.executor.runner.model
+    assert model.quantization_report.num_quantized == 2 * 4 + 1  # qkv, o, gate_up, down per layer + lm_head
+    assert model.layers[0].mlp.gate_up_proj.weight_q.dtype == torch.int8
+    alone = [_ids(alone_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert_pool_empty(alone_llm)
+    del alone_llm
+
+    # 17 blocks of 16 tokens (one 272-token sequence), steps of <= 48 tokens: chunked prefills and
+    # preemptions; then a second round that hits the prefix cache.
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
+    llm = LLM(llama_dir, quantization="int8", kv_cache_memory=17 * bytes_per_block, max_model_len=272,
+              max_num_batched_tokens=48)
+    assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert _ids(llm.generate(prompts[::-1], GREEDY, use_tqdm=False)) == alone[::-1]
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8-g64"])
+def test_int8_close_to_float(llama_dir, quantization):
+    """Int8 logprobs of the prompt tokens stay near the float ones (tiny random model, logprobs
+    around -7: a loose sanity bound, mean error < 1 % of the mean |logprob|; the quality figures
+    of real models are in benchmarks/README.md)."""
+    vocab = transformers.AutoConfig.from_pretrained(llama_dir).vocab_size
+    prompt = make_prompts(vocab, [60], seed=3)[0]
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    f = LLM(llama_dir, kv_cache_memory=1 << 20).generate([prompt], sp, use_tqdm=False)[0]
+    llm = LLM(llama_dir, kv_cache_memory=1 << 20, quantization=quantization)
+    q = llm.generate([prompt], sp, use_tqdm=False)[0]
+    pairs = [(a[t].logprob, b[t].logprob) for t, a, b in zip(prompt[1:], f.prompt_logprobs[1:], q.prompt_logprobs[1:])]
+    diffs = [abs(a - b) for a, b in pairs]
+    assert 0 < sum(diffs) / len(diffs) < 0.01 * sum(abs(a) for a, _ in pairs) / len(pairs)
+    assert max(diffs) < 0.25
+    assert_pool_empty(llm)
+
+
+def test_tp2_int8_matches_tp1_int8(tmp_path):
+    from test_tensor_parallel import KV_BYTES, assert_same_outputs, make_prompts as tp_prompts, run
+
+    d = build_checkpoint(str(tmp_path), "qwen2", seed=7)  # q/k/v biases
+    prompts = tp_prompts(500, seed=2)
+    ref = run(LLM(d, quantization="int8", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64), prompts)
+    two = LLM(d, quantization="int8", tensor_parallel_size=2, kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
+    try:
+        assert_same_outputs(ref, run(two, prompts))
+        assert_pool_empty(two)
+    finally:
+        two.llm_engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_on_cuda(dtype):
+    """On CUDA ``_int_mm`` needs m > 16 and k, n multiples of 8 (padded / fallen back here)."""
+    for m, k, n in [(1, 64, 48), (16, 576, 960), (17, 576, 960), (5, 100, 30), (33, 96, 4096)]:
+        a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda")
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+        from pagedllm.layers.quantization.int8 import int8_weight_layout
+
+        assert torch.equal(int8_mm(a, int8_weight_layout(w)).cpu(), (a.cpu().long() @ w.cpu().long().t()).int())
+    with torch.device("cuda"):
+        layer = make_linear(ColumnParallelLinear, 576, 960, dtype=dtype)
+    w = torch.randn(960, 576, device="cuda") * 0.05
+    layer.weight_loader(layer.weight, w)
+    process_weights_after_loading(layer, layer.cfg)
+    x = torch.randn(48, 576, device="cuda", dtype=dtype)
+    y = layer(x)
+    assert y.dtype == dtype
+    bound = int8_error_bound(x.float(), w, w.abs().amax(1) / 127, 64)
+    rounding = (x.double() @ w.double().t()).abs() * (2 ** -7 if dtype == torch.bfloat16 else 0)
+    assert ((y.double() - x.double() @ w.double().t()).abs() <= bound + rounding).all()

@@ -96,3 +96,16 @@ def test_dead_stage_fails_fast(llama_dir):
     finally:
         engine.shutdown()
     assert wait_gone([pid], 5) == []
+
+
+def test_models_without_stage_support_are_refused():
+    from pagedllm.models.gemma2 import Gemma2ForCausalLM
+    from pagedllm.models.llama import LlamaForCausalLM
+    from pagedllm.models.opt import OPTForCausalLM
+    from pagedllm.models.phi3 import Phi3ForCausalLM
+    from pagedllm.worker.pp_runner import check_pp_support
+
+    check_pp_support(LlamaForCausalLM)
+    for cls in (Gemma2ForCausalLM, OPTForCausalLM, Phi3ForCausalLM):
+        with pytest.raises(ValueError, match=f"not implemented for {cls.__name__}"):
+            check_pp_support(cls)

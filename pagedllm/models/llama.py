@@ -126,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # Pipeline parallelism (worker/pp_runner.py): a subclass whose __init__/forward touch every layer says False.
+    supports_pp = True
     # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
     sliding_window_by_default = False
     # checkpoint name fragment -> (fused parameter fragment, shard id)

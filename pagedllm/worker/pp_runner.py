@@ -28,7 +28,8 @@ from pagedllm.worker.model_runner import ModelRunner
 
 def check_pp_support(model_cls: type) -> None:
     """Raise ValueError unless the model's forward takes the previous stage's tensors."""
-    if "intermediate" not in inspect.signature(model_cls.forward).parameters:
+    if not getattr(model_cls, "supports_pp", False) or \
+            "intermediate" not in inspect.signature(model_cls.forward).parameters:
         raise ValueError(f"pipeline parallelism is not implemented for {model_cls.__name__} (supported: the "
                          f"Llama-family models in models/llama.py and their subclasses that keep its forward)")
 

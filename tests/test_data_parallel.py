@@ -139,3 +139,21 @@ def test_replica_start_failure_is_a_clear_error(llama_dir, tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1
     assert "data-parallel replica" in proc.stderr and "KV cache" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_replicas_get_their_own_gpus(llama_dir, monkeypatch):
+    """On CUDA each replica sees its own world-size slice of the GPUs; too few is a clear error."""
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.dp_client import replica_devices
+
+    cfg = EngineArgs(model=llama_dir, device="cpu").create_engine_config()
+    assert replica_devices(cfg, 2) == [None, None]
+    cuda = dataclasses.replace(cfg, device="cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert replica_devices(cuda, 4) == ["0", "1", "2", "3"]
+    tp2 = dataclasses.replace(cuda, parallel_config=dataclasses.replace(cuda.parallel_config, tensor_parallel_size=2))
+    assert replica_devices(tp2, 2) == ["0,1", "2,3"]
+    with pytest.raises(ValueError, match="needs 5 GPUs, found 4"):
+        replica_devices(cuda, 5)

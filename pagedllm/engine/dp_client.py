@@ -96,6 +96,23 @@ def replica_threads(data_parallel_size: int, tensor_parallel_size: int = 1) -> i
         max(1, threads_per_rank(data_parallel_size * tensor_parallel_size) * tensor_parallel_size)
 
 
+def replica_devices(config: EngineConfig, data_parallel_size: int) -> list[Optional[str]]:
+    """CUDA_VISIBLE_DEVICES of each replica: its own world-size slice of the visible GPUs (as
+    vLLM gives each DP rank its own GPUs); None on a CPU. Raises ValueError when too few GPUs."""
+    if not config.device.startswith("cuda"):
+        return [None] * data_parallel_size
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x for x in visible.split(",") if x.strip()] if visible else \
+        [str(i) for i in range(torch.cuda.device_count())]
+    world = config.parallel_config.world_size
+    if len(ids) < world * data_parallel_size:
+        raise ValueError(f"data_parallel_size={data_parallel_size} x {world} GPUs per replica needs "
+                         f"{world * data_parallel_size} GPUs, found {len(ids)}")
+    return [",".join(ids[i * world:(i + 1) * world]) for i in range(data_parallel_size)]
+
+
 class DPAsyncLLM(AsyncLLM):
     """``AsyncLLM`` over ``data_parallel_size`` replica processes (same generate / abort /
     snapshot / check_health / shutdown). Raises ValueError when a replica cannot start for a
@@ -118,12 +135,13 @@ class DPAsyncLLM(AsyncLLM):
         self._closed = False
         front = FrontEngine(config)
         threads = replica_threads(data_parallel_size, config.parallel_config.tensor_parallel_size)
+        devices = replica_devices(config, data_parallel_size)
         ctx = mp.get_context("spawn")
         try:
             for i in range(data_parallel_size):
                 ours, theirs = ctx.Pipe(duplex=True)
                 p = ctx.Process(target=replica_main, name=f"pagedllm-dp-replica{i}", daemon=False,
-                                args=(engine_args, i, threads, theirs, os.getpid(), log_level))
+                                args=(engine_args, i, threads, theirs, os.getpid(), log_level, devices[i]))
                 p.start()
                 theirs.close()
                 self.replicas.append(_Replica(i, p, ours))

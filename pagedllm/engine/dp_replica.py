@@ -26,8 +26,11 @@ _IDLE_HEALTH_CHECK_S = 2.0
 
 
 def replica_main(engine_args: Any, index: int, num_threads: int, conn: Any, parent_pid: int,
-                 log_level: str = "INFO") -> None:
-    """Entry point of a spawned replica process (never returns: exits the process)."""
+                 log_level: str = "INFO", visible_devices: str | None = None) -> None:
+    """Entry point of a spawned replica process (never returns: exits the process).
+    ``visible_devices``: this replica's GPUs (CUDA_VISIBLE_DEVICES), set before CUDA starts."""
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end handles Ctrl-C and tells us to stop
     from pagedllm.worker.multiproc_executor import _watch_parent
 

@@ -114,6 +114,17 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     num_threads: int = 0  # CPU: torch intra-op threads of this process; 0 = leave torch's setting
     num_threads_reason: str = ""
+    pipeline_parallel_size: int = 1  # world size = TP x PP (worker/pp_runner.py)
+    # Multi-node (worker/multinode.py): node r runs global ranks [r * L, (r + 1) * L), L = world / nnodes.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    distributed_executor_backend: str = "mp"  # "mp" (worker processes) or "ray" (worker/ray_executor.py)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -195,6 +206,12 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    distributed_executor_backend: str = "mp"
     seed: int = 0
     load_format: str = "auto"
     served_model_name: Optional[str] = None
@@ -229,6 +246,27 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        layers = getattr(hf_config, "num_hidden_layers", None)
+        if layers is not None and self.pipeline_parallel_size > layers:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} exceeds the model's {layers} "
+                             f"layers (each stage needs at least one)")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes; got nnodes={self.nnodes}, "
+                             f"node_rank={self.node_rank}")
+        if world % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} ranks do not split evenly "
+                             f"over nnodes={self.nnodes}")
+        if self.nnodes > 1 and (not self.master_addr or not self.master_port):
+            raise ValueError("a multi-node launch (nnodes > 1) needs master_addr and master_port (the address of "
+                             "node 0, reachable from every node)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("with the ray backend the Ray cluster spans the nodes: drop --nnodes")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         from pagedllm.layers.quantization import get_quantization_config
@@ -281,7 +319,11 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, num_threads=threads,
-                                           num_threads_reason=threads_reason),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           pipeline_parallel_size=self.pipeline_parallel_size,
+                                           nnodes=self.nnodes, node_rank=self.node_rank,
+                                           master_addr=self.master_addr, master_port=self.master_port,
+                                           distributed_executor_backend=self.distributed_executor_backend,
+                                           num_threads=threads, num_threads_reason=threads_reason),
             device=device,
         )

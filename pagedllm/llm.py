@@ -46,6 +46,7 @@ class LLM:
             scales per token and group of 64 features: closer to fp32, slower prefill).
         attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
             "torch" (pure-PyTorch reference) or "cpu".
+        pipeline_parallel_size: pipeline stages (layers split over processes; world = TP x PP).
 
     Raises:
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
@@ -60,7 +61,7 @@ class LLM:
                  load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
                  num_threads: Optional[int] = None,
                  quantization: Optional[str] = None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", pipeline_parallel_size: int = 1) -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -68,7 +69,8 @@ class LLM:
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
                           device=device, num_threads=num_threads, quantization=quantization,
-                          attention_backend=attention_backend)
+                          attention_backend=attention_backend,
+                          pipeline_parallel_size=pipeline_parallel_size)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):

@@ -34,41 +34,51 @@ class _EngineCollector:
 
     def collect(self):
         snap = self.get_snapshot()
-        s = snap.stats
-        labels = ["model_name"]
-        val = [self.model_name]
+        # Data parallelism: one sample per replica (label engine="0", "1", ... as vLLM) plus the
+        # total over replicas (engine="all"); a single engine keeps the plain model_name label.
+        replicas = getattr(snap, "replicas", None)
+        if replicas:
+            labels = ["model_name", "engine"]
+            samples = [([self.model_name, str(i)], r) for i, r in enumerate(replicas)]
+            samples.append(([self.model_name, "all"], snap))
+        else:
+            labels = ["model_name"]
+            samples = [([self.model_name], snap)]
+
+        def family(kind, name, doc, value):
+            f = kind(name, doc, labels=labels)
+            for val, sn in samples:
+                f.add_metric(val, value(sn))
+            return f
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(val, value)
-            return g
+            return family(GaugeMetricFamily, name, doc, value)
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(val, value)
-            return c
+            return family(CounterMetricFamily, name, doc, value)
 
-        yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", lambda sn: sn.stats.num_running)
+        yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.",
+                    lambda sn: sn.stats.num_waiting)
         yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).",
-                    s.kv_cache_usage)
-        if snap.num_blocks:
+                    lambda sn: sn.stats.kv_cache_usage)
+        if snap.num_blocks and not replicas:
             blocks = GaugeMetricFamily("pagedllm:kv_cache_blocks", "KV-cache blocks by state: used (held by "
                                        "requests), cached (free, holding prefix-cached K/V), free (empty).",
                                        labels=labels + ["state"])
             used = snap.num_blocks - snap.num_free_blocks
             for state, value in (("used", used), ("cached", snap.num_cached_free_blocks),
                                  ("free", snap.num_free_blocks - snap.num_cached_free_blocks)):
-                blocks.add_metric(val + [state], value)
+                blocks.add_metric(samples[0][0] + [state], value)
             yield blocks
-        yield counter("pagedllm:prompt_tokens", "Prompt tokens prefilled.", snap.prompt_tokens_total)
-        yield counter("pagedllm:generation_tokens", "Tokens generated.", snap.generation_tokens_total)
+        yield counter("pagedllm:prompt_tokens", "Prompt tokens prefilled.", lambda sn: sn.prompt_tokens_total)
+        yield counter("pagedllm:generation_tokens", "Tokens generated.", lambda sn: sn.generation_tokens_total)
         yield counter("pagedllm:num_preemptions", "Preemptions (sequences evicted and recomputed).",
-                      s.num_preemptions)
+                      lambda sn: sn.stats.num_preemptions)
         yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
+                      lambda sn: sn.stats.prefix_cache_queries)
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
+                      lambda sn: sn.stats.prefix_cache_hits)
 
 
 class ServerMetrics:

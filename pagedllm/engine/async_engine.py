@@ -45,6 +45,8 @@ class EngineSnapshot:
     num_blocks: int = 0                # KV blocks in the pool (0: not reported)
     num_free_blocks: int = 0           # free, including the cached evictable ones
     num_cached_free_blocks: int = 0    # free but holding prefix-cached K/V
+    # Data parallelism: one snapshot per replica (the fields above are then their totals).
+    replicas: Optional[list["EngineSnapshot"]] = None
 
 
 class _Stream:
@@ -154,7 +156,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._new.append((request_id, prompt, params, time.time()))
+            self._submit(request_id, prompt, params, time.time())
         self._wake.set()
         try:
             while True:
@@ -175,6 +177,11 @@ class AsyncLLM:
             with self._lock:
                 if self._streams.get(request_id) is stream:
                     del self._streams[request_id]
+
+    def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float) -> None:
+        """Hand a new request to the engine (called with ``_lock`` held; the data-parallel
+        front end overrides it to route the request to a replica)."""
+        self._new.append((request_id, prompt, params, arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread); its KV blocks are freed before the next step."""

@@ -70,6 +70,22 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (the layers split over processes/GPUs; world size = TP x PP)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="how TP/PP worker ranks start: mp = local processes (multi-node: --nnodes), ray = Ray "
+                        "actors in a placement group on the running cluster (ray start --head) or a local one")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in a multi-node launch (every node runs "
+                   "`pagedllm serve` with the same flags; world size TP x PP split evenly over the nodes)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank; node 0 serves the API")
+    p.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node (multi-node)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="free port on node 0 for the torch.distributed rendezvous (multi-node)")
+    p.add_argument("--headless", action="store_true",
+                   help="run this node's worker ranks only (no API server); for nodes with --node-rank >= 1")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (processes, each with its own model copy, KV cache and cores / N "
+                        "threads) behind this one server; requests go to the least-loaded replica")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of GPU memory (of RAM on a CPU) for weights + activations + KV cache "
                         "(default: 0.9). On a CPU, when neither this nor --kv-cache-memory is given, the KV cache "

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
+from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import RMSNorm
@@ -23,6 +24,10 @@ from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
                                     default_weight_loader)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a module another pipeline stage owns (no parameters, as in vLLM)."""
 
 
 class LlamaMLP(nn.Module):
@@ -121,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    # Pipeline parallelism (worker/pp_runner.py): a subclass whose __init__/forward touch every layer says False.
+    supports_pp = True
     # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
     sliding_window_by_default = False
     # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -132,16 +139,21 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = backend or TorchPagedAttention()
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # Pipeline parallelism: this rank builds only its stage's layers (others are placeholders).
+        self.start_layer, self.end_layer = get_pp_layer_range(config.num_hidden_layers)
+        first, last = is_first_pp_rank(), is_last_pp_rank()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first \
+            else PPMissingLayer()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = make_rotary_embedding(config, head_dim, dtype)  # one table for every layer
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype),
                                rotary_emb=self.rotary_emb)
+             if self.start_layer <= i < self.end_layer else PPMissingLayer()
              for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if getattr(config, "tie_word_embeddings", False):
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else PPMissingLayer()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if last else PPMissingLayer()
+        if getattr(config, "tie_word_embeddings", False) and first and last:
             self.lm_head.weight = self.embed_tokens.weight
 
     @classmethod
@@ -163,13 +175,18 @@ class LlamaForCausalLM(nn.Module):
                              f"exceeds it (set max_model_len <= {table})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``intermediate``: the previous pipeline stage's (hidden states, residual stream), each
+        [N, hidden] (every stage but the first); a stage but the last returns that pair for the next."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         # once per step, shared by the layers (a model with its own RoPE variant rotates per layer)
         cos_sin = self.rotary_emb.cos_sin(positions) if isinstance(self.rotary_emb, RotaryEmbedding) else None
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
+                                   kv_caches[self.start_layer:self.end_layer]):
             x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta, cos_sin)
+        if isinstance(self.norm, PPMissingLayer):
+            return x, residual
         if residual is None:
             return self.norm(x)
         return self.norm(x, residual)[0]
@@ -194,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.replace("model.", "", 1) if name.startswith("model.") else name
             if tied and name == "lm_head.weight":
                 continue
+            if tied and name == "embed_tokens.weight" and name not in params:
+                name = "lm_head.weight"  # the last pipeline stage holds the tied head without the embedding
             for frag, fused, shard in self.stacked_params:
                 if f".{frag}." in name:
                     pname = name.replace(frag, fused)
@@ -206,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
                     param = params[name]
                     getattr(param, "weight_loader", default_weight_loader)(param, w)
                     loaded.add(name)
-        if tied:
+        if tied and "lm_head.weight" in params and "embed_tokens.weight" in params:
             loaded.add("lm_head.weight")
         missing = set(params) - loaded
         if missing:

@@ -36,6 +36,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Every layer attends within ``config.sliding_window`` when the config sets one (Phi-3-mini-4k:
     2047), as transformers' Phi-3 does."""
 
+    supports_pp = False  # __init__ walks every layer (pipeline stages hold placeholders)
+
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None,
                  max_model_len: Optional[int] = None) -> None:
         rope = get_rope_parameters(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, set_tp_state
+from pagedllm.distributed.parallel_state import get_pp_state, get_tp_rank, get_tp_size, set_pp_state, set_tp_state
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -44,12 +44,14 @@ class UniProcExecutor(Executor):
         # (layers read the TP size once, at construction).
         if config.parallel_config.num_threads and not config.device.startswith("cuda"):
             torch.set_num_threads(config.parallel_config.num_threads)  # see worker/cpu_threads.py
-        prev = get_tp_rank(), get_tp_size()
+        prev, prev_pp = (get_tp_rank(), get_tp_size()), get_pp_state()
         set_tp_state(0, 1)
+        set_pp_state(0, 1)
         try:
             self.runner = ModelRunner(config)
         finally:
             set_tp_state(*prev)
+            set_pp_state(*prev_pp)
 
     def determine_kv_budget(self) -> tuple[int, str]:
         cc = self.config.cache_config
@@ -70,7 +72,11 @@ class UniProcExecutor(Executor):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel_config.tensor_parallel_size > 1:
+    if config.parallel_config.world_size > 1 and config.parallel_config.distributed_executor_backend == "ray":
+        from pagedllm.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    if config.parallel_config.world_size > 1:
         from pagedllm.worker.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

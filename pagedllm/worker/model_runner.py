@@ -23,11 +23,14 @@ class ModelRunner:
         self.device = config.device
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
-        attn = self.model.layers[0].self_attn
+        # A pipeline stage holds only its own layers (the others are parameter-less placeholders).
+        self.start_layer = getattr(self.model, "start_layer", 0)
+        self.end_layer = getattr(self.model, "end_layer", len(self.model.layers))
+        attn = self.model.layers[self.start_layer].self_attn
         self.num_kv_heads = attn.num_kv_heads  # per rank
         self.head_dim = attn.head_dim
         self.attention_backend = attn.backend
-        self.num_layers = len(self.model.layers)
+        self.num_layers = self.end_layer - self.start_layer  # layers with a KV cache on this rank
         self.dtype = config.model_config.dtype
         self.kv_caches: list[torch.Tensor] = []
 
@@ -53,7 +56,7 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device),
                                  prefills=[PrefillSeq(0, n, n)])
-        hidden = self.model(ids, torch.arange(n, device=self.device), [None] * self.num_layers, meta)
+        hidden = self.model(ids, torch.arange(n, device=self.device), [None] * len(self.model.layers), meta)
         rows = min(n, self.config.scheduler_config.max_num_seqs)
         self.model.compute_logits(hidden[:rows])
 
@@ -63,14 +66,15 @@ class ModelRunner:
         # start); one that gathers padded slots needs finite values there (NaN * 0 is NaN).
         alloc = torch.zeros if self.attention_backend.needs_zeroed_cache else torch.empty
         self.kv_caches = [alloc(2, num_blocks, bs, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                                      device=self.device) for _ in range(self.num_layers)]
+                                device=self.device) if self.start_layer <= i < self.end_layer else None
+                          for i in range(len(self.model.layers))]
 
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         """One forward pass; returns float32 logits [len(logits_indices), vocab_size]."""
         if model_input.block_copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
-            for cache in self.kv_caches:
+            for cache in self.kv_caches[self.start_layer:self.end_layer]:
                 cache[:, dst] = cache[:, src]
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
         return self.model.compute_logits(hidden[model_input.logits_indices])

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
 from pagedllm.worker.executor import Executor, UniProcExecutor
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import physical_memory_bytes
@@ -48,6 +48,7 @@ from pagedllm.worker.model_runner import ModelRunner
 logger = logging.getLogger("pagedllm")
 
 STARTUP_TIMEOUT_S = 300.0
+PING_INTERVAL_S = 2.0  # multi-node: an idle driver checks the other nodes' ranks this often
 # The control group waits for the driver's next call, which may be hours away on an idle server;
 # a dead peer is still detected at once (closed socket), only a hung-but-alive one is not.
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -119,14 +120,24 @@ class RankWorker(UniProcExecutor):
         self.config = config
         self.rank = rank
         on_cuda = config.device.startswith("cuda")
-        if on_cuda:
-            torch.cuda.set_device(rank)
-        self.device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
-        init_tensor_parallel(rank, world_size, init_method, "nccl" if on_cuda else "gloo",
-                             timeout=collective_timeout())
+        if on_cuda:  # the local rank on a multi-node launch (every node numbers its GPUs from 0)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if on_cuda else torch.device("cpu")
+        pc = config.parallel_config
+        assert world_size == pc.world_size, (world_size, pc.world_size)
+        init_model_parallel(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                            "nccl" if on_cuda else "gloo", timeout=collective_timeout())
         # Pickled calls travel over gloo on CPU memory even when the model runs on NCCL.
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.runner = ModelRunner(config)  # sharded: the TP state is set above
+        if pc.pipeline_parallel_size > 1:
+            from pagedllm.worker.pp_runner import PPModelRunner
+
+            self.runner = PPModelRunner(config)  # this stage's layers (and TP shard)
+        else:
+            self.runner = ModelRunner(config)  # sharded: the TP state is set above
+
+    def ping(self) -> None:
+        """A no-op round trip: proves every rank (on every node) still answers."""
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -144,8 +155,10 @@ def _watch_parent(parent_pid: int) -> None:
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Any,
                 parent_pid: int, num_threads: int) -> None:
     """Entry point of a spawned rank: serve the driver's broadcast calls until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:  # None: a Ray actor (Ray ties it to its owner instead)
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     torch.set_num_threads(num_threads)
     try:
         conn.send(("ready", None))
@@ -186,7 +199,8 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.world_size = tp = config.parallel_config.tensor_parallel_size
+        tp = config.parallel_config.tensor_parallel_size
+        self.world_size = world = config.parallel_config.world_size
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._failed: str | None = None
@@ -195,37 +209,57 @@ class MultiprocExecutor(Executor):
         self._lock = threading.RLock()  # the server checks health from another thread
         self._prev_threads = torch.get_num_threads()
         validate_tensor_parallel(config.model_config.hf_config, tp)
+        if config.parallel_config.pipeline_parallel_size > 1:  # fail before any process starts
+            from pagedllm.models.registry import get_model_class
+            from pagedllm.worker.pp_runner import check_pp_support
+
+            check_pp_support(get_model_class(config.model_config.hf_config, config.model_config.max_model_len))
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process (another "
                                "tensor-parallel engine?); shut it down before starting a new one")
         on_cpu = not config.device.startswith("cuda")
-        if not on_cpu and torch.cuda.device_count() < tp:
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
-        threads = threads_per_rank(tp) if on_cpu else self._prev_threads
-        init_method = rendezvous_url()
-        ctx = mp.get_context("spawn")
+        if not on_cpu and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} CUDA devices, "
+                             f"found {torch.cuda.device_count()}")
+        threads = threads_per_rank(world) if on_cpu else self._prev_threads
+        pc = config.parallel_config
+        # Multi-node: this node (node 0, the driver's) runs ranks 0..L-1; headless nodes run the rest
+        # (worker/multinode.py) and join the same rendezvous at master_addr:master_port.
+        self.nnodes = pc.nnodes
+        self.local_world = world // pc.nnodes
+        init_method = f"tcp://{pc.master_addr}:{pc.master_port}" if pc.nnodes > 1 else rendezvous_url()
+        self._call_lock = threading.Lock()  # one thread at a time runs collectives (steps, health pings)
+        self._last_call = time.monotonic()
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
-            for rank in range(1, tp):
-                recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
-                                args=(config, rank, tp, init_method, send, os.getpid(), threads))
-                p.start()
-                send.close()
-                self.procs.append(p)
-                self.conns.append(recv)
+            init_method = self._launch_workers(list(range(1, self.local_world)), init_method, threads)
             self._wait_ready()
             if on_cpu:
                 torch.set_num_threads(threads)
             self._owns_group = True
-            self.driver = RankWorker(config, 0, tp, init_method)
+            self.driver = RankWorker(config, 0, world, init_method)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (rank 0 in this process, workers %s), %s, %d threads per rank",
-                    tp, [p.pid for p in self.procs], "gloo" if on_cpu else "nccl", threads)
+        logger.info("model parallel: %d ranks = tp %d x pp %d (rank 0 in this process, workers %s), %s, "
+                    "%d threads per rank", world, tp, config.parallel_config.pipeline_parallel_size,
+                    [p.pid for p in self.procs], "gloo" if on_cpu else "nccl", threads)
 
     # ---- process management ----------------------------------------------------------------
+    def _launch_workers(self, ranks: list[int], init_method: str, threads: int) -> str:
+        """Start one worker per rank (filling ``procs``/``conns``); returns the rendezvous URL
+        (the Ray executor picks its own, reachable from the cluster)."""
+        ctx = mp.get_context("spawn")
+        for rank in ranks:
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
+                            args=(self.config, rank, self.world_size, init_method, send, os.getpid(), threads))
+            p.start()
+            send.close()
+            self.procs.append(p)
+            self.conns.append(recv)
+        return init_method
+
     def _wait_ready(self) -> None:
         pending = dict(enumerate(self.conns, start=1))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -288,7 +322,7 @@ class MultiprocExecutor(Executor):
         self._kill_workers()
         return RuntimeError(msg)
 
-    def check_health(self) -> None:
+    def _check_local(self) -> None:
         if self._failed is not None:
             raise RuntimeError(self._failed)
         if self._closed:
@@ -296,10 +330,26 @@ class MultiprocExecutor(Executor):
         if any(not p.is_alive() for p in self.procs):
             raise self._fail(None)
 
+    def check_health(self) -> None:
+        self._check_local()
+        if self.nnodes > 1 and time.monotonic() - self._last_call > PING_INTERVAL_S:
+            # Ranks on other nodes are not our children: a round trip shows whether they still answer
+            # (a dead node's closed sockets fail it at once). Skipped while a step holds the lock.
+            if self._call_lock.acquire(blocking=False):
+                try:
+                    self._call_locked("ping")
+                finally:
+                    self._call_lock.release()
+
     def _call(self, method: str, *args: Any) -> Any:
         """Run ``method`` on every rank; returns rank 0's result for execute_model, else the list
         of every rank's result."""
-        self.check_health()
+        with self._call_lock:
+            return self._call_locked(method, *args)
+
+    def _call_locked(self, method: str, *args: Any) -> Any:
+        self._last_call = time.monotonic()
+        self._check_local()
         try:
             wire_args = args if self.driver.device.type == "cpu" else to_device(args, "cpu")
             dist.broadcast_object_list([(method, wire_args)], src=0, group=self.driver.control)
@@ -308,6 +358,7 @@ class MultiprocExecutor(Executor):
                 return result
             results: list[Any] = [None] * self.world_size
             dist.gather_object(result, results, dst=0, group=self.driver.control)
+            self._last_call = time.monotonic()
             return results
         except (RuntimeError, OSError) as e:
             raise self._fail(e) from e
@@ -315,6 +366,23 @@ class MultiprocExecutor(Executor):
             # Ctrl-C or a bug in rank 0 mid-call: the ranks are out of step; nothing can continue.
             self._fail(None)
             raise
+
+    def _stop_remote_ranks(self, timeout_s: float = 5.0) -> None:
+        """Tell every rank to exit cleanly (ranks on other nodes are not ours to kill); bounded, so a
+        hung peer cannot hold up the shutdown."""
+        def tell():
+            try:
+                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.driver.control)
+            except Exception:  # noqa: BLE001 - peers already gone: nothing to tell
+                pass
+
+        if self._call_lock.acquire(timeout=timeout_s):
+            try:
+                t = threading.Thread(target=tell, daemon=True, name="pagedllm-stop-ranks")
+                t.start()
+                t.join(timeout_s)
+            finally:
+                self._call_lock.release()
 
     def _kill_workers(self) -> None:
         for p in self.procs:
@@ -331,6 +399,8 @@ class MultiprocExecutor(Executor):
         with self._lock:
             if self._closed:
                 return
+            if self.nnodes > 1 and self._failed is None and self._owns_group:
+                self._stop_remote_ranks()
             self._closed = True
             try:
                 self._kill_workers()
@@ -366,7 +436,9 @@ class MultiprocExecutor(Executor):
         return budgets[i], f"{results[i][1]} (rank {i}, the smallest of {self.world_size} ranks)"
 
     def bytes_per_block(self) -> int:
-        return self.driver.bytes_per_block()  # every rank holds the same number of KV heads
+        if self.config.parallel_config.pipeline_parallel_size == 1:
+            return self.driver.bytes_per_block()  # every rank holds the same number of KV heads
+        return max(self._call("bytes_per_block"))  # stages may own different numbers of layers
 
     def weight_bytes(self) -> int:
         return self.driver.weight_bytes()  # per rank (rank 0)

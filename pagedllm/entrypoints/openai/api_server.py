@@ -376,15 +376,52 @@ def _exit_when_engine_dies(llm: AsyncLLM, server, died: threading.Event, poll_s:
         time.sleep(poll_s)
 
 
+def _engine_args(args: argparse.Namespace):
+    from pagedllm.config import EngineArgs
+
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
+        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None),
+        distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
+        seed=args.seed, load_format=args.load_format,
+        served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
+        device=None if args.device == "auto" else args.device,
+        num_threads=getattr(args, "num_threads", None),
+        quantization=getattr(args, "quantization", None),
+        attention_backend=getattr(args, "attention_backend", "auto"))
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """``pagedllm serve --headless``: this node's worker ranks of a multi-node launch, no server."""
+    from pagedllm.worker.multinode import run_headless
+
+    try:
+        return run_headless(_engine_args(args).create_engine_config())
+    except (ValueError, OSError) as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr)
+        return 1
+
+
 def run_server(args: argparse.Namespace) -> int:
     """``pagedllm serve``: load the engine, serve until SIGINT/SIGTERM, return the exit code."""
     import uvicorn
 
-    from pagedllm.config import EngineArgs
     from pagedllm.logger import init_logger
 
     log_level = args.log_level.upper()
     init_logger(log_level)
+    if getattr(args, "headless", False):
+        return _run_headless(args)
+    if getattr(args, "nnodes", 1) > 1 and getattr(args, "node_rank", 0) != 0:
+        print("pagedllm serve: error: only node 0 serves the API; start the other nodes with --headless",
+              file=sys.stderr)
+        return 1
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     host = args.host
     try:
@@ -406,22 +443,21 @@ def run_server(args: argparse.Namespace) -> int:
         try:
             chat_template = _read_chat_template(args.chat_template)
             _check_tool_flags(args)
-            engine_args = EngineArgs(
-                model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, load_format=args.load_format,
-                served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
-                device=None if args.device == "auto" else args.device,
-                num_threads=getattr(args, "num_threads", None),
-                quantization=getattr(args, "quantization", None),
-                attention_backend=getattr(args, "attention_backend", "auto"))
-            llm = AsyncLLM.from_engine_args(engine_args).start()
+            engine_args = _engine_args(args)
+            dp = getattr(args, "data_parallel_size", 1)
+            if dp > 1:
+                from pagedllm.engine.dp_client import DPAsyncLLM
+
+                llm = DPAsyncLLM(engine_args, dp, log_level=log_level).start()
+            else:
+                llm = AsyncLLM.from_engine_args(engine_args).start()
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
             print(f"pagedllm serve: error: {flag_names(str(e))}", file=sys.stderr)
+            return 1
+        except RuntimeError as e:  # a worker or replica failed to start
+            print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
 
         try:
@@ -429,8 +465,10 @@ def run_server(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
+        # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
+        dashboard = args.dashboard and getattr(args, "data_parallel_size", 1) == 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
-                        response_store=store, dashboard=args.dashboard, cors=cors,
+                        response_store=store, dashboard=dashboard, cors=cors,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None))
         ensure_file_limit(args.limit_concurrency)

@@ -1,0 +1,90 @@
+"""Pipeline-parallel model runner: this rank's stage of the layers (Huang et al., 2019, "GPipe";
+vLLM's ``PPMissingLayer``/``IntermediateTensors`` scheme).
+
+Every rank receives the same ModelInput (the executor broadcasts it). Stage 0 embeds the tokens;
+each stage runs its layers over its own KV cache and sends the hidden states and the residual
+stream (each [N, hidden]) to the same TP rank of the next stage with ``torch.distributed`` point-to-point ``send``/``recv`` (gloo
+on a CPU, NCCL on CUDA); the last stage applies the final norm and the LM head, and its TP rank
+0 sends the float32 logits [M, vocab] back to global rank 0 (the driver). Shapes are known
+on every rank from the ModelInput, so no shape message precedes a tensor.
+
+The pipeline here is synchronous: one batch in flight, each stage idle while the others work
+(a bubble of (P - 1) / P on P stages for a single batch; see benchmarks/README.md).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import (get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, pp_recv,
+                                                 pp_send)
+from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.worker.input_batch import ModelInput
+from pagedllm.worker.model_runner import ModelRunner
+
+
+def check_pp_support(model_cls: type) -> None:
+    """Raise ValueError unless the model's forward takes the previous stage's tensors."""
+    if not getattr(model_cls, "supports_pp", False) or \
+            "intermediate" not in inspect.signature(model_cls.forward).parameters:
+        raise ValueError(f"pipeline parallelism is not implemented for {model_cls.__name__} (supported: the "
+                         f"Llama-family models in models/llama.py and their subclasses that keep its forward)")
+
+
+class PPModelRunner(ModelRunner):
+    """``execute_model`` returns the logits on global rank 0 (and on the last stage), None on
+    the other ranks."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        check_pp_support(type(self.model))
+        self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        self.hidden_size = config.model_config.hf_config.hidden_size
+        self.vocab_size = config.model_config.hf_config.vocab_size
+
+    def _intermediate(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden states, residual stream) from the previous stage; None on the first."""
+        if self.first:
+            return None
+        return tuple(pp_recv((n, self.hidden_size), self.dtype, self.device, self.pp_rank - 1) for _ in range(2))
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The activation peak of a real step on this stage, without communication (stages profile
+        at the same time; a stand-in input of zeros has the received tensor's size)."""
+        n = min(self.config.scheduler_config.max_num_batched_tokens, self.config.model_config.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slot_mapping=torch.arange(n, device=self.device), prefills=[PrefillSeq(0, n, n)])
+        inter = None if self.first else \
+            tuple(torch.zeros(n, self.hidden_size, dtype=self.dtype, device=self.device) for _ in range(2))
+        hidden = self.model(ids, torch.arange(n, device=self.device), [None] * len(self.model.layers), meta,
+                            intermediate=inter)
+        if self.last:
+            self.model.compute_logits(hidden[:min(n, self.config.scheduler_config.max_num_seqs)])
+
+    @torch.inference_mode()
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor | None:
+        if model_input.block_copies:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
+            for cache in self.kv_caches[self.start_layer:self.end_layer]:
+                cache[:, dst] = cache[:, src]
+        n = model_input.input_ids.shape[0]
+        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata,
+                            intermediate=self._intermediate(n))
+        m = model_input.logits_indices.shape[0]
+        if not self.last:
+            for t in hidden:  # (hidden states, residual stream)
+                pp_send(t, self.pp_rank + 1)
+            if self.first and get_tp_rank() == 0:
+                logits = torch.empty(m, self.vocab_size, dtype=torch.float32, device=self.device)
+                dist.recv(logits, (self.pp_size - 1) * get_tp_size())
+                return logits
+            return None
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        if get_tp_rank() == 0:
+            dist.send(logits.contiguous(), 0)
+        return logits

@@ -1,0 +1,111 @@
+"""Pipeline parallelism on a CPU with gloo: PP = 2 and TP = 2 x PP = 2 (4 ranks) give the greedy
+tokens of one process (logprobs within 1e-4) with preemption and prefix caching; each stage keeps
+the KV cache of its own layers only; a stage that dies makes the engine raise instead of hanging;
+no worker outlives the engine; PP larger than the layer count is a clear error."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from conftest import assert_pool_empty
+from pagedllm import LLM
+from pagedllm.distributed.parallel_state import pp_layer_range
+from test_tensor_parallel import assert_same_outputs, make_prompts, run, wait_gone, worker_pids
+
+BLOCKS = 12  # a small pool: 7 prompts of up to 96 + 10 tokens cannot all run at once -> preemption
+# K and V bytes of one 16-token block per layer per KV head of the tiny Llama (head_dim 16, fp32).
+BLOCK_BYTES_PER_LAYER_HEAD = 2 * 16 * 16 * 4
+
+
+def make_llm(llama_dir: str, tp: int = 1, pp: int = 1) -> LLM:
+    layers_per_rank, heads_per_rank = 2 // pp, 2 // tp
+    return LLM(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=128,
+               kv_cache_memory=BLOCKS * BLOCK_BYTES_PER_LAYER_HEAD * layers_per_rank * heads_per_rank,
+               max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = make_llm(llama_dir)
+    prompts = make_prompts(500)
+    out = run(llm, prompts)
+    assert llm.llm_engine.scheduler.num_preemptions > 0  # the setting does preempt
+    return prompts, out
+
+
+def test_layer_split():
+    assert [pp_layer_range(2, r, 2) for r in range(2)] == [(0, 1), (1, 2)]
+    assert [pp_layer_range(5, r, 2) for r in range(2)] == [(0, 2), (2, 5)]  # the last stage takes the extra
+    assert [pp_layer_range(7, r, 3) for r in range(3)] == [(0, 2), (2, 4), (4, 7)]
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        pp_layer_range(2, 0, 3)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_pp_matches_one_process(llama_dir, reference, tp, pp):
+    prompts, ref = reference
+    llm = make_llm(llama_dir, tp, pp)
+    engine = llm.llm_engine
+    pids = worker_pids(llm)
+    try:
+        assert len(pids) == tp * pp - 1
+        assert engine.config.cache_config.num_blocks == BLOCKS
+        runner = engine.executor.driver.runner
+        # Rank 0 is stage 0: it holds layer 0's KV cache and no other.
+        assert [c is not None for c in runner.kv_caches] == [True, False]
+        assert_same_outputs(ref, run(llm, prompts))
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.get_stats().prefix_cache_hits > 0
+        assert_pool_empty(llm)
+    finally:
+        engine.shutdown()
+    assert wait_gone(pids, 10) == []
+
+
+def test_pp_larger_than_layers_is_a_clear_error(llama_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        LLM(llama_dir, pipeline_parallel_size=3, kv_cache_memory=1 << 20)
+
+
+def test_dead_stage_fails_fast(llama_dir):
+    llm = make_llm(llama_dir, pp=2)
+    engine = llm.llm_engine
+    (pid,) = worker_pids(llm)
+    result: dict = {}
+
+    def generate():
+        try:
+            run(llm, make_prompts(500), max_tokens=100)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    try:
+        killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        t = threading.Thread(target=generate, daemon=True)
+        t.start()
+        t.join(timeout=60)  # a hang guard, not a speed check
+        killer.join()
+        assert not t.is_alive(), "the engine hung after a pipeline stage died"
+        assert isinstance(result.get("error"), RuntimeError) and "rank 1" in str(result["error"])
+        with pytest.raises(RuntimeError, match="worker died"):
+            engine.check_health()
+    finally:
+        engine.shutdown()
+    assert wait_gone([pid], 5) == []
+
+
+def test_models_without_stage_support_are_refused():
+    from pagedllm.models.gemma2 import Gemma2ForCausalLM
+    from pagedllm.models.llama import LlamaForCausalLM
+    from pagedllm.models.opt import OPTForCausalLM
+    from pagedllm.models.phi3 import Phi3ForCausalLM
+    from pagedllm.worker.pp_runner import check_pp_support
+
+    check_pp_support(LlamaForCausalLM)
+    for cls in (Gemma2ForCausalLM, OPTForCausalLM, Phi3ForCausalLM):
+        with pytest.raises(ValueError, match=f"not implemented for {cls.__name__}"):
+            check_pp_support(cls)

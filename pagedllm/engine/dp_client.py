@@ -26,6 +26,7 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineSnapsh
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, _load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import SchedulerStats
+from pagedllm.structured_output.backend import make_compiler
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,10 +36,14 @@ STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_DP_STARTUP_TIMEOUT_S", "600")
 
 
 class FrontEngine:
-    """What the server reads from ``llm.engine`` without a model: config, tokenizer, prompt
-    validation (``tokenize_prompt`` is LLMEngine's) and the token-text cache."""
+    """What the server reads from ``llm.engine`` without a model: config, tokenizer, prompt and
+    sampling-field validation (``tokenize_prompt``, ``verify_logits_fields`` are LLMEngine's; the
+    grammar is compiled here to check it, and again in the replica that runs the request) and the
+    token-text cache."""
 
     tokenize_prompt = LLMEngine.tokenize_prompt
+    verify_logits_fields = LLMEngine.verify_logits_fields
+    bad_words_token_ids = LLMEngine.bad_words_token_ids
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -46,6 +51,7 @@ class FrontEngine:
         self.tokenizer = _load_tokenizer(config.model_config.tokenizer)
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
 
 
 @dataclass

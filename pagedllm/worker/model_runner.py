@@ -38,10 +38,11 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         seen, total = set(), 0
         for p in self.model.parameters():
-            if p.data_ptr() not in seen:
+            if p.numel() and p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()
-        return total
+        # weights packed for oneDNN (opaque tensors without storage): counted at their float size
+        return total + sum(getattr(m, "packed_bytes", 0) for m in self.model.modules())
 
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer, on this rank."""

@@ -1,6 +1,15 @@
-"""The float method: ``y = F.linear(x, W, b)`` with ``W`` as loaded."""
+"""The float method: ``y = F.linear(x, W, b)`` with ``W`` as loaded.
+
+On a CPU, float32 weights are packed once after loading into oneDNN's blocked layout and multiplied
+with ``torch.ops.mkldnn._linear_pointwise`` (what PyTorch's own CPU compiler, Inductor, does for
+linear layers): on an AVX-512 AMD EPYC this runs the model's decode-shaped matmuls 1.2-2.4x faster
+than ``F.linear`` (MKL's sgemm), with the same results within float32 rounding. A layer's own copy of
+the weight is then released (the tied LM head keeps it: the embedding reads it).
+``PAGEDLLM_CPU_PACKED_LINEAR=0`` turns this off.
+"""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -10,11 +19,47 @@ from torch import nn
 from pagedllm.layers.quantization.base import LinearMethodBase
 
 
+def _can_pack(w: torch.Tensor) -> bool:
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0
+            and os.environ.get("PAGEDLLM_CPU_PACKED_LINEAR", "1") != "0"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         layer.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = getattr(layer, "weight", None)
+        if w is None or not _can_pack(w):
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            probe = torch.ones(2, w.shape[1])
+            ok = torch.allclose(torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], ""),
+                                F.linear(probe, w), rtol=1e-4, atol=1e-4)
+        except RuntimeError:
+            return
+        if not ok:
+            return
+        layer.register_buffer("packed_weight", packed, persistent=False)
+        layer.out_features = w.shape[0]
+        if not _is_tied(layer):
+            layer.packed_bytes = w.numel() * w.element_size()
+            w.data = torch.empty(0, dtype=w.dtype)  # the packed copy replaces it
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+            return y.view(*x.shape[:-1], layer.out_features)
         return F.linear(x, layer.weight, bias)
+
+
+def _is_tied(layer: nn.Module) -> bool:
+    """The LM head whose weight is the embedding's (it must keep the plain tensor)."""
+    return type(layer).__name__ == "ParallelLMHead"

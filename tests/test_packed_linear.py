@@ -1,0 +1,42 @@
+"""float32 linear layers on a CPU run on oneDNN-packed weights (layers/quantization/unquantized.py):
+same results as F.linear within float32 rounding, the float copy released except the tied LM head,
+and PAGEDLLM_CPU_PACKED_LINEAR=0 keeps the plain path."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, _can_pack
+
+
+def _layer(out_f: int, in_f: int, bias: bool) -> nn.Module:
+    layer = nn.Module()
+    UnquantizedLinearMethod().create_weights(layer, in_f, out_f, bias, torch.float32)
+    torch.manual_seed(0)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    return layer
+
+
+@pytest.mark.skipif(not _can_pack(torch.zeros(2, 2)), reason="this PyTorch build has no oneDNN linear")
+@pytest.mark.parametrize("rows", [1, 7, 48, 300])
+def test_packed_equals_f_linear(rows):
+    method = UnquantizedLinearMethod()
+    layer = _layer(96, 64, bias=True)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    method.process_weights_after_loading(layer)
+    assert hasattr(layer, "packed_weight") and layer.weight.numel() == 0      # the float copy is released
+    x = torch.randn(rows, 64)
+    got = method.apply(layer, x, layer.bias)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert method.apply(layer, x.view(rows, 1, 64), layer.bias).shape == (rows, 1, 96)
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")
+    layer = _layer(8, 4, bias=False)
+    UnquantizedLinearMethod().process_weights_after_loading(layer)
+    assert not hasattr(layer, "packed_weight") and layer.weight.numel() == 32

@@ -184,7 +184,7 @@ def test_preemption_and_prefix_caching(qwen2_moe_dir):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_tp2_matches_transformers(arch, tmp_path):
     d = build_moe_checkpoint(str(tmp_path), arch, seed=11)
     vocab = transformers.AutoConfig.from_pretrained(d).vocab_size

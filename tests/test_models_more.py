@@ -172,7 +172,7 @@ def test_prefix_caching_matches_transformers(family):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "phi3", "gemma2"], indirect=True)
+@pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma2", "gemma3"], indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
     prompts = prompts_for(name, model.config.vocab_size, seed=3)[-3:]

@@ -3,7 +3,7 @@ one), its static files, and the data under ``/dashboard/api/`` (which needs the 
 
 - ``/dashboard/api/info``: the start-up facts (model, dtype, KV blocks, block size, max concurrency);
 - ``/dashboard/api/stream``: server-sent events: ``info`` and ``history`` once, then ``pool`` (a new
-  ``PoolSnapshot``, at most 4 a second and at least every 0.5 s while it changes) and ``sample`` (one
+  ``PoolSnapshot``, about 2 a second while the pool changes) and ``sample`` (one
   chart point a second).
 """
 from __future__ import annotations
@@ -20,7 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.entrypoints.dashboard.snapshot import History, PoolSampler
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
-_TICK_S = 0.25
+_TICK_S = 0.25       # how often a stream looks for a new snapshot
+_SNAPSHOT_S = 0.45   # at most one engine snapshot per this many seconds (>= 2 a second): each costs the
+                     # engine thread a list copy and the event loop a JSON encoding under the GIL
 
 
 def _static(name: str) -> bytes:
@@ -41,7 +43,7 @@ def startup_facts(llm) -> dict:
 
 def add_dashboard(app: FastAPI, llm, metrics) -> None:
     """Mount the dashboard on ``app`` over a started AsyncLLM ``llm`` and its ServerMetrics."""
-    sampler = PoolSampler(_TICK_S)
+    sampler = PoolSampler(_SNAPSHOT_S)
     history = History(lambda: llm.snapshot, metrics.latencies).start()
     llm.on_step = sampler.on_step
     app.state.dashboard_history = history

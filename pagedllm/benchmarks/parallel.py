@@ -42,13 +42,16 @@ def _engine_kwargs(a: argparse.Namespace, model: str, load_format: str) -> dict:
 def run_model_parallel(a: argparse.Namespace, tp: int, pp: int) -> dict:
     import torch.distributed as dist
 
-    import pagedllm.layers.linear as linear
+    import pagedllm.layers.fused_moe as fused_moe
+    import pagedllm.layers.quantization.base as qbase
+    import pagedllm.layers.quantization.int8 as qint8
     import pagedllm.layers.vocab_embedding as vocab
     import pagedllm.worker.pp_runner as pp_runner
     from pagedllm import LLM, SamplingParams
 
     comm: dict[str, float] = defaultdict(float)
-    linear.tensor_model_parallel_all_reduce = _timed(linear.tensor_model_parallel_all_reduce, comm, "comm")
+    for mod in (qbase, qint8, fused_moe):  # the linear methods and the MoE block reduce their outputs
+        mod.tensor_model_parallel_all_reduce = _timed(mod.tensor_model_parallel_all_reduce, comm, "comm")
     vocab.tensor_model_parallel_all_reduce = _timed(vocab.tensor_model_parallel_all_reduce, comm, "comm")
     vocab.tensor_model_parallel_all_gather = _timed(vocab.tensor_model_parallel_all_gather, comm, "comm")
     pp_runner.pp_send = _timed(pp_runner.pp_send, comm, "comm")

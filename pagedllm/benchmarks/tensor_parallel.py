@@ -38,13 +38,16 @@ def run_one(a: argparse.Namespace) -> dict:
     """One tensor-parallel size, in this process."""
     import torch.distributed as dist
 
-    import pagedllm.layers.linear as linear
+    import pagedllm.layers.fused_moe as fused_moe
+    import pagedllm.layers.quantization.base as qbase
+    import pagedllm.layers.quantization.int8 as qint8
     import pagedllm.layers.vocab_embedding as vocab
     from pagedllm import LLM, SamplingParams
 
     comm: dict[str, float] = defaultdict(float)
     # The layers imported the collectives by name: wrap them where they are called (rank 0 only).
-    linear.tensor_model_parallel_all_reduce = _timed(linear.tensor_model_parallel_all_reduce, comm, "collective")
+    for mod in (qbase, qint8, fused_moe):  # the linear methods and the MoE block reduce their outputs
+        mod.tensor_model_parallel_all_reduce = _timed(mod.tensor_model_parallel_all_reduce, comm, "collective")
     vocab.tensor_model_parallel_all_reduce = _timed(vocab.tensor_model_parallel_all_reduce, comm, "collective")
     vocab.tensor_model_parallel_all_gather = _timed(vocab.tensor_model_parallel_all_gather, comm, "collective")
     dist.broadcast_object_list = _timed(dist.broadcast_object_list, comm, "broadcast")

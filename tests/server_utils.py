@@ -95,3 +95,15 @@ class RemoteServer:
                 return f.read()[-5000:]
         except OSError:
             return ""
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> str:
+    """/metrics text once the engine is idle: nothing running or waiting, no KV block in use."""
+    deadline = time.time() + timeout
+    while True:
+        text = http.get("/metrics").text
+        if metric(text, "pagedllm:num_requests_running") == 0 and metric(text, "pagedllm:kv_cache_usage_perc") == 0 \
+                and metric(text, "pagedllm:num_requests_waiting") == 0:
+            return text
+        assert time.time() < deadline, text
+        time.sleep(0.05)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, metric
+from server_utils import RemoteServer, metric, wait_idle
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -387,17 +387,6 @@ def test_still_serving_after_bad_input(client, http):
 
 
 # ---- metrics and disconnects ---------------------------------------------------------------------
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> str:
-    deadline = time.time() + timeout
-    while True:
-        text = http.get("/metrics").text
-        if metric(text, "pagedllm:num_requests_running") == 0 and metric(text, "pagedllm:kv_cache_usage_perc") == 0 \
-                and metric(text, "pagedllm:num_requests_waiting") == 0:
-            return text
-        assert time.time() < deadline, text
-        time.sleep(0.05)
-
-
 def test_metrics_names(client, http):
     client.completions.create(model=MODEL, prompt="the king", max_tokens=4, **GREEDY)
     text = wait_idle(http)

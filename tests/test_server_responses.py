@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject
-from server_utils import RemoteServer, metric
+from server_utils import RemoteServer, metric, wait_idle
 
 KEY = "resp-key"
 MODEL = "tiny"
@@ -60,15 +60,6 @@ def n_template_tokens(tokenizer, messages) -> int:
                                              tokenize=True, return_dict=False))
 
 
-def wait_idle(http: httpx.Client, timeout: float = 30.0) -> str:
-    deadline = time.time() + timeout
-    while True:
-        text = http.get("/metrics").text
-        if metric(text, "pagedllm:num_requests_running") == 0 and metric(text, "pagedllm:kv_cache_usage_perc") == 0 \
-                and metric(text, "pagedllm:num_requests_waiting") == 0:
-            return text
-        assert time.time() < deadline, "the engine did not go idle"
-        time.sleep(0.1)
 
 
 def test_create_equals_chat_completion(client, tokenizer):

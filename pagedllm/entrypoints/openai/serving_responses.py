@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError)
+    ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError, _json_or_text)
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,
@@ -87,13 +87,6 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
     if not messages:
         raise RequestError("input must not be empty", "input")
     return messages
-
-
-def _json_or_text(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 def output_messages(output: list) -> list[dict]:

@@ -119,3 +119,26 @@ def record_schedule(llm, monkeypatch) -> list[tuple[str, int, int, int]]:
 
     monkeypatch.setattr(sched, "schedule", recording)
     return log
+
+
+# ---- clients of a test module's ``server`` fixture (a RemoteServer) -------------------------------
+# With an API key, a module names it ``KEY``; both clients then send it.
+@pytest.fixture(scope="module")
+def client(server, request):
+    """The official openai client of the module's server."""
+    import openai
+
+    key = getattr(request.module, "KEY", None) or "unused"
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def http(server, request):
+    """An httpx client of the module's server (for raw requests and error paths)."""
+    import httpx
+
+    key = getattr(request.module, "KEY", None)
+    with httpx.Client(base_url=server.url, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"} if key else {}) as c:
+        yield c

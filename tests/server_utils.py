@@ -107,3 +107,17 @@ def wait_idle(http: httpx.Client, timeout: float = 30.0) -> str:
             return text
         assert time.time() < deadline, text
         time.sleep(0.05)
+
+
+def wait_unhealthy(srv: "RemoteServer", within_s: float = 60.0, poll_s: float = 0.2) -> None:
+    """After killing part of a server (a worker, replica or node): wait until /health stops answering
+    200 or the server exits, and assert that one of them happened within ``within_s`` (a hang guard)."""
+    deadline = time.monotonic() + within_s
+    status = 200
+    while time.monotonic() < deadline and status == 200 and srv.proc.poll() is None:
+        try:
+            status = httpx.get(srv.url + "/health", timeout=5).status_code
+        except httpx.HTTPError:
+            break  # the server may already have exited
+        time.sleep(poll_s)
+    assert status == 503 or srv.proc.poll() is not None, srv.log()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from server_utils import RemoteServer, metric
+from server_utils import RemoteServer, metric, wait_unhealthy
 from test_tensor_parallel import pid_alive, spawned_children, wait_gone
 
 ARGS = ("--data-parallel-size", "2", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
@@ -109,15 +109,7 @@ def test_killed_replica_makes_health_503_and_server_exit(server):
     pids = spawned_children(server.proc.pid)
     assert len(pids) == 2, server.log()
     os.kill(pids[1], signal.SIGKILL)
-    deadline = time.monotonic() + 30  # a hang guard: the reader sees the closed pipe at once
-    status = 200
-    while time.monotonic() < deadline and status == 200 and server.proc.poll() is None:
-        try:
-            status = httpx.get(server.url + "/health", timeout=5).status_code
-        except httpx.HTTPError:
-            break  # already gone
-        time.sleep(0.1)
-    assert status == 503 or server.proc.poll() is not None, server.log()
+    wait_unhealthy(server, 30, poll_s=0.1)  # a hang guard: the reader sees the closed pipe at once
     server.proc.wait(timeout=30)  # exits by itself
     assert server.proc.returncode not in (0, None), server.log()
     assert "replica 1" in server.log()

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from server_utils import RemoteServer, free_port
+from server_utils import RemoteServer, free_port, wait_unhealthy
 from test_tensor_parallel import pid_alive, spawned_children, wait_gone
 
 COMMON = ("--pipeline-parallel-size", "2", "--kv-cache-memory", "4MiB", "--max-model-len", "256")
@@ -92,15 +91,7 @@ def test_dead_node_is_loud(llama_dir, tmp_path, victim):
         complete(nodes.server.url, PROMPTS[0])
         if victim == "node1":
             os.kill(nodes.node1.pid, signal.SIGKILL)  # the whole node: its rank follows its parent
-            deadline = time.monotonic() + 60  # a hang guard: node 0 pings idle ranks every 2 s
-            status = 200
-            while time.monotonic() < deadline and status == 200 and nodes.server.proc.poll() is None:
-                try:
-                    status = httpx.get(nodes.server.url + "/health", timeout=5).status_code
-                except httpx.HTTPError:
-                    break
-                time.sleep(0.2)
-            assert status == 503 or nodes.server.proc.poll() is not None, nodes.server.log()
+            wait_unhealthy(nodes.server, 60)  # a hang guard: node 0 pings idle ranks every 2 s
             assert nodes.server.proc.wait(30) not in (0, None), nodes.server.log()
         else:
             nodes.server.proc.kill()

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagedllm[ray]')")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from server_utils import RemoteServer, free_port  # noqa: E402
+from server_utils import RemoteServer, free_port, wait_unhealthy  # noqa: E402
 from test_tensor_parallel import pid_alive, wait_gone  # noqa: E402
 
 PROMPTS = [[10, 11, 12, 13], [99, 98, 97]]
@@ -90,14 +90,6 @@ def test_ray_workers_answer_like_one_process_and_fail_loudly(ray_head, llama_dir
         (pid,) = [int(x) for x in line.split("(pids [")[1].split("]")[0].split(",")]
         assert pid_alive(pid)
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60  # a hang guard: the engine checks its workers every few seconds
-        status = 200
-        while time.monotonic() < deadline and status == 200 and srv.proc.poll() is None:
-            try:
-                status = httpx.get(srv.url + "/health", timeout=5).status_code
-            except httpx.HTTPError:
-                break
-            time.sleep(0.2)
-        assert status == 503 or srv.proc.poll() is not None, srv.log()
+        wait_unhealthy(srv, 60)  # a hang guard: the engine checks its workers every few seconds
         assert srv.proc.wait(60) not in (0, None), srv.log()
     assert wait_gone([pid], 5) == []

@@ -38,16 +38,6 @@ def server(llama_dir, tmp_path_factory):
     assert srv.returncode == 0, srv.log()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import json
 import re
 from typing import Literal
 
-import httpx
-import openai
 import pydantic
 import pytest
 
@@ -47,16 +45,6 @@ def server(llama_dir, tmp_path_factory):
     assert srv.returncode == 0, srv.log()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def check(obj: dict) -> None:

@@ -223,21 +223,12 @@ def test_server_tp2_answers_and_stops_cleanly(llama_dir, tmp_path):
 
 
 def test_server_reports_dead_worker(llama_dir, tmp_path):
-    import httpx
-    from server_utils import RemoteServer
+    from server_utils import RemoteServer, wait_unhealthy
 
     with RemoteServer(llama_dir, SERVER_ARGS, log_path=str(tmp_path / "server.log")) as srv:
         (pid,) = spawned_children(srv.proc.pid)
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60  # a hang guard: the engine checks its workers every few seconds
-        status = 200
-        while time.monotonic() < deadline and status == 200 and srv.proc.poll() is None:
-            try:
-                status = httpx.get(srv.url + "/health", timeout=5).status_code
-            except httpx.HTTPError:
-                break  # the server may already have exited
-            time.sleep(0.2)
-        assert status == 503 or srv.proc.poll() is not None, srv.log()
+        wait_unhealthy(srv, 60)  # a hang guard: the engine checks its workers every few seconds
         srv.proc.wait(timeout=30)  # the server stops by itself once its engine is dead
     assert not pid_alive(pid)
     assert srv.returncode not in (0, None), srv.log()

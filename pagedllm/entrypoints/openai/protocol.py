@@ -186,6 +186,18 @@ _FIELD_RE = re.compile(r"^(\w+)\b")
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
+def sampling_params_from(req: Any, kwargs: dict[str, Any], optional: tuple[str, ...]) -> SamplingParams:
+    """``SamplingParams(**kwargs)`` plus each field of ``req`` named in ``optional`` that the request set
+    (not None; the rest keep SamplingParams' defaults). RequestError naming the field it rejects."""
+    kwargs = {**kwargs, **{name: getattr(req, name) for name in optional if getattr(req, name) is not None}}
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        m = _FIELD_RE.match(str(e))
+        param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
+        raise RequestError(str(e), param) from None
+
+
 # ---- documented fields this server does not apply ---------------------------------------------
 # Every field OpenAI or vLLM documents for /v1/completions and /v1/chat/completions is either applied
 # or refused with a 400 naming it; none is dropped silently. Fields here are declared so that their
@@ -327,17 +339,8 @@ class _SamplingRequest(_DocumentedFields):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             structured_outputs=self.structured_outputs_params())
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                kwargs[name] = value
-        try:
-            return SamplingParams(**kwargs)
-        except ValueError as e:
-            m = _FIELD_RE.match(str(e))
-            param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
-            raise RequestError(str(e), param) from None
+        return sampling_params_from(self, kwargs, ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                   "frequency_penalty", "repetition_penalty"))
 
 
 def _check_logprobs(value: Optional[int], name: str) -> None:

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError, _json_or_text)
+    ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError, _json_or_text,
+    sampling_params_from)
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,
@@ -214,16 +215,8 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _sampling_params(req: ResponsesRequest, max_tokens: int) -> SamplingParams:
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "seed": req.seed, "ignore_eos": req.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            value = getattr(req, name)
-            if value is not None:
-                kwargs[name] = value
-        try:
-            return SamplingParams(**kwargs)
-        except ValueError as e:
-            name = str(e).split(" ", 1)[0]
-            raise RequestError(str(e), name if name in kwargs else None) from None
+        return sampling_params_from(req, {"max_tokens": max_tokens, "seed": req.seed, "ignore_eos": req.ignore_eos},
+                                    ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
 
     @staticmethod
     def _json(response: ResponseObject) -> Response:

@@ -24,6 +24,7 @@ import sys
 import time
 from collections import defaultdict
 
+from pagedllm.benchmarks.common import write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
 from pagedllm.benchmarks.tensor_parallel import _timed
 
@@ -155,11 +156,8 @@ def main(argv: list[str] | None = None) -> None:
                  else f"requests per replica {res['requests_per_replica']}")
         print(f"{name}: {res['output_tokens_per_s']:.2f} output tok/s ({res['elapsed_s']:.1f} s), {extra}, "
               f"load avg before {load:.1f}", flush=True)
-    os.makedirs(a.output_dir, exist_ok=True)
-    path = os.path.join(a.output_dir, "parallel.json")
-    with open(path, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(a).items() if k != "one"}, "results": results}, f, indent=1)
-    print(f"wrote {path}")
+    write_result(a.output_dir, "parallel", {"args": {k: v for k, v in vars(a).items() if k != "one"},
+                                          "results": results})
 
 
 if __name__ == "__main__":

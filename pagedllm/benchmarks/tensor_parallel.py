@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+from pagedllm.benchmarks.common import write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
 
 
@@ -132,11 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in results[1:]:
         print(f"throughput tp={r['tensor_parallel_size']} / tp={results[0]['tensor_parallel_size']}: "
               f"{r['output_tokens_per_s'] / base:.2f}x")
-    os.makedirs(a.output_dir, exist_ok=True)
-    path = os.path.join(a.output_dir, "tensor_parallel.json")
-    with open(path, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(a).items() if k != "tp_one"}, "results": results}, f, indent=1)
-    print(f"wrote {path}")
+    write_result(a.output_dir, "tensor_parallel", {"args": {k: v for k, v in vars(a).items() if k != "tp_one"},
+                                          "results": results})
 
 
 if __name__ == "__main__":

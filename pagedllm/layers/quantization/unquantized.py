@@ -61,5 +61,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 def _is_tied(layer: nn.Module) -> bool:
-    """The LM head whose weight is the embedding's (it must keep the plain tensor)."""
-    return type(layer).__name__ == "ParallelLMHead"
+    """The LM head, whose weight may be the embedding's (then it must keep the plain tensor)."""
+    from pagedllm.layers.vocab_embedding import ParallelLMHead  # not at import time: it imports this package
+
+    return isinstance(layer, ParallelLMHead)

@@ -152,21 +152,29 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                 page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
 
             # 2. hovering a request highlights exactly its blocks (pixels read in the same JS turn)
-            row = page.locator("#running tbody tr").first
-            row.hover()
-            result = page.evaluate("""(() => {
-                const d = window.pagedllmDashboard, s = d.snapshot();
-                const id = document.querySelector('#running tr.hl').dataset.id;
-                const req = s.running.concat(s.waiting).find(r => r.id === id);
-                const hl = d.hoveredBlocks();
-                const ctx = document.getElementById('grid').getContext('2d');
-                const alpha = b => { const c = d.cellOf(b);
-                  return ctx.getImageData(c.x + (c.size >> 1), c.y + (c.size >> 1), 1, 1).data[3]; };
-                const mine = new Set(req.blocks);
-                const others = [];
-                for (let b = 0; b < s.num_blocks; b++) if (!mine.has(b)) others.push(alpha(b));
-                return {id, table: req.blocks, hl, mineAlpha: req.blocks.map(alpha), othersMax: Math.max(...others)};
-            })()""")
+            # (a request can finish between the hover and the reading: then hover the new first row)
+            result = None
+            for _ in range(10):
+                page.mouse.move(0, 0)
+                page.locator("#running tbody tr").first.hover()
+                result = page.evaluate("""(() => {
+                    const d = window.pagedllmDashboard, s = d.snapshot();
+                    const row = document.querySelector('#running tr.hl');
+                    const req = row && s.running.concat(s.waiting).find(r => r.id === row.dataset.id);
+                    if (!req) return null;  // the hovered request finished under the mouse: hover again
+                    const id = req.id;
+                    const hl = d.hoveredBlocks();
+                    const ctx = document.getElementById('grid').getContext('2d');
+                    const alpha = b => { const c = d.cellOf(b);
+                      return ctx.getImageData(c.x + (c.size >> 1), c.y + (c.size >> 1), 1, 1).data[3]; };
+                    const mine = new Set(req.blocks);
+                    const others = [];
+                    for (let b = 0; b < s.num_blocks; b++) if (!mine.has(b)) others.push(alpha(b));
+                    return {id, table: req.blocks, hl, mineAlpha: req.blocks.map(alpha), othersMax: Math.max(...others)};
+                })()""")
+                if result is not None:
+                    break
+            assert result is not None, "no running request stayed hovered for one reading in 10 tries"
             assert result["table"] and result["hl"] == result["table"]
             assert all(a == 255 for a in result["mineAlpha"])      # its blocks: full colour
             assert result["othersMax"] < 128                        # every other cell: dimmed

@@ -170,6 +170,18 @@ def test_kernel_bf16(window, soft_cap):
     _compare(seqs, 16, 3, 3, d=64, dtype=torch.bfloat16, seed=9, window=window, soft_cap=soft_cap, tol=2e-2)
 
 
+@pytest.mark.parametrize("d", [24, 48, 80, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_head_dims(d, dtype):
+    """Every code path of the kernel: head sizes that are not a multiple of 16 (portable loops), a
+    runtime multiple of 16 (vector loops), and the compile-time 64/128 specialisations (vector
+    loops with register accumulators); decodes, a chunk over a prefix, contexts past one key chunk."""
+    seqs = [(0, 1), (300, 1), (17, 1), (600, 1), (40, 20), (0, 33)]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _compare(seqs, 16, 2, 3, d=d, dtype=dtype, seed=d, tol=tol)
+    _compare(seqs, 5, 1, 4, d=d, dtype=dtype, seed=d + 1, window=70, tol=tol)
+
+
 def test_backend_routes_long_prefills_to_reference():
     """The cpu backend: kernel for decodes and short chunks, SDPA for chunks over LONG_PREFILL."""
     kernel = _kernel()

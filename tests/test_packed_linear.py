@@ -1,4 +1,4 @@
-"""float32 linear layers on a CPU run on oneDNN-packed weights (layers/quantization/unquantized.py):
+"""float32 and bfloat16 linear layers on a CPU run on oneDNN-packed weights (layers/quantization/unquantized.py):
 same results as F.linear within float32 rounding, the float copy released except the tied LM head,
 and PAGEDLLM_CPU_PACKED_LINEAR=0 keeps the plain path."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ from torch import nn
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, _can_pack
 
 
-def _layer(out_f: int, in_f: int, bias: bool) -> nn.Module:
+def _layer(out_f: int, in_f: int, bias: bool, dtype=torch.float32) -> nn.Module:
     layer = nn.Module()
-    UnquantizedLinearMethod().create_weights(layer, in_f, out_f, bias, torch.float32)
+    UnquantizedLinearMethod().create_weights(layer, in_f, out_f, bias, dtype)
     torch.manual_seed(0)
     layer.weight.data.normal_()
     if bias:
@@ -23,15 +23,21 @@ def _layer(out_f: int, in_f: int, bias: bool) -> nn.Module:
 
 @pytest.mark.skipif(not _can_pack(torch.zeros(2, 2)), reason="this PyTorch build has no oneDNN linear")
 @pytest.mark.parametrize("rows", [1, 7, 48, 300])
-def test_packed_equals_f_linear(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_equals_f_linear(rows, dtype):
+    """float32: equal within float32 rounding of a 64-term sum. bfloat16: both accumulate in float32
+    and round once to bfloat16, so they differ by at most a bfloat16 step or two (2^-8 relative)."""
     method = UnquantizedLinearMethod()
-    layer = _layer(96, 64, bias=True)
+    layer = _layer(96, 64, bias=True, dtype=dtype)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     method.process_weights_after_loading(layer)
     assert hasattr(layer, "packed_weight") and layer.weight.numel() == 0      # the float copy is released
-    x = torch.randn(rows, 64)
+    assert layer.packed_weight.dtype == dtype
+    x = torch.randn(rows, 64).to(dtype)
     got = method.apply(layer, x, layer.bias)
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(got, F.linear(x, w, b), **tol)
     assert method.apply(layer, x.view(rows, 1, 64), layer.bias).shape == (rows, 1, 96)
 
 

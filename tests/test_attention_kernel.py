@@ -222,8 +222,8 @@ def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     with pytest.raises(Exception):
         cpu_kernel._build()
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setattr(cpu_kernel, "_error", "RuntimeError: no C++ compiler found")
+    monkeypatch.setattr(cpu_kernel._LIBRARY, "lib", None)
+    monkeypatch.setattr(cpu_kernel._LIBRARY, "error", "RuntimeError: no C++ compiler found")
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append  # the pagedllm logger may not propagate to caplog

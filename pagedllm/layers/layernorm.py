@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import cpu_fused_ops
+
 # torch>=2.4: one call into ATen instead of six from Python; in float32 it computes exactly
 # x * rsqrt(mean(x^2) + eps) * weight, bit for bit the transformers formula (tests/test_layers.py).
 _rms_norm = getattr(F, "rms_norm", None)
@@ -40,6 +42,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if x.device.type == "cpu":  # one C pass over the rows (layers/cpu_fused_ops.py), if it applies
+            out = cpu_fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
+            if out is not None:
+                return out if residual is None else (out, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         residual.add_(x)  # same rounding as transformers' ``residual + hidden_states``

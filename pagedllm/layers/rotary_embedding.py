@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.layers import cpu_fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -70,6 +72,8 @@ class RotaryEmbedding(nn.Module):
 
     def apply_(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [N, h, D] (any strides, last dim contiguous) in place; returns x."""
+        if x.device.type == "cpu" and cpu_fused_ops.rotary_(x, cos_sin):  # one C pass, if it applies
+            return x
         rot = x.roll(self.head_dim // 2, -1).mul_(cos_sin[:, 1])
         return x.mul_(cos_sin[:, 0]).add_(rot)
 

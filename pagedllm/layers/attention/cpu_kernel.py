@@ -2,22 +2,13 @@
 reads K/V in place through the block table: no per-layer gather of the context, grouped-query
 attention without expanding K/V, online softmax over blocks, fp32 and bf16 (fp32 accumulation).
 
-The kernel is compiled on first use with the host's C++ compiler (``$CXX`` or g++, ``-O3
--march=native -fopenmp``; a second or two) into ``$PAGEDLLM_CACHE_DIR`` (default
-``~/.cache/pagedllm/kernels``), keyed by the source, the flags and the CPU, and loaded with
-ctypes: it uses no torch headers, so it needs neither ninja nor a torch build requirement. Where
+The kernel is compiled on first use with the host's C++ compiler and loaded with ctypes
+(``layers/cpu_build.py``: no torch headers, so neither ninja nor a torch build requirement). Where
 it cannot be built (no compiler) the selector falls back to the torch reference and logs why.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -26,49 +17,15 @@ import torch
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.layers.attention.torch_backend import TorchPagedAttention
+from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = BASE_FLAGS
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 1024
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_error: Optional[str] = None
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
 def _build() -> ctypes.CDLL:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cxx, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
-    lib_path = cache / f"paged_attention_cpu-{key}.so"
-    if not lib_path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Build to a private name, then rename: concurrent builders (tensor-parallel ranks) are safe.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                  timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
-            os.replace(tmp, lib_path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_library(SOURCE, FLAGS)
     i32p, f32, i32, i64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int64
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
         fn.restype = None
@@ -76,16 +33,12 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+_LIBRARY = LazyLibrary(_build)
+
+
 def load_kernel() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """(library, None) once built and loaded, else (None, why not); tried once per process."""
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except Exception as e:  # noqa: BLE001 - any failure becomes the fallback's reason
-                _error = f"{type(e).__name__}: {e}"
-        return _lib, _error
+    return _LIBRARY.get()
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:

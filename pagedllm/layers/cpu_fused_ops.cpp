@@ -1,0 +1,164 @@
+// Elementwise CPU kernels around the matmuls, one pass over memory each, where PyTorch eager runs
+// 2-6 ATen ops (each a thread-pool dispatch over a ~50k-element tensor): the residual add fused
+// with RMSNorm (vLLM's fused_add_rms_norm), SiLU(gate) * up (vLLM's silu_and_mul) and rotate-half
+// RoPE in place. Same operations in the same order and with the same roundings as transformers'
+// Llama modules (bf16: each intermediate rounded to bf16 where transformers rounds it); built with
+// -ffp-contract=off so no multiply-add is fused. Differences from ATen: RMSNorm's mean of squares
+// is summed in another order (fp32: last-bit differences) and SiLU's exp is our own polynomial
+// (within 2 ulp). Plain C ABI (ctypes); x rows may be strided, the last dim contiguous.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void put(float* p, float f) { *p = f; }
+inline void put(uint16_t* p, float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<uint16_t>((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+template <typename T>
+inline float rnd(float f) {  // f rounded to T and back: the rounding of a stored intermediate
+  T t;
+  put(&t, f);
+  return to_f(t);
+}
+
+// exp(x) (Cephes expf: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp); branch-free.
+inline float exp_f(float x) {
+  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  // 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent field.
+  const int32_t n1 = static_cast<int32_t>(n) / 2, n2 = static_cast<int32_t>(n) - n1;
+  const int32_t e1 = (n1 + 127) << 23, e2 = (n2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &e1, sizeof s1);
+  std::memcpy(&s2, &e2, sizeof s2);
+  return y * s1 * s2;
+}
+
+constexpr int64_t kMinWork = 16384;  // elements below which one thread does it all
+
+// residual <- residual + x (if residual); out <- w * rnd(r * rsqrt(mean(r^2) + eps)), r the new residual.
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t rows, int hidden,
+                  float eps) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= kMinWork)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xr = x + i * x_stride;
+    T* rr = residual ? residual + i * hidden : nullptr;
+    T* orow = out + i * hidden;
+    float buf[8192];  // the row in float (hidden <= 8192, checked by the caller)
+    if (rr) {
+      for (int c = 0; c < hidden; ++c) {
+        const float v = rnd<T>(to_f(rr[c]) + to_f(xr[c]));
+        put(&rr[c], v);
+        buf[c] = v;
+      }
+    } else {
+      for (int c = 0; c < hidden; ++c) buf[c] = to_f(xr[c]);
+    }
+    float acc[16] = {};
+    int c = 0;
+    for (; c + 16 <= hidden; c += 16) {
+#pragma omp simd
+      for (int u = 0; u < 16; ++u) acc[u] += buf[c + u] * buf[c + u];
+    }
+    for (; c < hidden; ++c) acc[0] += buf[c] * buf[c];
+    float ss = 0.0f;
+    for (int u = 0; u < 16; ++u) ss += acc[u];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+#pragma omp simd
+    for (int c2 = 0; c2 < hidden; ++c2) put(&orow[c2], to_f(w[c2]) * rnd<T>(buf[c2] * inv));
+  }
+}
+
+// out[i, :] <- rnd(silu(gate)) * up, x[i] = [gate | up] (2 * inter), silu(g) = g / (1 + exp(-g)).
+template <typename T>
+void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= kMinWork)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* g = x + i * x_stride;
+    const T* u = g + inter;
+    T* o = out + i * inter;
+#pragma omp simd
+    for (int c = 0; c < inter; ++c) {
+      const float gf = to_f(g[c]);
+      put(&o[c], rnd<T>(gf / (1.0f + exp_f(-gf))) * to_f(u[c]));
+    }
+  }
+}
+
+// In place, rotate-half RoPE: x <- rnd(x * cos) + rnd(roll(x, D/2) * sin_signed), per head, where
+// cos_sin[n] = [cos (D) | sin_signed (D)], sin_signed = [-sin, sin] (rotary_embedding.py).
+template <typename T>
+void rotary(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d, const T* cos_sin) {
+  const int half = d / 2;
+#pragma omp parallel for schedule(static) if (n * heads * d >= kMinWork)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* cs = cos_sin + i * 2 * d;
+    const T* sn = cs + d;
+    for (int h = 0; h < heads; ++h) {
+      T* xr = x + i * tok_stride + h * head_stride;
+      float tmp[1024];  // the head's row before rotation (d <= 1024, checked by the caller)
+      for (int c = 0; c < d; ++c) tmp[c] = to_f(xr[c]);
+#pragma omp simd
+      for (int c = 0; c < d; ++c) {
+        const float rolled = tmp[c < half ? c + half : c - half];
+        put(&xr[c], rnd<T>(tmp[c] * to_f(cs[c])) + rnd<T>(rolled * to_f(sn[c])));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int pagedllm_fused_ops_abi_version() { return 1; }
+
+void add_rms_norm_f32(const float* x, int64_t xs, float* res, const float* w, float* out, int64_t rows, int hidden,
+                      float eps) {
+  add_rms_norm(x, xs, res, w, out, rows, hidden, eps);
+}
+void add_rms_norm_bf16(const uint16_t* x, int64_t xs, uint16_t* res, const uint16_t* w, uint16_t* out, int64_t rows,
+                       int hidden, float eps) {
+  add_rms_norm(x, xs, res, w, out, rows, hidden, eps);
+}
+void silu_and_mul_f32(const float* x, int64_t xs, float* out, int64_t rows, int inter) {
+  silu_and_mul(x, xs, out, rows, inter);
+}
+void silu_and_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t rows, int inter) {
+  silu_and_mul(x, xs, out, rows, inter);
+}
+void rotary_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const float* cs) {
+  rotary(x, ts, hs, n, heads, d, cs);
+}
+void rotary_bf16(uint16_t* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const uint16_t* cs) {
+  rotary(x, ts, hs, n, heads, d, cs);
+}
+
+}  // extern "C"

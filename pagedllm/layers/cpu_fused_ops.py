@@ -1,0 +1,98 @@
+"""The elementwise kernels of ``cpu_fused_ops.cpp`` for CPU tensors: residual add + RMSNorm,
+SiLU(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of 2-6 ATen ops.
+
+Used by ``layers/layernorm.py``, ``layers/activation.py`` and ``layers/rotary_embedding.py`` when
+the tensors are float32 or bfloat16 on a CPU and the library builds (``layers/cpu_build.py``);
+otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
+Measured on SmolLM2-135M, batch 48 decode, 2 threads: see benchmarks/README.md section 5.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+
+SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
+# No fused multiply-adds: each product is rounded as in PyTorch's eager ops.
+FLAGS = BASE_FLAGS + ["-ffp-contract=off"]
+MAX_HIDDEN = 8192    # the row buffer of add_rms_norm
+MAX_HEAD_DIM = 1024  # the row buffer of rotary
+
+
+def _build() -> ctypes.CDLL:
+    lib = build_library(SOURCE, FLAGS)
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for sfx in ("f32", "bf16"):
+        getattr(lib, f"add_rms_norm_{sfx}").argtypes = [p, i64, p, p, p, i64, i32, f32]
+        getattr(lib, f"silu_and_mul_{sfx}").argtypes = [p, i64, p, i64, i32]
+        getattr(lib, f"rotary_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p]
+        for name in ("add_rms_norm", "silu_and_mul", "rotary"):
+            getattr(lib, f"{name}_{sfx}").restype = None
+    return lib
+
+
+_LIBRARY = LazyLibrary(_build)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _fn(name: str, *tensors: torch.Tensor):
+    """The kernel ``name`` for these tensors, or None (another device or dtype, mixed dtypes, a
+    last dim that is not contiguous, the switch off, or no library)."""
+    t0 = tensors[0]
+    if (t0.device.type != "cpu" or t0.dtype not in _SUFFIX or os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") == "0"
+            or any(t.dtype != t0.dtype or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors)):
+        return None
+    lib, _ = _LIBRARY.get()
+    return None if lib is None else getattr(lib, f"{name}_{_SUFFIX[t0.dtype]}")
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x [N, hidden] (rows may be strided); residual [N, hidden] contiguous, updated in place to
+    residual + x first when given. Returns weight * rnd(r * rsqrt(mean(r^2) + eps)) [N, hidden]
+    (r = x or the new residual; rnd: rounded to x's dtype, as transformers' LlamaRMSNorm), or None
+    when the kernel does not apply (the caller then runs PyTorch)."""
+    if x.dim() != 2 or x.shape[-1] > MAX_HIDDEN or weight.shape != x.shape[-1:] or not weight.is_contiguous():
+        return None
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        return None
+    fn = _fn("add_rms_norm", x, weight, *(() if residual is None else (residual,)))
+    if fn is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    fn(x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+       x.shape[0], x.shape[1], float(eps))
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [N, 2 * I] = [gate | up] (rows may be strided) -> rnd(silu(gate)) * up [N, I], contiguous;
+    None when the kernel does not apply."""
+    if x.dim() != 2 or x.shape[-1] % 2:
+        return None
+    fn = _fn("silu_and_mul", x)
+    if fn is None:
+        return None
+    inter = x.shape[-1] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+    fn(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], inter)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    """Rotate x [N, h, D] (token and head strides free, D contiguous, D even) in place with
+    cos_sin [N, 2, 1, D] (contiguous: cos, then sin with the rotate-half sign folded in).
+    Returns False, x untouched, when the kernel does not apply."""
+    n, h, d = x.shape
+    if (d % 2 or d > MAX_HEAD_DIM or cos_sin.shape != (n, 2, 1, d) or not cos_sin.is_contiguous()):
+        return False
+    fn = _fn("rotary", x, cos_sin)
+    if fn is None:
+        return False
+    fn(x.data_ptr(), x.stride(0), x.stride(1), n, h, d, cos_sin.data_ptr())
+    return True

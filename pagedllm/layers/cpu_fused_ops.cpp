@@ -6,11 +6,15 @@
 // -ffp-contract=off so no multiply-add is fused. Differences from ATen: RMSNorm's mean of squares
 // is summed in another order (fp32: last-bit differences) and SiLU's exp is our own polynomial
 // (within 2 ulp). Plain C ABI (ctypes); x rows may be strided, the last dim contiguous.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -22,15 +26,11 @@ inline float to_f(uint16_t x) {
   return f;
 }
 inline void put(float* p, float f) { *p = f; }
-inline void put(uint16_t* p, float f) {  // round to nearest even; NaN stays NaN
+inline void put(uint16_t* p, float f) {  // round to nearest even; NaN stays NaN (branch-free: vectorises)
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<uint16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  *p = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
 }
 template <typename T>
 inline float rnd(float f) {  // f rounded to T and back: the rounding of a stored intermediate
@@ -40,8 +40,9 @@ inline float rnd(float f) {  // f rounded to T and back: the rounding of a store
 }
 
 // exp(x) (Cephes expf: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp); branch-free.
+// x is clamped to [-87.3, 88.3] (exp(88.3) = 2.2e38: silu's 1 + exp(-g) stays finite).
 inline float exp_f(float x) {
-  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+  x = std::fmin(std::fmax(x, -87.3f), 88.3f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float y = 1.9875691500e-4f;
@@ -51,13 +52,43 @@ inline float exp_f(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  // 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent field.
-  const int32_t n1 = static_cast<int32_t>(n) / 2, n2 = static_cast<int32_t>(n) - n1;
-  const int32_t e1 = (n1 + 127) << 23, e2 = (n2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &e1, sizeof s1);
-  std::memcpy(&s2, &e2, sizeof s2);
-  return y * s1 * s2;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, sizeof s);
+  return y * s;
+}
+
+#if defined(__AVX512F__)
+// exp_f on 16 lanes (the same reduction and polynomial; GCC does not vectorise the scalar one).
+inline __m512 exp_f16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+// s[c] = g[c] / (1 + exp(-g[c])) for c < 64.
+inline void silu64(const float* g, float* s) {
+#if defined(__AVX512F__)
+  for (int c = 0; c < 64; c += 16) {
+    const __m512 v = _mm512_loadu_ps(g + c);
+    _mm512_storeu_ps(s + c, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_f16(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+  }
+#else
+  for (int c = 0; c < 64; ++c) s[c] = g[c] / (1.0f + exp_f(-g[c]));
+#endif
 }
 
 constexpr int64_t kMinWork = 16384;  // elements below which one thread does it all
@@ -97,17 +128,22 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
 }
 
 // out[i, :] <- rnd(silu(gate)) * up, x[i] = [gate | up] (2 * inter), silu(g) = g / (1 + exp(-g)).
+// In chunks of 64 through float buffers, so that each loop is a plain vector loop.
 template <typename T>
 void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int inter) {
+  constexpr int C = 64;
 #pragma omp parallel for schedule(static) if (rows * inter >= kMinWork)
   for (int64_t i = 0; i < rows; ++i) {
     const T* g = x + i * x_stride;
     const T* u = g + inter;
     T* o = out + i * inter;
-#pragma omp simd
-    for (int c = 0; c < inter; ++c) {
-      const float gf = to_f(g[c]);
-      put(&o[c], rnd<T>(gf / (1.0f + exp_f(-gf))) * to_f(u[c]));
+    float gf[C], s[C];
+    for (int c0 = 0; c0 < inter; c0 += C) {
+      const int m = std::min(C, inter - c0);
+      for (int c = 0; c < m; ++c) gf[c] = to_f(g[c0 + c]);
+      for (int c = m; c < C; ++c) gf[c] = 0.0f;
+      silu64(gf, s);
+      for (int c = 0; c < m; ++c) put(&o[c0 + c], rnd<T>(s[c]) * to_f(u[c0 + c]));
     }
   }
 }

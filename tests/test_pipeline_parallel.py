@@ -1,7 +1,9 @@
 """Pipeline parallelism on a CPU with gloo: PP = 2 and TP = 2 x PP = 2 (4 ranks) give the greedy
-tokens of one process (logprobs within 1e-4) with preemption and prefix caching; each stage keeps
-the KV cache of its own layers only; a stage that dies makes the engine raise instead of hanging;
-no worker outlives the engine; PP larger than the layer count is a clear error."""
+tokens of one process (logprobs within 1e-4) with preemption and prefix caching, with two batches
+in flight (and synchronously); a request is never scheduled or preempted while its batch is in
+flight, and aborting it then frees its blocks when the batch returns; each stage keeps the KV
+cache of its own layers only; a stage that dies makes the engine raise instead of hanging; no
+worker outlives the engine; PP larger than the layer count is a clear error."""
 from __future__ import annotations
 
 import os
@@ -13,9 +15,12 @@ import pytest
 from conftest import assert_pool_empty
 from pagedllm import LLM
 from pagedllm.distributed.parallel_state import pp_layer_range
-from test_tensor_parallel import assert_same_outputs, make_prompts, run, wait_gone, worker_pids
+from pagedllm import SamplingParams
+from test_tensor_parallel import PROMPT_LENS, assert_same_outputs, make_prompts, run, wait_gone, worker_pids
 
-BLOCKS = 12  # a small pool: 7 prompts of up to 96 + 10 tokens cannot all run at once -> preemption
+BLOCKS = 12  # a small pool: 14 prompts of up to 96 + 10 tokens cannot all run at once -> preemption
+# Many concurrent requests (two sets of 7, each with a shared prefix), so two batches can be in flight.
+MANY = make_prompts(500) + make_prompts(500, PROMPT_LENS[::-1], seed=1)
 # K and V bytes of one 16-token block per layer per KV head of the tiny Llama (head_dim 16, fp32).
 BLOCK_BYTES_PER_LAYER_HEAD = 2 * 16 * 16 * 4
 
@@ -30,7 +35,7 @@ def make_llm(llama_dir: str, tp: int = 1, pp: int = 1) -> LLM:
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     llm = make_llm(llama_dir)
-    prompts = make_prompts(500)
+    prompts = MANY
     out = run(llm, prompts)
     assert llm.llm_engine.scheduler.num_preemptions > 0  # the setting does preempt
     return prompts, out
@@ -44,8 +49,26 @@ def test_layer_split():
         pp_layer_range(2, 0, 3)
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
-def test_pp_matches_one_process(llama_dir, reference, tp, pp):
+def check_inflight_rules(engine) -> list[int]:
+    """Wrap the scheduler: no request of a batch in flight is scheduled or preempted again.
+    Returns the list that receives the number of batches in flight after each schedule."""
+    sched, counts = engine.scheduler, []
+    orig = sched.schedule
+
+    def schedule():
+        before = set(sched.inflight)
+        out = orig()
+        assert not before & {r.request_id for r, _ in out.scheduled}
+        assert not before & {r.request_id for r in out.preempted}
+        counts.append(len(engine._inflight) + (not out.is_empty))
+        return out
+
+    sched.schedule = schedule
+    return counts
+
+
+@pytest.mark.parametrize("tp,pp,depth", [(1, 2, 2), (2, 2, 2), (1, 2, 1)])
+def test_pp_matches_one_process(llama_dir, reference, tp, pp, depth):
     prompts, ref = reference
     llm = make_llm(llama_dir, tp, pp)
     engine = llm.llm_engine
@@ -53,16 +76,60 @@ def test_pp_matches_one_process(llama_dir, reference, tp, pp):
     try:
         assert len(pids) == tp * pp - 1
         assert engine.config.cache_config.num_blocks == BLOCKS
+        assert engine.pipeline_depth == pp  # batches in flight by default
+        engine.pipeline_depth = depth
         runner = engine.executor.driver.runner
         # Rank 0 is stage 0: it holds layer 0's KV cache and no other.
         assert [c is not None for c in runner.kv_caches] == [True, False]
+        counts = check_inflight_rules(engine)
         assert_same_outputs(ref, run(llm, prompts))
+        assert engine.max_inflight_batches == (depth if depth > 1 else 0)  # 0: the synchronous path
+        assert max(counts) == depth and counts.count(depth) > 10  # not once by chance
         assert engine.scheduler.num_preemptions > 0
         assert engine.get_stats().prefix_cache_hits > 0
+        assert not engine.scheduler.inflight
         assert_pool_empty(llm)
     finally:
         engine.shutdown()
     assert wait_gone(pids, 10) == []
+
+
+def test_abort_in_flight_frees_blocks_when_its_batch_returns(llama_dir):
+    llm = make_llm(llama_dir, pp=2)
+    engine = llm.llm_engine
+    kv = engine.kv_cache_manager
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    try:
+        prompts = make_prompts(500, [5, 6, 7, 8])  # and a fifth sharing a prefix
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        for _ in range(4):
+            engine.step()
+        assert len(engine._inflight) == 1
+        (flying,) = [sorted(r.request_id for r, _ in b[0].scheduled) for b in engine._inflight]
+        assert flying and set(flying) == engine.scheduler.inflight
+        finals = engine.abort_request(flying)
+        assert [o.finished for o in finals] == [True] * len(flying)
+        assert all(o.outputs[0].finish_reason == "abort" for o in finals)
+        assert engine.get_num_unfinished_requests() == len(prompts) - len(flying)
+        assert all(rid in kv.req_to_blocks for rid in flying)  # the stages still use them
+        with pytest.raises(ValueError, match="still in use"):  # its blocks are still in use
+            engine.add_request(flying[0], {"prompt_token_ids": [9, 10, 11]}, sp)
+        outs = engine.step()  # the aborted batch returns: no output for it, blocks freed
+        assert not {o.request_id for o in outs} & set(flying)
+        assert not set(flying) & set(kv.req_to_blocks)
+        reused = flying[0]  # now free again
+        engine.add_request(reused, {"prompt_token_ids": [9, 10, 11]}, sp)
+        rest = [f"r{i}" for i in range(len(prompts)) if f"r{i}" not in flying]
+        assert engine.scheduler.inflight and engine.scheduler.inflight <= set(rest)  # the next batch
+        engine.abort_request(rest)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert list(finals) == [reused] and len(finals[reused].outputs[0].token_ids) == 30
+        assert_pool_empty(llm)
+    finally:
+        engine.shutdown()
 
 
 def test_pp_larger_than_layers_is_a_clear_error(llama_dir):

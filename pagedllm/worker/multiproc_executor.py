@@ -39,8 +39,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.control_channel import (PendingBroadcast, broadcast_object, broadcast_object_async,
+                                                  recv_broadcast_object)
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
-from pagedllm.worker.executor import Executor, UniProcExecutor
+from pagedllm.worker.executor import Executor, ModelOutputFuture, UniProcExecutor
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import physical_memory_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -144,6 +146,13 @@ class RankWorker(UniProcExecutor):
             model_input = to_device(model_input, self.device)
         return self.runner.execute_model(model_input)
 
+    def execute_model_async(self, model_input: ModelInput) -> Any:
+        """Pipeline parallel only: run this stage and return without waiting for the last
+        stage (on the driver, a ``PendingLogits``)."""
+        if self.device.type != "cpu":
+            model_input = to_device(model_input, self.device)
+        return self.runner.execute_model_async(model_input)
+
 
 def _watch_parent(parent_pid: int) -> None:
     while True:
@@ -164,9 +173,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
         conn.send(("ready", None))
         worker = RankWorker(config, rank, world_size, init_method)
         while True:
-            call: list[Any] = [None]
-            dist.broadcast_object_list(call, src=0, group=worker.control)
-            method, args = call[0]
+            method, args = recv_broadcast_object(worker.control)
             if method == "shutdown":
                 break
             result = getattr(worker, method)(*args)
@@ -352,7 +359,7 @@ class MultiprocExecutor(Executor):
         self._check_local()
         try:
             wire_args = args if self.driver.device.type == "cpu" else to_device(args, "cpu")
-            dist.broadcast_object_list([(method, wire_args)], src=0, group=self.driver.control)
+            broadcast_object((method, wire_args), self.driver.control)
             result = getattr(self.driver, method)(*args)
             if method == "execute_model":
                 return result
@@ -372,7 +379,7 @@ class MultiprocExecutor(Executor):
         hung peer cannot hold up the shutdown."""
         def tell():
             try:
-                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.driver.control)
+                broadcast_object(("shutdown", ()), self.driver.control)
             except Exception:  # noqa: BLE001 - peers already gone: nothing to tell
                 pass
 
@@ -448,3 +455,53 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         return self._call("execute_model", model_input)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One batch in flight per pipeline stage (as vLLM); 1 without pipeline parallelism."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def execute_model_async(self, model_input: ModelInput) -> ModelOutputFuture:
+        """Send the batch to every rank and run stage 0 here; returns once stage 0 has handed its
+        hidden states on, before the logits are back (pipeline parallelism only; otherwise the
+        synchronous call). Raises RuntimeError (now or from ``result()``) when a rank died."""
+        if self.max_concurrent_batches == 1:
+            return super().execute_model_async(model_input)
+        with self._call_lock:
+            self._last_call = time.monotonic()
+            self._check_local()
+            try:
+                wire = model_input if self.driver.device.type == "cpu" else to_device(model_input, "cpu")
+                sent = broadcast_object_async(("execute_model", (wire,)), self.driver.control)
+                pending = self.driver.execute_model_async(model_input)
+            except (RuntimeError, OSError) as e:
+                raise self._fail(e) from e
+            except BaseException:
+                self._fail(None)  # Ctrl-C or a bug mid-call: the ranks are out of step
+                raise
+        return _PipelinedOutput(self, sent, pending)
+
+
+class _PipelinedOutput(ModelOutputFuture):
+    """The logits of a batch in flight: stage 0 is done, the last stage sends them to the driver
+    (a posted ``irecv``); ``result()`` waits for them and for every rank to have had the call."""
+
+    def __init__(self, executor: MultiprocExecutor, sent: PendingBroadcast, pending: Any) -> None:
+        self._executor, self._sent, self._pending = executor, sent, pending
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def result(self) -> torch.Tensor:
+        ex = self._executor
+        if ex._failed is not None:
+            raise RuntimeError(ex._failed)
+        try:
+            logits = self._pending.wait()
+            self._sent.wait()
+            return logits
+        except (RuntimeError, OSError) as e:
+            raise ex._fail(e) from e
+        except BaseException:
+            ex._fail(None)
+            raise

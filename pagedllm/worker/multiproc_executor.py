@@ -3,9 +3,12 @@
 Rank 0 runs in the driver (the process that owns the scheduler, as in vLLM); ranks 1..N-1 are
 spawned worker processes. Every rank builds its shard of the model (``layers/linear.py``) and
 keeps the KV cache of its own heads. Each call the driver makes (profile, allocate, forward) is
-broadcast to the workers over a gloo "control" group as one pickled object; every rank runs it,
-the layers' all-reduce/all-gather run over the default group (gloo on a CPU, NCCL on CUDA), and
-rank 0 returns the logits. Replies (budgets) come back with ``gather_object``.
+broadcast to the workers over a gloo "control" group as one pickled object
+(``distributed/control_channel.py``); every rank runs it, the layers' all-reduce/all-gather run
+over the default group (gloo on a CPU, NCCL on CUDA), and rank 0 returns the logits. Replies
+(budgets) come back with ``gather_object``. With pipeline parallelism, ``execute_model_async``
+sends the batch without waiting and returns after stage 0, so up to ``max_concurrent_batches``
+(= pipeline stages) batches are in flight (``worker/pp_runner.py``).
 
 Failure handling: a worker that dies closes its sockets, so the driver's next (or current)
 collective raises; the driver also checks ``Process.is_alive()`` before every call. Either way

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections import deque
 
 import pytest
 
@@ -16,6 +17,11 @@ from conftest import assert_pool_empty
 from pagedllm import LLM
 from pagedllm.distributed.parallel_state import pp_layer_range
 from pagedllm import SamplingParams
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from test_block_pool_scheduler import make_req
 from test_tensor_parallel import PROMPT_LENS, assert_same_outputs, make_prompts, run, wait_gone, worker_pids
 
 BLOCKS = 12  # a small pool: 14 prompts of up to 96 + 10 tokens cannot all run at once -> preemption
@@ -92,6 +98,37 @@ def test_pp_matches_one_process(llama_dir, reference, tp, pp, depth):
     finally:
         engine.shutdown()
     assert wait_gone(pids, 10) == []
+
+
+def test_scheduler_never_preempts_a_request_in_flight():
+    """Scheduler alone, two batches in flight: a request whose batch is out is skipped and never
+    chosen as the victim (the request that needs the block preempts itself instead)."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv,
+                      pipeline_depth=2)
+    a, b = make_req("a", 8, max_tokens=6), make_req("b", 8, max_tokens=6, first=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    batch_a, batch_b = sched.schedule(), sched.schedule()  # a fair share each: one request per batch
+    assert [r for r, _ in batch_a.scheduled] == [a] and [r for r, _ in batch_b.scheduled] == [b]
+    assert sched.inflight == {"a", "b"} and sched.schedule().is_empty and kv.block_pool.get_num_free_blocks() == 0
+    sched.update_from_output(batch_a, {"a": 1})
+    out = sched.schedule()  # a needs a third block; b (newer) is in flight, so a goes back to waiting
+    assert out.scheduled == [] and out.preempted == [a] and sched.waiting[0] is a
+    assert b.status == RequestStatus.RUNNING and len(kv.get_block_ids("b")) == 2
+    sched.update_from_output(batch_b, {"b": 2})
+    queue = deque()
+    for _ in range(100):  # the rest, two batches in flight at most
+        while len(queue) < 2 and not (out := sched.schedule()).is_empty:
+            assert not {r.request_id for r, _ in out.scheduled} & {r.request_id for o in queue for r, _ in o.scheduled}
+            queue.append(out)
+        if not queue:
+            break
+        done = queue.popleft()
+        sched.update_from_output(done, {r.request_id: 7 for r, _ in done.scheduled})
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6 and a.output_token_ids[0] == 1
+    assert not sched.has_unfinished_requests() and not sched.inflight
+    assert kv.block_pool.get_num_free_blocks() == 4
 
 
 def test_abort_in_flight_frees_blocks_when_its_batch_returns(llama_dir):

@@ -213,3 +213,45 @@ def test_models_without_stage_support_are_refused():
     for cls in (Gemma2ForCausalLM, OPTForCausalLM, Phi3ForCausalLM):
         with pytest.raises(ValueError, match=f"not implemented for {cls.__name__}"):
             check_pp_support(cls)
+
+
+def test_server_stage_killed_under_load_exits_nonzero(llama_dir, tmp_path):
+    """A stage dies while streams keep batches in flight: every stream ends (no hang) and the
+    server exits non-zero by itself."""
+    import httpx
+
+    from server_utils import RemoteServer, wait_unhealthy
+    from test_tensor_parallel import spawned_children
+
+    args = ("--pipeline-parallel-size", "2", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
+            "--served-model-name", "tiny", "--disable-access-log")
+    streaming, ended = threading.Barrier(9), []
+
+    def stream(i: int) -> None:
+        body = {"model": "tiny", "prompt": [5 + i, 6, 7], "max_tokens": 250, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+                streaming.wait(30)
+                for _ in lines:
+                    pass
+        except (httpx.HTTPError, threading.BrokenBarrierError):
+            pass
+        ended.append(i)
+
+    with RemoteServer(llama_dir, args, log_path=str(tmp_path / "server.log")) as srv:
+        (pid,) = spawned_children(srv.proc.pid)
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        streaming.wait(60)  # every stream has its first chunk: the pipeline is busy
+        os.kill(pid, signal.SIGKILL)
+        wait_unhealthy(srv, 60)  # a hang guard
+        srv.proc.wait(timeout=30)
+        for t in threads:
+            t.join(30)
+    assert sorted(ended) == list(range(8))
+    assert srv.returncode not in (0, None), srv.log()
+    assert "worker died" in srv.log() and "rank 1" in srv.log()
+    assert wait_gone([pid], 5) == []

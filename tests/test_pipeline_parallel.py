@@ -100,6 +100,24 @@ def test_pp_matches_one_process(llama_dir, reference, tp, pp, depth):
     assert wait_gone(pids, 10) == []
 
 
+def test_pp_parallel_sampling_forks_while_batches_are_in_flight(llama_dir):
+    """n = 3 (the samples fork from the prompt's blocks, copy-on-write) with preemption: the same
+    greedy samples as one process."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
+    prompts = [{"prompt_token_ids": p} for p in MANY[:10]]
+    got = []
+    for pp in (1, 2):
+        llm = make_llm(llama_dir, pp=pp)
+        try:
+            got.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sp, use_tqdm=False)])
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+            assert llm.llm_engine.max_inflight_batches == (2 if pp == 2 else 0)
+            assert_pool_empty(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    assert got[0] == got[1] and all(len(set(map(tuple, s))) == 1 for s in got[0])
+
+
 def test_scheduler_never_preempts_a_request_in_flight():
     """Scheduler alone, two batches in flight: a request whose batch is out is skipped and never
     chosen as the victim (the request that needs the block preempts itself instead)."""

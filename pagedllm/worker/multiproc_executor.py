@@ -370,12 +370,19 @@ class MultiprocExecutor(Executor):
             dist.gather_object(result, results, dst=0, group=self.driver.control)
             self._last_call = time.monotonic()
             return results
-        except (RuntimeError, OSError) as e:
-            raise self._fail(e) from e
-        except BaseException:
-            # Ctrl-C or a bug in rank 0 mid-call: the ranks are out of step; nothing can continue.
-            self._fail(None)
-            raise
+        except BaseException as e:
+            raise self._failure(e)
+
+    def _failure(self, e: BaseException) -> BaseException:
+        """What to raise after ``e`` interrupted a call: the executor is failed either way (the ranks
+        are out of step); a communication error becomes RuntimeError, anything else (Ctrl-C, a bug in
+        rank 0) is raised as is."""
+        if isinstance(e, (RuntimeError, OSError)):
+            err = self._fail(e)
+            err.__cause__ = e
+            return err
+        self._fail(None)
+        return e
 
     def _stop_remote_ranks(self, timeout_s: float = 5.0) -> None:
         """Tell every rank to exit cleanly (ranks on other nodes are not ours to kill); bounded, so a
@@ -477,11 +484,8 @@ class MultiprocExecutor(Executor):
                 wire = model_input if self.driver.device.type == "cpu" else to_device(model_input, "cpu")
                 sent = broadcast_object_async(("execute_model", (wire,)), self.driver.control)
                 pending = self.driver.execute_model_async(model_input)
-            except (RuntimeError, OSError) as e:
-                raise self._fail(e) from e
-            except BaseException:
-                self._fail(None)  # Ctrl-C or a bug mid-call: the ranks are out of step
-                raise
+            except BaseException as e:
+                raise self._failure(e)
         return _PipelinedOutput(self, sent, pending)
 
 
@@ -503,8 +507,5 @@ class _PipelinedOutput(ModelOutputFuture):
             logits = self._pending.wait()
             self._sent.wait()
             return logits
-        except (RuntimeError, OSError) as e:
-            raise ex._fail(e) from e
-        except BaseException:
-            ex._fail(None)
-            raise
+        except BaseException as e:
+            raise ex._failure(e)

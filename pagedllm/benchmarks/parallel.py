@@ -4,13 +4,14 @@ pipeline parallel, data parallel (replicas). Each runs in a fresh process, in on
     python -m pagedllm.benchmarks.parallel --model shape:qwen2-0.5b --configs one tp2 pp2 dp2
 
 Configs: ``one`` = one engine with ``cores`` torch threads; ``tpN`` / ``ppN`` = N ranks, cores / N
-threads each; ``dpN`` = N replicas (``DPAsyncLLM``), cores / N threads each. Prompts are random
-token ids; every request generates exactly ``--output-len`` tokens (greedy, no EOS). Timings
-exclude loading and a warm-up request. For TP and PP, rank 0's time in communication is reported
-as a share of the time in the executor: TP = its all-reduces / all-gathers (including waiting for
-the slower rank) plus the per-step broadcast of the batch; PP = the broadcast plus sending the
-hidden states to stage 1 and waiting for the logits from the last stage (which includes the other
-stages' compute: the pipeline bubble of a synchronous pipeline).
+threads each (``ppN`` with up to N batches in flight, ``ppNsync`` with one: each batch through
+every stage before the next); ``dpN`` = N replicas (``DPAsyncLLM``), cores / N threads each.
+Prompts are random token ids; every request generates exactly ``--output-len`` tokens (greedy, no
+EOS). Timings exclude loading and a warm-up request. For TP and PP, rank 0's time in communication
+is reported as a share of its time in the executor: TP = its all-reduces / all-gathers (including
+waiting for the slower rank) plus the per-step broadcast of the batch; PP = the broadcast plus
+sending the hidden states to stage 1 and waiting for the logits from the last stage (which
+includes the other stages' compute not overlapped with rank 0's own: the pipeline bubble).
 """
 from __future__ import annotations
 
@@ -40,13 +41,12 @@ def _engine_kwargs(a: argparse.Namespace, model: str, load_format: str) -> dict:
                 dtype=a.dtype)
 
 
-def run_model_parallel(a: argparse.Namespace, tp: int, pp: int) -> dict:
-    import torch.distributed as dist
-
+def run_model_parallel(a: argparse.Namespace, tp: int, pp: int, pp_sync: bool = False) -> dict:
     import pagedllm.layers.fused_moe as fused_moe
     import pagedllm.layers.quantization.base as qbase
     import pagedllm.layers.quantization.int8 as qint8
     import pagedllm.layers.vocab_embedding as vocab
+    import pagedllm.worker.multiproc_executor as mpx
     import pagedllm.worker.pp_runner as pp_runner
     from pagedllm import LLM, SamplingParams
 
@@ -56,13 +56,16 @@ def run_model_parallel(a: argparse.Namespace, tp: int, pp: int) -> dict:
     vocab.tensor_model_parallel_all_reduce = _timed(vocab.tensor_model_parallel_all_reduce, comm, "comm")
     vocab.tensor_model_parallel_all_gather = _timed(vocab.tensor_model_parallel_all_gather, comm, "comm")
     pp_runner.pp_send = _timed(pp_runner.pp_send, comm, "comm")
-    dist.recv = _timed(dist.recv, comm, "comm")  # rank 0 (stage 0) only receives the logits
-    dist.broadcast_object_list = _timed(dist.broadcast_object_list, comm, "comm")
+    pp_runner.PendingLogits.wait = _timed(pp_runner.PendingLogits.wait, comm, "comm")  # rank 0's logits
+    mpx.broadcast_object = _timed(mpx.broadcast_object, comm, "comm")
+    mpx.broadcast_object_async = _timed(mpx.broadcast_object_async, comm, "comm")
 
     model, load_format = resolve_model(a.model, a.load_format, a.output_dir)
     kw = _engine_kwargs(a, model, load_format)
     llm = LLM(kw.pop("model"), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
     engine = llm.llm_engine
+    if pp_sync:
+        engine.pipeline_depth = 1
     prompts = _workload(a, engine.model_config.hf_config.vocab_size)
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     executor, stats = engine.executor, defaultdict(float)
@@ -75,7 +78,26 @@ def run_model_parallel(a: argparse.Namespace, tp: int, pp: int) -> dict:
         stats["comm_s"] += comm["comm"] - before
         return out
 
+    def execute_model_async(model_input):
+        before, t = comm["comm"], time.perf_counter()
+        future = inner_async(model_input)
+        stats["executor_s"] += time.perf_counter() - t
+        stats["comm_s"] += comm["comm"] - before
+        result = future.result
+
+        def timed_result():
+            before, t = comm["comm"], time.perf_counter()
+            out = result()
+            stats["executor_s"] += time.perf_counter() - t
+            stats["comm_s"] += comm["comm"] - before
+            return out
+
+        future.result = timed_result
+        return future
+
+    inner_async = executor.execute_model_async
     executor.execute_model = execute_model
+    executor.execute_model_async = execute_model_async
     t = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True),
                         use_tqdm=False)
@@ -83,7 +105,8 @@ def run_model_parallel(a: argparse.Namespace, tp: int, pp: int) -> dict:
     engine.shutdown()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
-            "comm_share": stats["comm_s"] / stats["executor_s"] if stats["executor_s"] else 0.0, **stats}
+            "comm_share": stats["comm_s"] / stats["executor_s"] if stats["executor_s"] else 0.0,
+            "max_inflight_batches": engine.max_inflight_batches, **stats}
 
 
 def run_data_parallel(a: argparse.Namespace, dp: int) -> dict:
@@ -118,11 +141,12 @@ def run_data_parallel(a: argparse.Namespace, dp: int) -> dict:
 
 
 def run_config(a: argparse.Namespace, name: str) -> dict:
-    kind, n = (name, 1) if name == "one" else (name[:2], int(name[2:]))
+    sync = name.endswith("sync")
+    kind, n = (name, 1) if name == "one" else (name[:2], int(name[2:len(name) - 4 * sync]))
     if kind == "dp":
         res = run_data_parallel(a, n)
     else:
-        res = run_model_parallel(a, n if kind == "tp" else 1, n if kind == "pp" else 1)
+        res = run_model_parallel(a, n if kind == "tp" else 1, n if kind == "pp" else 1, pp_sync=sync)
     return {"config": name, **res}
 
 

@@ -37,12 +37,12 @@ def _timed(fn: Callable, stats: dict, key: str) -> Callable:
 
 def run_one(a: argparse.Namespace) -> dict:
     """One tensor-parallel size, in this process."""
-    import torch.distributed as dist
 
     import pagedllm.layers.fused_moe as fused_moe
     import pagedllm.layers.quantization.base as qbase
     import pagedllm.layers.quantization.int8 as qint8
     import pagedllm.layers.vocab_embedding as vocab
+    import pagedllm.worker.multiproc_executor as mpx
     from pagedllm import LLM, SamplingParams
 
     comm: dict[str, float] = defaultdict(float)
@@ -51,7 +51,7 @@ def run_one(a: argparse.Namespace) -> dict:
         mod.tensor_model_parallel_all_reduce = _timed(mod.tensor_model_parallel_all_reduce, comm, "collective")
     vocab.tensor_model_parallel_all_reduce = _timed(vocab.tensor_model_parallel_all_reduce, comm, "collective")
     vocab.tensor_model_parallel_all_gather = _timed(vocab.tensor_model_parallel_all_gather, comm, "collective")
-    dist.broadcast_object_list = _timed(dist.broadcast_object_list, comm, "broadcast")
+    mpx.broadcast_object = _timed(mpx.broadcast_object, comm, "broadcast")  # the driver's per-step call
 
     model, load_format = resolve_model(a.model, a.load_format, a.output_dir)
     llm = LLM(model, load_format=load_format, tensor_parallel_size=a.tp_one, kv_cache_memory=a.kv_cache_memory,

@@ -2,12 +2,18 @@
 
 One step = schedule -> build the flat batch -> forward -> sample -> update requests ->
 detokenize -> RequestOutputs for every request that advanced or finished.
+
+With pipeline parallelism (the executor's ``max_concurrent_batches`` P > 1) a step first fills
+the pipeline (schedule and submit batches until P are in flight or nothing is left to schedule),
+then waits for the oldest batch's logits and processes them as above (vLLM V1's
+``step_with_batch_queue``).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections import deque
 from typing import Iterable, Optional, Union
 
 import torch
@@ -66,7 +72,11 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager,
+                                   self.executor.max_concurrent_batches)
+        # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
+        self._inflight: deque = deque()
+        self.max_inflight_batches = 0  # the most batches ever in flight at once (0: never pipelined)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler()
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
@@ -151,6 +161,9 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is more than max_num_seqs={max_num_seqs} sequences can run at once")
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self.scheduler.requests or f"{request_id}#0" in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is still in use: it was aborted while its batch was "
+                             f"in flight (pipeline parallelism); use another id")
         self.verify_logits_fields(params)
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
         arrival_time = arrival_time or time.time()
@@ -209,7 +222,21 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
+
+    @property
+    def pipeline_depth(self) -> int:
+        """How many batches may be in flight at once: the pipeline-parallel size by default;
+        1 runs each batch through every stage before the next (synchronous)."""
+        return self.scheduler.pipeline_depth
+
+    @pipeline_depth.setter
+    def pipeline_depth(self, depth: int) -> None:
+        if not 1 <= depth <= self.executor.max_concurrent_batches:
+            raise ValueError(f"pipeline_depth must be in [1, {self.executor.max_concurrent_batches}], got {depth}")
+        if self._inflight:
+            raise RuntimeError("cannot change pipeline_depth while batches are in flight")
+        self.scheduler.pipeline_depth = depth
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -225,11 +252,32 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Raises RuntimeError when a tensor-parallel worker died (even with nothing scheduled)."""
         self.executor.check_health()
+        if self.scheduler.pipeline_depth > 1:
+            return self._step_pipelined()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
+        return self._process_output(sched_out, plan, logits)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Submit batches until ``pipeline_depth`` are in flight (or none is left to schedule),
+        then process the oldest one's output."""
+        while len(self._inflight) < self.scheduler.pipeline_depth:
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                break
+            plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+            self._inflight.append((sched_out, plan, self.executor.execute_model_async(plan.model_input)))
+            self.max_inflight_batches = max(self.max_inflight_batches, len(self._inflight))
+        if not self._inflight:
+            return []
+        sched_out, plan, future = self._inflight.popleft()
+        return self._process_output(sched_out, plan, future.result())
+
+    def _process_output(self, sched_out, plan, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample, update the requests of one batch and make their outputs."""
         num_sample = len(plan.sampling_requests)
         sampled: dict[str, int] = {}
         if num_sample:
@@ -298,6 +346,13 @@ class LLMEngine:
                     s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit)
 
     def shutdown(self) -> None:
+        # Let batches in flight come back first, so no rank is left mid-transfer (a failed
+        # executor answers at once).
+        while self._inflight:
+            try:
+                self._inflight.popleft()[2].result()
+            except Exception:  # noqa: BLE001 - the executor is failed; nothing left to wait for
+                self._inflight.clear()
         self.executor.shutdown()
 
 

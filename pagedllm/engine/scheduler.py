@@ -7,6 +7,17 @@ When a running request cannot get a block, the most recently admitted running re
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
 recomputed later (prefill of prompt + generated tokens). Design after vLLM v1's unified
 scheduler, where "prefill" and "decode" are just a number of new tokens per request.
+
+Pipeline parallelism (``pipeline_depth`` P > 1): up to P batches are in flight, and ``schedule()``
+may run again before an earlier batch's output is back. A request in a batch in flight
+(``inflight``) is not scheduled again until ``update_from_output`` has that batch (its next
+input token is unknown), is never chosen for preemption, and an abort of it is deferred until
+then (its blocks are in use by the stages; they are freed when the output returns). Each batch
+takes at most ceil(unfinished sequences / P) sequences, so the P batches are about equal (as
+vLLM V0's one scheduler per virtual engine; otherwise one batch would take every request and
+leave the other stages idle). Blocks are allocated at schedule time as without pipelining; a
+prefix-cache hit on blocks a batch in flight is still computing is correct because every stage
+runs the batches in order.
 """
 from __future__ import annotations
 
@@ -44,8 +55,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, pipeline_depth: int = 1) -> None:
         self.config = config
+        self.pipeline_depth = pipeline_depth
+        self.inflight: set[str] = set()  # ids of requests in a batch whose output is not back
+        self._deferred: dict[str, RequestStatus] = {}  # in-flight requests to finish when it is
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -85,6 +99,9 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
+            if rid in self.inflight:  # finished now; the stages still use its blocks until the batch returns
+                self._deferred[rid] = req.status = status
+                continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req in self.waiting:
@@ -113,20 +130,39 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _pop_victim(self, first: int) -> Request:
+        """The newest running request at index >= ``first`` that is not in flight (index
+        ``first`` itself is the one being scheduled, never in flight)."""
+        for j in range(len(self.running) - 1, first - 1, -1):
+            if self.running[j].request_id not in self.inflight:
+                return self.running.pop(j)
+        raise AssertionError("the request being scheduled is in flight")
+
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        pipelined = self.pipeline_depth > 1
+        if pipelined:  # a fair share of the sequences, so that every stage has a batch
+            seq_cap = -(-(self.num_running_seqs() + len(self.waiting)) // self.pipeline_depth)
+            batch_seqs = 0
 
         # 1. Running requests, oldest first; preempt from the newest end when out of blocks.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if pipelined:
+                if batch_seqs >= seq_cap:
+                    break
+                if req.request_id in self.inflight:
+                    i += 1
+                    continue
+                batch_seqs += 1 + len(self.forks.get(req.request_id, ()))
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             ok = True
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()
+                victim = self._pop_victim(i)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -145,6 +181,8 @@ class Scheduler:
             req = self.waiting[0]
             width = 1 + len(self.forks.get(req.request_id, ()))
             if self.running and num_seqs + width > self.config.max_num_seqs:
+                break
+            if pipelined and batch_seqs >= seq_cap:
                 break
             if req.sampling_params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 cached_blocks, num_cached = [], 0  # cached positions would have no logits to report
@@ -166,7 +204,11 @@ class Scheduler:
             num_seqs += width
             scheduled.append((req, num_new))
             budget -= num_new
+            if pipelined:
+                batch_seqs += width
 
+        if pipelined:
+            self.inflight.update(r.request_id for r, _ in scheduled)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted,
                                total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget)
 
@@ -178,6 +220,15 @@ class Scheduler:
         """
         updated = []
         for req, n in out.scheduled:
+            if self.inflight:
+                self.inflight.discard(req.request_id)
+                status = self._deferred.pop(req.request_id, None)
+                if status is not None:  # aborted while in flight: its blocks are free to go now
+                    self.running.remove(req)
+                    for sibling in self.forks.pop(req.request_id, ()):
+                        self._finish(sibling, status)
+                    self._finish(req, status)
+                    continue
             if req.is_finished:
                 continue
             req.num_computed_tokens += n

@@ -11,9 +11,29 @@ from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
 
+class ModelOutputFuture:
+    """The logits [M, V] (float32) of a batch handed to ``Executor.execute_model_async``."""
+
+    def __init__(self, logits: torch.Tensor | None = None) -> None:
+        self._logits = logits
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> torch.Tensor:
+        """Wait for the logits; raises RuntimeError when a worker died."""
+        return self._logits
+
+
 class Executor:
     """determine_kv_budget() -> (bytes per rank, explanation); bytes_per_block() per rank;
-    allocate_kv_cache(num_blocks); execute_model(ModelInput) -> logits [M, V] (float32)."""
+    allocate_kv_cache(num_blocks); execute_model(ModelInput) -> logits [M, V] (float32).
+
+    ``max_concurrent_batches`` (vLLM's name) batches may be in flight at once through
+    ``execute_model_async``: more than 1 only with pipeline parallelism, where the engine keeps
+    one batch per stage (the default runs the batch to the end before returning)."""
+
+    max_concurrent_batches = 1
 
     def determine_kv_budget(self) -> tuple[int, str]:
         raise NotImplementedError
@@ -29,6 +49,9 @@ class Executor:
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         raise NotImplementedError
+
+    def execute_model_async(self, model_input: ModelInput) -> ModelOutputFuture:
+        return ModelOutputFuture(self.execute_model(model_input))
 
     def check_health(self) -> None:
         """Raise RuntimeError if a worker died."""

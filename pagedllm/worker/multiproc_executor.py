@@ -3,9 +3,12 @@
 Rank 0 runs in the driver (the process that owns the scheduler, as in vLLM); ranks 1..N-1 are
 spawned worker processes. Every rank builds its shard of the model (``layers/linear.py``) and
 keeps the KV cache of its own heads. Each call the driver makes (profile, allocate, forward) is
-broadcast to the workers over a gloo "control" group as one pickled object; every rank runs it,
-the layers' all-reduce/all-gather run over the default group (gloo on a CPU, NCCL on CUDA), and
-rank 0 returns the logits. Replies (budgets) come back with ``gather_object``.
+broadcast to the workers over a gloo "control" group as one pickled object
+(``distributed/control_channel.py``); every rank runs it, the layers' all-reduce/all-gather run
+over the default group (gloo on a CPU, NCCL on CUDA), and rank 0 returns the logits. Replies
+(budgets) come back with ``gather_object``. With pipeline parallelism, ``execute_model_async``
+sends the batch without waiting and returns after stage 0, so up to ``max_concurrent_batches``
+(= pipeline stages) batches are in flight (``worker/pp_runner.py``).
 
 Failure handling: a worker that dies closes its sockets, so the driver's next (or current)
 collective raises; the driver also checks ``Process.is_alive()`` before every call. Either way
@@ -39,8 +42,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.control_channel import (PendingBroadcast, broadcast_object, broadcast_object_async,
+                                                  recv_broadcast_object)
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
-from pagedllm.worker.executor import Executor, UniProcExecutor
+from pagedllm.worker.executor import Executor, ModelOutputFuture, UniProcExecutor
 from pagedllm.worker.input_batch import ModelInput
 from pagedllm.worker.kv_cache_budget import physical_memory_bytes
 from pagedllm.worker.model_runner import ModelRunner
@@ -144,6 +149,13 @@ class RankWorker(UniProcExecutor):
             model_input = to_device(model_input, self.device)
         return self.runner.execute_model(model_input)
 
+    def execute_model_async(self, model_input: ModelInput) -> Any:
+        """Pipeline parallel only: run this stage and return without waiting for the last
+        stage (on the driver, a ``PendingLogits``)."""
+        if self.device.type != "cpu":
+            model_input = to_device(model_input, self.device)
+        return self.runner.execute_model_async(model_input)
+
 
 def _watch_parent(parent_pid: int) -> None:
     while True:
@@ -164,9 +176,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
         conn.send(("ready", None))
         worker = RankWorker(config, rank, world_size, init_method)
         while True:
-            call: list[Any] = [None]
-            dist.broadcast_object_list(call, src=0, group=worker.control)
-            method, args = call[0]
+            method, args = recv_broadcast_object(worker.control)
             if method == "shutdown":
                 break
             result = getattr(worker, method)(*args)
@@ -352,7 +362,7 @@ class MultiprocExecutor(Executor):
         self._check_local()
         try:
             wire_args = args if self.driver.device.type == "cpu" else to_device(args, "cpu")
-            dist.broadcast_object_list([(method, wire_args)], src=0, group=self.driver.control)
+            broadcast_object((method, wire_args), self.driver.control)
             result = getattr(self.driver, method)(*args)
             if method == "execute_model":
                 return result
@@ -360,19 +370,26 @@ class MultiprocExecutor(Executor):
             dist.gather_object(result, results, dst=0, group=self.driver.control)
             self._last_call = time.monotonic()
             return results
-        except (RuntimeError, OSError) as e:
-            raise self._fail(e) from e
-        except BaseException:
-            # Ctrl-C or a bug in rank 0 mid-call: the ranks are out of step; nothing can continue.
-            self._fail(None)
-            raise
+        except BaseException as e:
+            raise self._failure(e)
+
+    def _failure(self, e: BaseException) -> BaseException:
+        """What to raise after ``e`` interrupted a call: the executor is failed either way (the ranks
+        are out of step); a communication error becomes RuntimeError, anything else (Ctrl-C, a bug in
+        rank 0) is raised as is."""
+        if isinstance(e, (RuntimeError, OSError)):
+            err = self._fail(e)
+            err.__cause__ = e
+            return err
+        self._fail(None)
+        return e
 
     def _stop_remote_ranks(self, timeout_s: float = 5.0) -> None:
         """Tell every rank to exit cleanly (ranks on other nodes are not ours to kill); bounded, so a
         hung peer cannot hold up the shutdown."""
         def tell():
             try:
-                dist.broadcast_object_list([("shutdown", ())], src=0, group=self.driver.control)
+                broadcast_object(("shutdown", ()), self.driver.control)
             except Exception:  # noqa: BLE001 - peers already gone: nothing to tell
                 pass
 
@@ -448,3 +465,47 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         return self._call("execute_model", model_input)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One batch in flight per pipeline stage (as vLLM); 1 without pipeline parallelism."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def execute_model_async(self, model_input: ModelInput) -> ModelOutputFuture:
+        """Send the batch to every rank and run stage 0 here; returns once stage 0 has handed its
+        hidden states on, before the logits are back (pipeline parallelism only; otherwise the
+        synchronous call). Raises RuntimeError (now or from ``result()``) when a rank died."""
+        if self.max_concurrent_batches == 1:
+            return super().execute_model_async(model_input)
+        with self._call_lock:
+            self._last_call = time.monotonic()
+            self._check_local()
+            try:
+                wire = model_input if self.driver.device.type == "cpu" else to_device(model_input, "cpu")
+                sent = broadcast_object_async(("execute_model", (wire,)), self.driver.control)
+                pending = self.driver.execute_model_async(model_input)
+            except BaseException as e:
+                raise self._failure(e)
+        return _PipelinedOutput(self, sent, pending)
+
+
+class _PipelinedOutput(ModelOutputFuture):
+    """The logits of a batch in flight: stage 0 is done, the last stage sends them to the driver
+    (a posted ``irecv``); ``result()`` waits for them and for every rank to have had the call."""
+
+    def __init__(self, executor: MultiprocExecutor, sent: PendingBroadcast, pending: Any) -> None:
+        self._executor, self._sent, self._pending = executor, sent, pending
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def result(self) -> torch.Tensor:
+        ex = self._executor
+        if ex._failed is not None:
+            raise RuntimeError(ex._failed)
+        try:
+            logits = self._pending.wait()
+            self._sent.wait()
+            return logits
+        except BaseException as e:
+            raise ex._failure(e)

@@ -3,13 +3,19 @@ vLLM's ``PPMissingLayer``/``IntermediateTensors`` scheme).
 
 Every rank receives the same ModelInput (the executor broadcasts it). Stage 0 embeds the tokens;
 each stage runs its layers over its own KV cache and sends the hidden states and the residual
-stream (each [N, hidden]) to the same TP rank of the next stage with ``torch.distributed`` point-to-point ``send``/``recv`` (gloo
-on a CPU, NCCL on CUDA); the last stage applies the final norm and the LM head, and its TP rank
-0 sends the float32 logits [M, vocab] back to global rank 0 (the driver). Shapes are known
-on every rank from the ModelInput, so no shape message precedes a tensor.
+stream (each [N, hidden]) to the same TP rank of the next stage with ``torch.distributed``
+point-to-point ``send``/``recv`` (gloo on a CPU, NCCL on CUDA); the last stage applies the final
+norm and the LM head, and its TP rank 0 sends the float32 logits [M, vocab] back to global rank 0
+(the driver). Shapes are known on every rank from the ModelInput, so no shape message precedes a
+tensor.
 
-The pipeline here is synchronous: one batch in flight, each stage idle while the others work
-(a bubble of (P - 1) / P on P stages for a single batch; see benchmarks/README.md).
+Several batches are in flight at once (vLLM V1's ``batch_queue``): ``execute_model_async`` on the
+driver runs stage 0, hands the hidden states to stage 1, posts an ``irecv`` for the logits and
+returns a ``PendingLogits``, so the engine can put batch i+1 into stage 0 while stages 1..P-1 work
+on batch i (up to P batches, one per stage; the scheduler skips requests whose batch is in
+flight, see engine/scheduler.py). Every stage runs the batches in the order the driver sent them,
+and each pair of ranks sees its sends and receives in the same order, so FIFO matching needs no
+tags (NCCL has none). The engine samples each batch when its logits arrive, oldest first.
 """
 from __future__ import annotations
 
@@ -34,9 +40,27 @@ def check_pp_support(model_cls: type) -> None:
                          f"Llama-family models in models/llama.py and their subclasses that keep its forward)")
 
 
+class PendingLogits:
+    """Logits [M, vocab] (float32) on their way from the last stage to the driver."""
+
+    def __init__(self, work, logits: torch.Tensor) -> None:
+        self._work, self._logits = work, logits
+
+    def done(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        """Block until the logits are here (bounded by the process group's timeout); raises
+        RuntimeError when the last stage is gone."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._logits
+
+
 class PPModelRunner(ModelRunner):
     """``execute_model`` returns the logits on global rank 0 (and on the last stage), None on
-    the other ranks."""
+    the other ranks; ``execute_model_async`` returns a PendingLogits on rank 0 instead."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -66,8 +90,12 @@ class PPModelRunner(ModelRunner):
         if self.last:
             self.model.compute_logits(hidden[:min(n, self.config.scheduler_config.max_num_seqs)])
 
-    @torch.inference_mode()
     def execute_model(self, model_input: ModelInput) -> torch.Tensor | None:
+        out = self.execute_model_async(model_input)
+        return out.wait() if isinstance(out, PendingLogits) else out
+
+    @torch.inference_mode()
+    def execute_model_async(self, model_input: ModelInput) -> torch.Tensor | PendingLogits | None:
         if model_input.block_copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
@@ -81,8 +109,7 @@ class PPModelRunner(ModelRunner):
                 pp_send(t, self.pp_rank + 1)
             if self.first and get_tp_rank() == 0:
                 logits = torch.empty(m, self.vocab_size, dtype=torch.float32, device=self.device)
-                dist.recv(logits, (self.pp_size - 1) * get_tp_size())
-                return logits
+                return PendingLogits(dist.irecv(logits, (self.pp_size - 1) * get_tp_size()), logits)
             return None
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         if get_tp_rank() == 0:

@@ -180,6 +180,129 @@ def test_q8_0_rejects_bad_rows():
         split_q8_0(torch.zeros(2, 35, dtype=torch.uint8))
 
 
+# ---- SmoothQuant ---------------------------------------------------------------------------------
+def _load(path: str, quantization=None, dtype: str = "float32"):
+    from pagedllm.config import EngineArgs
+    from pagedllm.models.loader import load_model
+
+    mc = EngineArgs(model=path, dtype=dtype, quantization=quantization).create_engine_config().model_config
+    return load_model(mc, "cpu")
+
+
+def _logits(model, seqs) -> torch.Tensor:
+    from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + len(s))
+    meta = AttentionMetadata(slot_mapping=torch.arange(starts[-1]),
+                             prefills=[PrefillSeq(starts[i], starts[i + 1], len(s)) for i, s in enumerate(seqs)])
+    ids = torch.tensor([t for s in seqs for t in s])
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, [None] * len(model.layers), meta))
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
+def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, arch, dtype):
+    """Smoothing factors are powers of two, so x / s and W * s are exact in float32 and bfloat16
+    and every product x_j W_ij keeps its bits: the smoothed float model's logits must equal the
+    unsmoothed ones exactly (tolerance 0), while the folded weights did change."""
+    from pagedllm.layers.quantization.smoothquant import apply_smoothquant, calibration_token_ids
+    from pagedllm.models.checkpoint import load_tokenizer
+
+    monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")  # keep the plain float weights to fold into
+    path = build_checkpoint(str(tmp_path), arch, seed=4)
+    model = _load(path, dtype=dtype)
+    tok = load_tokenizer(path)
+    seqs = calibration_token_ids(tok, model.config.vocab_size)
+    assert len(seqs) >= 8 and all(len(s) > 20 for s in seqs)  # the texts and the chat turns
+    before = _logits(model, seqs[:3] + seqs[-2:])
+    layer = model.layers[0]
+    attn = layer.self_attn
+    v_rows = slice(attn.qkv_proj.q_size + attn.qkv_proj.kv_size, None)
+    inter = layer.mlp.gate_up_proj.output_sizes[0]
+    folded = lambda: [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,  # noqa: E731
+                      attn.qkv_proj.weight[v_rows], layer.mlp.gate_up_proj.weight[inter:], attn.o_proj.weight,
+                      layer.mlp.down_proj.weight]
+    old = [t.detach().clone() for t in folded()]
+    report = apply_smoothquant(model, tok, 0.5)
+    assert report.num_smoothed == 4 * 2 and report.num_tokens == sum(len(s) for s in seqs)
+    for a, b in zip(old, folded()):
+        assert not torch.equal(a, b)  # all four folds happened
+    assert torch.equal(_logits(model, seqs[:3] + seqs[-2:]), before)
+
+
+def _outlier_checkpoint(out_dir: str, factor: float = 40.0) -> str:
+    """A tiny Llama whose linear inputs have outlier channels (as real LLMs do), with the same float
+    function as the plain one: channels of each RMSNorm weight, of the up_proj rows and of the
+    v_proj rows are multiplied by ``factor``, and the matching columns of the consumers divided."""
+    import transformers
+
+    build_checkpoint(out_dir, "llama", seed=9)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for norm, consumers, ch in ((layer.input_layernorm, (a.q_proj, a.k_proj, a.v_proj), [3, 41]),
+                                        (layer.post_attention_layernorm, (m.gate_proj, m.up_proj), [17, 50])):
+                norm.weight[ch] *= factor
+                for c in consumers:
+                    c.weight[:, ch] /= factor
+            m.up_proj.weight[[7, 90]] *= factor
+            m.down_proj.weight[:, [7, 90]] /= factor
+            a.v_proj.weight[[5, 20]] *= factor  # KV head 0, channel 5 and KV head 1, channel 4
+            hd = a.head_dim
+            for h in range(model.config.num_attention_heads):  # the query heads reading those KV heads
+                kv = h // (model.config.num_attention_heads // model.config.num_key_value_heads)
+                for r in (5, 20):
+                    if r // hd == kv:
+                        a.o_proj.weight[:, h * hd + r % hd] /= factor
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_smoothquant_cures_outlier_channels(tmp_path, monkeypatch):
+    """Per-token int8 on a model with outlier channels: without smoothing the logits' error grows
+    several-fold over the plain model's; with SmoothQuant it falls back near the plain model's
+    (measured: plain 0.039, outliers 0.43, smoothed 0.059 of the mean |logit|; the smoothed
+    weights now carry part of the outliers, hence a little above the plain model)."""
+    from pagedllm.layers.quantization.smoothquant import calibration_token_ids
+    from pagedllm.models.checkpoint import load_tokenizer
+
+    plain = build_checkpoint(str(tmp_path / "plain"), "llama", seed=9)
+    outlier = _outlier_checkpoint(str(tmp_path / "outlier"))
+    tok = load_tokenizer(plain)
+    seqs = [list(range(3, 60)), tok.encode("the king and the queen were in the world for a long time.")]
+    ref = _logits(_load(plain), seqs).double()
+    assert (_logits(_load(outlier), seqs).double() - ref).abs().max() < 1e-3  # same float function
+
+    def err(path: str) -> float:  # mean |logit error| / mean |logit|
+        return float((_logits(_load(path, "int8"), seqs).double() - ref).abs().mean() / ref.abs().mean())
+
+    monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "0")
+    plain_err, outlier_err = err(plain), err(outlier)
+    monkeypatch.delenv("PAGEDLLM_SMOOTHQUANT_ALPHA")
+    smooth_err = err(outlier)
+    print(f"int8 relative logit error: plain {plain_err:.4f}, outliers {outlier_err:.4f}, smoothed {smooth_err:.4f}")
+    assert outlier_err > 4 * plain_err  # the injected outliers hurt per-token int8
+    assert smooth_err < 0.2 * outlier_err and smooth_err < 2 * plain_err  # and smoothing cures them
+    assert smooth_err > 0  # still quantized
+
+
+def test_smoothquant_alpha_env(monkeypatch):
+    from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
+
+    assert smoothquant_alpha(0.5) == 0.5 and smoothquant_alpha(None) is None
+    monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "0")
+    assert smoothquant_alpha(0.5) is None
+    monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "0.7")
+    assert smoothquant_alpha(0.5) == 0.7 and smoothquant_alpha(None) == 0.7
+    monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "1.5")
+    with pytest.raises(ValueError, match="PAGEDLLM_SMOOTHQUANT_ALPHA"):
+        smoothquant_alpha(0.5)
+
+
 # ---- engine --------------------------------------------------------------------------------------
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]

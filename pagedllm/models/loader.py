@@ -18,6 +18,7 @@ from pagedllm.distributed.parallel_state import get_tp_rank
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
+from pagedllm.layers.quantization.smoothquant import smooth_for_quantization
 from pagedllm.models.gguf import is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 
@@ -121,10 +122,12 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
         except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
             raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None
     quant_config = get_quantization_config(model_config.quantization)
+    smoothing = smooth_for_quantization(model, quant_config, model_config.tokenizer)
     report = process_weights_after_loading(model, quant_config)
+    report.smoothing = smoothing.describe() if smoothing else ""
     model.quantization_report = report
     if quant_config is not None and get_tp_rank() == 0:
-        logger.info("quantization=%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
-                    report.method, report.num_quantized, report.bytes_before / 2**20, report.bytes_after / 2**20,
-                    report.bytes_saved / 2**20)
+        logger.info("quantization=%s%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
+                    report.method, f", {report.smoothing}" if report.smoothing else "", report.num_quantized,
+                    report.bytes_before / 2**20, report.bytes_after / 2**20, report.bytes_saved / 2**20)
     return model.eval()

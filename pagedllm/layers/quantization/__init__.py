@@ -15,10 +15,11 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
+from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 QUANTIZATION_METHODS: dict[str, Callable[[], QuantizationConfig]] = {
-    "int8": Int8Config,  # one activation scale per token
+    "int8": partial(Int8Config, smooth_alpha=DEFAULT_SMOOTH_ALPHA),  # one activation scale per token, SmoothQuant
     "int8-g64": partial(Int8Config, act_group_size=64),  # per token and per group of 64 features
 }
 
@@ -52,6 +53,7 @@ class QuantizationReport:
     num_quantized: int  # layers whose method is not the float one
     bytes_before: int  # this rank's parameter bytes before / after the post-load step
     bytes_after: int
+    smoothing: str = ""  # what SmoothQuant did before quantizing ("": nothing)
 
     @property
     def bytes_saved(self) -> int:

@@ -182,18 +182,22 @@ class Int8Config(QuantizationConfig):
     ``quantize_lm_head`` is False; layers whose name starts with a prefix in ``ignore`` stay float.
 
     Activation scales are per token (row), or per token and per group of ``act_group_size``
-    input features (``int8-g64``; one scale per row when g does not divide k). On SmolLM2-135M one
-    scale per row cost +4.7 % held-out perplexity, groups of 64 +1.2 %; but k / 64 shallow int8
-    matmuls plus their float epilogues made a 1024-token prefill matmul ~8x slower
-    (benchmarks/README.md).
+    input features (``int8-g64``; one scale per row when g does not divide k). ``smooth_alpha``:
+    SmoothQuant's migration strength (``smoothquant.py``; the loader calibrates and folds the
+    factors into the float weights before they are quantized; None: no smoothing). On
+    SmolLM2-135M one scale per row cost +4.7 % held-out perplexity, with SmoothQuant (alpha 0.65,
+    ``--quantization int8``) +1.8 %, groups of 64 +1.2 % (but k / 64 shallow int8 matmuls plus
+    their float epilogues made a 1024-token prefill matmul ~8x slower; benchmarks/README.md).
     """
 
     name = "int8"
 
-    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 0) -> None:
+    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 0,
+                 smooth_alpha: Optional[float] = None) -> None:
         self.quantize_lm_head = quantize_lm_head
         self.ignore = tuple(ignore)
         self.act_group_size = act_group_size
+        self.smooth_alpha = smooth_alpha  # SmoothQuant migration strength (None: off); see smoothquant.py
 
     def is_layer_skipped(self, prefix: str) -> bool:
         return any(prefix == p or prefix.startswith(p + ".") for p in self.ignore)

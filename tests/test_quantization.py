@@ -303,6 +303,53 @@ def test_smoothquant_alpha_env(monkeypatch):
         smoothquant_alpha(0.5)
 
 
+@pytest.mark.parametrize("quant_types", [("Q8_0",), None])
+def test_gguf_q8_0_straight_into_int8(tmp_path, monkeypatch, quant_types):
+    """``--quantization int8`` without SmoothQuant on a GGUF file: Q8_0 matrices become the int8
+    layers' weights straight from their blocks (``q8_0_to_int8_per_channel``, per tensor: fused
+    q/k/v and gate/up rows are per-row conversions), and the model equals the one loaded through
+    dequantized float weights bit for bit (the block values are exact in float32, and both
+    requantize per channel with the same scales). ``None``: the mixed-type file of test_gguf
+    (F32 .. Q5_1 in turn): fused layers with rows of several types fall back to float rows."""
+    pytest.importorskip("gguf")
+    from pagedllm.models import loader
+    from pagedllm.models.gguf import Q8_0Weight, iterate_gguf_weights, load_gguf_config
+    from test_gguf import write_llama_gguf
+
+    hf = build_checkpoint(str(tmp_path / "hf"), "llama", seed=5)
+    path = str(tmp_path / "tiny.gguf")
+    types = write_llama_gguf(hf, path, **({"quant_types": quant_types} if quant_types else {}))
+    monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "0")
+    assert loader.gguf_q8_0_direct(get_quantization_config("int8"))
+    from pagedllm.layers.quantization import q8_0
+
+    finished, finish = [], q8_0.finish_q8_0
+    monkeypatch.setattr(q8_0, "finish_q8_0", lambda layer, to_int8: finished.append(finish(layer, to_int8)) or finished[-1])
+    direct = _load(path, "int8")
+    assert finished.count(True) == (7 if quant_types else 1) and finished.count(False) >= 1  # int8 / float rows
+    raw = {n: w for n, w in iterate_gguf_weights(path, load_gguf_config(path), raw_q8_0=True)
+           if isinstance(w, Q8_0Weight)}
+    assert len(raw) == sum(t == "Q8_0" for t in types.values()) >= 2
+    checked = 0
+    for i, layer in enumerate(direct.layers):
+        parts = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "self_attn.o_proj": ["o_proj"],
+                 "mlp.gate_up_proj": ["gate_proj", "up_proj"], "mlp.down_proj": ["down_proj"]}
+        for fused, names in parts.items():
+            blocks = [raw.get(f"model.layers.{i}.{fused.split('.')[0]}.{n}.weight") for n in names]
+            if any(b is None for b in blocks):
+                continue  # some rows of another type: loaded through float rows
+            q, scale = zip(*(q8_0_to_int8_per_channel(b.qweight, b.scales) for b in blocks))
+            mod = layer.get_submodule(fused)
+            assert torch.equal(mod.weight_q.t(), torch.cat(q)) and torch.equal(mod.weight_scale, torch.cat(scale))
+            assert not hasattr(mod, "weight") and not hasattr(mod, "q8_0_qs")
+            checked += 1
+    assert checked == (7 if quant_types else 1)  # all but layer 0's qkv, whose q and k test_gguf pins to F32
+    monkeypatch.setattr(loader, "gguf_q8_0_direct", lambda cfg: False)
+    via_float = _load(path, "int8")
+    seqs = [list(range(3, 40)), [5, 9, 200, 7]]
+    assert torch.equal(_logits(direct, seqs), _logits(via_float, seqs))
+
+
 # ---- engine --------------------------------------------------------------------------------------
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]

@@ -118,6 +118,11 @@ class Int8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "weight_q", None) is not None:
             return  # already int8 (e.g. set from a GGUF Q8_0 tensor by set_int8_weight)
+        if getattr(layer, "q8_0_qs", None) is not None:  # GGUF Q8_0 blocks kept by the loader
+            from pagedllm.layers.quantization.q8_0 import finish_q8_0
+
+            if finish_q8_0(layer, to_int8=True):
+                return
         w = layer.weight.data
         amax = None
         if getattr(layer, "input_is_parallel", False) and getattr(layer, "tp_size", 1) > 1:

@@ -410,6 +410,27 @@ def test_tp2_int8_matches_tp1_int8(tmp_path):
         two.llm_engine.shutdown()
 
 
+def test_tp2_int8_matches_tp1_int8_gguf_q8_0_direct(tmp_path, monkeypatch):
+    """Q8_0 blocks straight into int8 under TP=2: the row-parallel layers' per-channel scales take
+    the max over ranks, so TP=2 equals TP=1."""
+    pytest.importorskip("gguf")
+    from test_gguf import write_llama_gguf
+    from test_tensor_parallel import KV_BYTES, assert_same_outputs, make_prompts as tp_prompts, run
+
+    hf = build_checkpoint(str(tmp_path / "hf"), "llama", seed=6)
+    path = str(tmp_path / "q8.gguf")
+    write_llama_gguf(hf, path, quant_types=("Q8_0",))
+    monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "0")  # the direct path; workers inherit it
+    prompts = tp_prompts(500, seed=3)
+    ref = run(LLM(path, quantization="int8", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64), prompts)
+    two = LLM(path, quantization="int8", tensor_parallel_size=2, kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
+    try:
+        assert_same_outputs(ref, run(two, prompts))
+        assert_pool_empty(two)
+    finally:
+        two.llm_engine.shutdown()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_on_cuda(dtype):

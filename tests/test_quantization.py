@@ -396,10 +396,13 @@ def test_int8_close_to_float(llama_dir, quantization):
     assert_pool_empty(llm)
 
 
-def test_tp2_int8_matches_tp1_int8(tmp_path):
+@pytest.mark.parametrize("arch,extra", [("qwen2", {}), ("llama", {"num_key_value_heads": 1})])
+def test_tp2_int8_matches_tp1_int8(tmp_path, arch, extra):
+    """With SmoothQuant (the default): both ranks compute TP=1's factors (column maxima and the
+    o_proj groups over ranks; qwen2: q/k/v biases; one KV head: replicated on both ranks)."""
     from test_tensor_parallel import KV_BYTES, assert_same_outputs, make_prompts as tp_prompts, run
 
-    d = build_checkpoint(str(tmp_path), "qwen2", seed=7)  # q/k/v biases
+    d = build_checkpoint(str(tmp_path), arch, seed=7, **extra)
     prompts = tp_prompts(500, seed=2)
     ref = run(LLM(d, quantization="int8", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64), prompts)
     two = LLM(d, quantization="int8", tensor_parallel_size=2, kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)

@@ -203,17 +203,22 @@ def _logits(model, seqs) -> torch.Tensor:
         return model.compute_logits(model(ids, positions, [None] * len(model.layers), meta))
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
-def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, arch, dtype):
+@pytest.mark.parametrize("arch,dtype,tied", [("llama", "float32", False), ("qwen2", "float32", False),
+                                             ("qwen3", "float32", False), ("llama", "bfloat16", False),
+                                             ("llama", "float32", True)])
+def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, arch, dtype, tied):
     """Smoothing factors are powers of two, so x / s and W * s are exact in float32 and bfloat16
     and every product x_j W_ij keeps its bits: the smoothed float model's logits must equal the
-    unsmoothed ones exactly (tolerance 0), while the folded weights did change."""
+    unsmoothed ones exactly (tolerance 0), while the folded weights did change. A tied LM head /
+    embedding (SmolLM2) is left as it was."""
     from pagedllm.layers.quantization.smoothquant import apply_smoothquant, calibration_token_ids
     from pagedllm.models.checkpoint import load_tokenizer
 
     monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")  # keep the plain float weights to fold into
-    path = build_checkpoint(str(tmp_path), arch, seed=4)
+    path = build_checkpoint(str(tmp_path), arch, seed=4, tie_word_embeddings=tied)
     model = _load(path, dtype=dtype)
+    embedding = model.embed_tokens.weight.detach().clone()
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     tok = load_tokenizer(path)
     seqs = calibration_token_ids(tok, model.config.vocab_size)
     assert len(seqs) >= 8 and all(len(s) > 20 for s in seqs)  # the texts and the chat turns
@@ -231,6 +236,7 @@ def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, arch,
     for a, b in zip(old, folded()):
         assert not torch.equal(a, b)  # all four folds happened
     assert torch.equal(_logits(model, seqs[:3] + seqs[-2:]), before)
+    assert torch.equal(model.embed_tokens.weight, embedding)
 
 
 def _outlier_checkpoint(out_dir: str, factor: float = 40.0) -> str:
@@ -267,7 +273,6 @@ def test_smoothquant_cures_outlier_channels(tmp_path, monkeypatch):
     several-fold over the plain model's; with SmoothQuant it falls back near the plain model's
     (measured: plain 0.039, outliers 0.43, smoothed 0.059 of the mean |logit|; the smoothed
     weights now carry part of the outliers, hence a little above the plain model)."""
-    from pagedllm.layers.quantization.smoothquant import calibration_token_ids
     from pagedllm.models.checkpoint import load_tokenizer
 
     plain = build_checkpoint(str(tmp_path / "plain"), "llama", seed=9)
@@ -324,7 +329,12 @@ def test_gguf_q8_0_straight_into_int8(tmp_path, monkeypatch, quant_types):
     from pagedllm.layers.quantization import q8_0
 
     finished, finish = [], q8_0.finish_q8_0
-    monkeypatch.setattr(q8_0, "finish_q8_0", lambda layer, to_int8: finished.append(finish(layer, to_int8)) or finished[-1])
+
+    def spy(layer, to_int8):
+        finished.append(finish(layer, to_int8))
+        return finished[-1]
+
+    monkeypatch.setattr(q8_0, "finish_q8_0", spy)
     direct = _load(path, "int8")
     assert finished.count(True) == (7 if quant_types else 1) and finished.count(False) >= 1  # int8 / float rows
     raw = {n: w for n, w in iterate_gguf_weights(path, load_gguf_config(path), raw_q8_0=True)

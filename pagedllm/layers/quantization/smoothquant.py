@@ -13,10 +13,13 @@ folded into the op that produces ``x``, so at run time each layer is still one i
   heads' o_proj columns (``a`` and ``w`` taken as the max over the group).
 
 The final norm -> LM head is left alone: SmolLM2's head is tied to the embedding, whose rows must
-not be scaled (smoothing only the head's int8 copy was tried: no measurable gain on SmolLM2). ``s`` is rounded to a power of two: every multiply and divide above is then exact in
-float32 and bfloat16, so smoothing leaves the float model's function bit-for-bit unchanged, and a
-tiny difference in the calibration statistics (e.g. tensor-parallel vs single-rank float sums)
-almost never changes a factor (only when log2 s lies within rounding of a half-integer).
+not be scaled (smoothing only the head's int8 copy was tried: no measurable gain on SmolLM2).
+
+``s`` is rounded to a power of two: every multiply and divide above is then exact in float32 and
+bfloat16, so smoothing leaves the float model's function bit-for-bit unchanged, and a tiny
+difference in the calibration statistics (e.g. tensor-parallel vs single-rank float sums) almost
+never changes a factor (only when log2 s lies within rounding of a half-integer). On SmolLM2 the
+power-of-two factors measured as well as unrounded ones (benchmarks/README.md, section 6).
 
 Calibration: one forward pass of the float model at load, without a KV cache, over a fixed set of
 short English texts and chat turns shipped here (``CALIBRATION_TEXTS``, ``CALIBRATION_CHATS``;
@@ -83,8 +86,10 @@ CALIBRATION_CHATS = [
     ("Can you give me a tip for sleeping better?",
      "Try to go to bed at the same time every night and keep your bedroom dark and quiet."),
     ("How many legs does a spider have?", "A spider has eight legs."),
-    ("Write a short poem about rain.", "Soft rain on the roof,\nthe garden drinks in silence,\ngrey clouds drifting by."),
-    ("Explain what a noun is.", "A noun is a word that names a person, a place, a thing or an idea, like 'teacher' or 'city'."),
+    ("Write a short poem about rain.",
+     "Soft rain on the roof,\nthe garden drinks in silence,\ngrey clouds drifting by."),
+    ("Explain what a noun is.",
+     "A noun is a word that names a person, a place, a thing or an idea, like 'teacher' or 'city'."),
     ("What is 12 plus 30?", "12 plus 30 is 42."),
     ("Give me two ideas for a weekend trip.",
      "You could go hiking in the hills nearby, or visit a small town you have never seen before."),
@@ -127,8 +132,8 @@ def calibration_token_ids(tokenizer: Any, vocab_size: int) -> list[list[int]]:
     if getattr(tokenizer, "chat_template", None):
         for q, a in CALIBRATION_CHATS:
             try:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                                     tokenize=False)
+                turn = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                text = tokenizer.apply_chat_template(turn, tokenize=False)
             except Exception:  # noqa: BLE001 - a template that wants other roles: the plain texts suffice
                 continue
             seqs.append(tokenizer.encode(text, add_special_tokens=False))
@@ -171,7 +176,8 @@ def smoothing_factors(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: 
     1 where a channel never activated or has no weight (nothing to balance)."""
     a, w = act_amax.float(), weight_amax.float()
     s = a.clamp_min(1e-5).pow(alpha) / w.clamp_min(1e-5).pow(1 - alpha)
-    s = torch.exp2(torch.log2(s).round().clamp_(-30, 30))
+    # |log2 s| <= 12 keeps g / s and W * s normal and finite even in float16 (SmolLM2 needs <= 7).
+    s = torch.exp2(torch.log2(s).round().clamp_(-12, 12))
     return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
 
 

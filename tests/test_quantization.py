@@ -365,6 +365,35 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+GREEDY_TOP2 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+NEAR_TIE = 0.05  # top-2 logprob margin below which float noise may pick the other token
+LOGPROB_TOL = 0.03
+
+
+def assert_same_greedy(ref, got) -> None:
+    """Greedy outputs agree token for token, with logprobs within LOGPROB_TOL, up to the first
+    position where ``ref``'s two best tokens were a near-tie (margin < NEAR_TIE); after a near-tie
+    the runs may part.
+
+    Why not exact: the int8 matmuls are exact and their per-token scales batch invariant, but the
+    float attention of a chunked prefill sums in another order than the whole prompt's (fp32
+    logprobs differ by ~1e-6 here), and one int8 rounding flipped by that moves a logprob of this
+    tiny random model by up to ~0.02, while its top-2 margins are often below 0.03 (measured). A
+    scale that depended on the batch would move every logprob by the int8 error itself (tested:
+    one activation scale per step instead of per token fails this check)."""
+    for a, b in zip(ref, got):
+        ca, cb = a.outputs[0], b.outputs[0]
+        for pos, (ta, tb) in enumerate(zip(ca.token_ids, cb.token_ids)):
+            top = sorted((lp.logprob for lp in ca.logprobs[pos].values()), reverse=True)
+            if ta != tb:
+                assert top[0] - top[1] < NEAR_TIE, (pos, ca.token_ids, cb.token_ids)
+                break
+            assert abs(ca.logprobs[pos][ta].logprob - cb.logprobs[pos][tb].logprob) < LOGPROB_TOL, pos
+            if top[0] - top[1] < NEAR_TIE:
+                break  # later tokens follow a near-tie: either continuation is right
+        assert len(cb.token_ids) == len(ca.token_ids)
+
+
 def test_int8_model_batch_invariant_with_chunking_preemption_prefix_caching(llama_dir):
     vocab = transformers.AutoConfig.from_pretrained(llama_dir).vocab_size
     prompts = make_prompts(vocab, [1, 5, 17, 40, 96, 150, 231], seed=5)
@@ -373,7 +402,7 @@ def test_int8_model_batch_invariant_with_chunking_preemption_prefix_caching(llam
     model = alone_llm.llm_engine.executor.runner.model
     assert model.quantization_report.num_quantized == 2 * 4 + 1  # qkv, o, gate_up, down per layer + lm_head
     assert model.layers[0].mlp.gate_up_proj.weight_q.dtype == torch.int8
-    alone = [_ids(alone_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    alone = [alone_llm.generate([p], GREEDY_TOP2, use_tqdm=False)[0] for p in prompts]
     assert_pool_empty(alone_llm)
     del alone_llm
 
@@ -382,9 +411,13 @@ def test_int8_model_batch_invariant_with_chunking_preemption_prefix_caching(llam
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
     llm = LLM(llama_dir, quantization="int8", kv_cache_memory=17 * bytes_per_block, max_model_len=272,
               max_num_batched_tokens=48)
-    assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
+    assert_same_greedy(alone, llm.generate(prompts, GREEDY_TOP2, use_tqdm=False))
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert _ids(llm.generate(prompts[::-1], GREEDY, use_tqdm=False)) == alone[::-1]
+    assert_same_greedy(alone[::-1], llm.generate(prompts[::-1], GREEDY_TOP2, use_tqdm=False))
+    assert_pool_empty(llm)
+    # The prompts of one chunk (<= 48 tokens: no float reordering) agree exactly, near-ties or not.
+    short = llm.generate(prompts[:4], GREEDY_TOP2, use_tqdm=False)
+    assert _ids(short) == _ids(alone[:4])
     assert_pool_empty(llm)
 
 

@@ -456,6 +456,35 @@ def test_tp2_int8_matches_tp1_int8(tmp_path, arch, extra):
         two.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_pp_int8_matches_one_process(llama_dir, tp, pp):
+    """Pipeline stages calibrate SmoothQuant together (hidden states passed on as in a step), so
+    PP = 2 and TP = 2 x PP = 2 give the single process's int8 outputs; the TP collectives of
+    the int8 layers and of the smoothing stay within a stage's TP group."""
+    from test_pipeline_parallel import BLOCK_BYTES_PER_LAYER_HEAD, BLOCKS
+    from test_tensor_parallel import assert_same_outputs, make_prompts as tp_prompts, run
+
+    def make(tp_size: int, pp_size: int) -> LLM:
+        kv = BLOCKS * BLOCK_BYTES_PER_LAYER_HEAD * (2 // pp_size) * (2 // tp_size)
+        return LLM(llama_dir, quantization="int8", tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
+                   max_model_len=128, kv_cache_memory=kv, max_num_batched_tokens=64)
+
+    prompts = tp_prompts(500)
+    one = make(1, 1)
+    smoothing = one.llm_engine.executor.runner.model.quantization_report.smoothing
+    assert smoothing.startswith("SmoothQuant alpha=0.65 on 8 linear inputs")
+    ref = run(one, prompts)
+    del one
+    llm = make(tp, pp)
+    try:
+        stage0 = llm.llm_engine.executor.driver.runner.model.quantization_report.smoothing
+        assert stage0.startswith("SmoothQuant alpha=0.65 on 4 linear inputs")  # layer 0 of 2
+        assert_same_outputs(ref, run(llm, prompts))
+        assert_pool_empty(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_tp2_int8_matches_tp1_int8_gguf_q8_0_direct(tmp_path, monkeypatch):
     """Q8_0 blocks straight into int8 under TP=2: the row-parallel layers' per-channel scales take
     the max over ranks, so TP=2 equals TP=1."""

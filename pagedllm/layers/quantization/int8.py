@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_all_reduce_max
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -32,10 +32,8 @@ _TINY = 1e-12  # all-zero rows get this scale (their int8 values are then 0)
 
 
 def _all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
+    """Max over this stage's TP group (not the world: with pipeline parallelism it spans stages)."""
+    return tensor_model_parallel_all_reduce_max(x)
 
 
 def quantize_per_channel(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,9 @@ about 1,000 tokens), through the model's tokenizer and chat template; forward pr
 each linear input's per-channel abs-max. Tensor parallelism: every rank runs the same pass (the
 collectives of the forward included); a column-parallel layer's ``w_j`` is the max over the ranks'
 rows (one all-reduce), the o_proj group factors are computed from every rank's channels (all-reduce
-of zero-padded vectors), the down_proj factors are local. Pipeline parallelism: a stage cannot run
-alone, so smoothing is skipped there (logged).
+of zero-padded vectors), the down_proj factors are local. Pipeline parallelism: each stage runs its
+layers of the same pass, receiving the previous stage's hidden states and residual stream and
+sending its own on (point-to-point, as a step does), so every stage sees PP=1's activations.
 
 ``PAGEDLLM_SMOOTHQUANT_ALPHA``: unset = the config's alpha; ``0`` = no smoothing; a value in (0, 1)
 replaces alpha.
@@ -43,6 +44,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
+
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce_max
 
 logger = logging.getLogger("pagedllm")
 
@@ -164,11 +167,30 @@ def collect_input_amax(model: nn.Module, seqs: Sequence[Sequence[int]], modules:
             prefills.append(PrefillSeq(start, start + len(s), len(s)))
             start += len(s)
         meta = AttentionMetadata(slot_mapping=torch.arange(start, device=device), prefills=prefills)
-        model(ids, positions, [None] * len(model.layers), meta)
+        _forward_stage(model, ids, positions, meta)
     finally:
         for h in handles:
             h.remove()
     return stats
+
+
+def _forward_stage(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> None:
+    """One forward pass without a KV cache; under pipeline parallelism this stage's part of it:
+    the previous stage's (hidden states, residual stream) in, this stage's out to the next, as
+    ``worker/pp_runner.py`` does for a step (stages load, and so calibrate, at the same time)."""
+    from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, pp_recv, pp_send
+
+    rank, size = get_pp_rank(), get_pp_size()
+    if size == 1:
+        model(ids, positions, [None] * len(model.layers), meta)
+        return
+    shape = (ids.shape[0], model.config.hidden_size)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    inter = None if rank == 0 else tuple(pp_recv(shape, dtype, ids.device, rank - 1) for _ in range(2))
+    out = model(ids, positions, [None] * len(model.layers), meta, intermediate=inter)
+    if rank < size - 1:
+        for t in out:
+            pp_send(t, rank + 1)
 
 
 def smoothing_factors(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -181,17 +203,9 @@ def smoothing_factors(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: 
     return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
 
 
-def _all_reduce_max(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    if tp_size > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
-
-
 def _column_amax(linear: nn.Module) -> torch.Tensor:
     """max_i |W_ij| over every rank's output rows (column-parallel layers split the rows)."""
-    return _all_reduce_max(linear.weight.detach().abs().amax(0).float(), linear.tp_size)
+    return tensor_model_parallel_all_reduce_max(linear.weight.detach().abs().amax(0).float())
 
 
 def _smooth_norm_into(norm: nn.Module, linear: nn.Module, a: torch.Tensor, alpha: float) -> None:
@@ -224,7 +238,7 @@ def _smooth_attention_output(attn: nn.Module, a: torch.Tensor, alpha: float) -> 
     wgt = torch.zeros_like(act)
     act[rank * heads * d:(rank + 1) * heads * d] = a
     wgt[rank * heads * d:(rank + 1) * heads * d] = o.weight.detach().abs().amax(0).float()
-    act, wgt = _all_reduce_max(act, tp), _all_reduce_max(wgt, tp)
+    act, wgt = tensor_model_parallel_all_reduce_max(act), tensor_model_parallel_all_reduce_max(wgt)
     s = smoothing_factors(act.view(total_kv, group, d).amax(1), wgt.view(total_kv, group, d).amax(1), alpha)
     kv0 = (rank // qkv.num_kv_replicas) * kv_heads
     s_v = s[kv0:kv0 + kv_heads].reshape(-1)
@@ -290,13 +304,9 @@ class SmoothingReport:
 
 
 def apply_smoothquant(model: nn.Module, tokenizer: Any, alpha: float) -> Optional[SmoothingReport]:
-    """Calibrate ``model`` (float weights, as loaded) and fold the factors in. None when the model
-    has no smoothable layer or is one pipeline stage (logged)."""
-    from pagedllm.distributed.parallel_state import get_pp_size
-
-    if get_pp_size() > 1:
-        logger.info("SmoothQuant skipped: a pipeline stage cannot calibrate on its own")
-        return None
+    """Calibrate ``model`` (float weights, as loaded; one pipeline stage of it under pipeline
+    parallelism, every stage calling this at once) and fold the factors in. None when the model has
+    no smoothable layer."""
     modules = calibration_modules(model)
     if not modules:
         return None

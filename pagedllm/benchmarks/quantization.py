@@ -58,7 +58,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tokens", type=int, default=2048, help="score at least this many tokens")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat prompt")
     p.add_argument("--modes", nargs="+", default=QUALITY_MODES,
-                   help="quality: fp32 (always run first), int8, int8-g64, int8-nosmooth, int8-head-fp32, int8-sqALPHA")
+                   help="quality: fp32 (always run first), int8, int8-g64, int8-nosmooth, int8-head-fp32, "
+                        "int8-sqALPHA")
     p.add_argument("--rows", type=int, nargs="+", default=[48, 128, 256], help="matmul: tokens per step")
     p.add_argument("--num-prompts", type=int, default=48, help="throughput: requests at once")
     p.add_argument("--input-len", type=int, default=128, help="throughput: prompt tokens")
@@ -72,14 +73,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _register_ablation(mode: str) -> str:
     """Register an ablation mode as a quantization name in this process only: ``int8-head-fp32``
-    (the LM head left in float), ``int8-nosmooth`` (no SmoothQuant), ``int8-sqALPHA`` (SmoothQuant
+    (``int8`` with the LM head left in float), ``int8-nosmooth`` (no SmoothQuant), ``int8-sqALPHA`` (SmoothQuant
     with that alpha). Returns the quantization name (None for fp32)."""
     from functools import partial
 
     from pagedllm.layers.quantization import QUANTIZATION_METHODS, Int8Config
+    from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
 
     if mode == "int8-head-fp32":
-        QUANTIZATION_METHODS.setdefault(mode, partial(Int8Config, quantize_lm_head=False))
+        QUANTIZATION_METHODS.setdefault(mode, partial(Int8Config, quantize_lm_head=False,
+                                                      smooth_alpha=DEFAULT_SMOOTH_ALPHA))
     elif mode == "int8-nosmooth":
         QUANTIZATION_METHODS.setdefault(mode, Int8Config)
     elif mode.startswith("int8-sq"):

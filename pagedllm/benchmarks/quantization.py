@@ -6,8 +6,9 @@
   into windows of ``--window`` tokens, at least ``--min-tokens`` scored tokens), computed from
   ``prompt_logprobs`` (token i scored given tokens < i of its window); and the mean position where
   the greedy output of each of 20 chat prompts (plain prompts when the tokenizer has no chat
-  template) first differs from fp32 (``--max-tokens`` when it never does). Runs fp32, int8,
-  int8-g64, and int8 with the LM head left in float.
+  template) first differs from fp32 (``--max-tokens`` when it never does). Runs the ``--modes``:
+  fp32 first, then e.g. int8 (SmoothQuant, the default), int8-nosmooth (per-token int8 without
+  smoothing), int8-g64, int8-head-fp32 (LM head left in float), int8-sq0.7 (SmoothQuant alpha 0.7).
 - ``matmul``: time of ``y = x W^T`` at decode shapes (``--rows`` tokens x the model's linear
   layers): fp32 ``F.linear`` vs the int8 method's ``apply`` (per-token quantization + ``_int_mm``
   + scales) vs ``_int_mm`` alone; the per-token quantization is timed on its own too.
@@ -44,7 +45,8 @@ PLAIN_PROMPTS = [
     "GLOUCESTER:", "To be, or not", "O Romeo, Romeo,", "Now is the winter", "My lord,", "Good morrow,",
     "What say you", "The king is", "Come, come,", "I pray thee", "Farewell,", "Alas, poor", "Friends, Romans,",
 ]
-MODES = {"fp32": None, "int8": "int8", "int8-g64": "int8-g64", "int8-head-fp32": "int8-head-fp32"}
+MODES = {"fp32": None, "int8": "int8", "int8-g64": "int8-g64"}
+QUALITY_MODES = ["fp32", "int8", "int8-nosmooth", "int8-g64"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -55,29 +57,45 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--min-tokens", type=int, default=2048, help="score at least this many tokens")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat prompt")
+    p.add_argument("--modes", nargs="+", default=QUALITY_MODES,
+                   help="quality: fp32 (always run first), int8, int8-g64, int8-nosmooth, int8-head-fp32, "
+                        "int8-sqALPHA")
     p.add_argument("--rows", type=int, nargs="+", default=[48, 128, 256], help="matmul: tokens per step")
     p.add_argument("--num-prompts", type=int, default=48, help="throughput: requests at once")
     p.add_argument("--input-len", type=int, default=128, help="throughput: prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="throughput: output tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="throughput: fp32/int8 alternations")
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes")
+    p.add_argument("--dtype", default="float32", help="activation dtype of every mode (float32: int8 against fp32)")
     p.add_argument("--output-dir", default="bench_results")
     p.set_defaults(func=run)
 
 
-def _register_head_fp32() -> None:
-    """``int8-head-fp32``: int8 everywhere but the LM head (an ablation, this process only)."""
+def _register_ablation(mode: str) -> str:
+    """Register an ablation mode as a quantization name in this process only: ``int8-head-fp32``
+    (``int8`` with the LM head left in float), ``int8-nosmooth`` (no SmoothQuant), ``int8-sqALPHA`` (SmoothQuant
+    with that alpha). Returns the quantization name (None for fp32)."""
     from functools import partial
 
     from pagedllm.layers.quantization import QUANTIZATION_METHODS, Int8Config
+    from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
 
-    QUANTIZATION_METHODS.setdefault("int8-head-fp32", partial(Int8Config, quantize_lm_head=False))
+    if mode == "int8-head-fp32":
+        QUANTIZATION_METHODS.setdefault(mode, partial(Int8Config, quantize_lm_head=False,
+                                                      smooth_alpha=DEFAULT_SMOOTH_ALPHA))
+    elif mode == "int8-nosmooth":
+        QUANTIZATION_METHODS.setdefault(mode, Int8Config)
+    elif mode.startswith("int8-sq"):
+        QUANTIZATION_METHODS.setdefault(mode, partial(Int8Config, smooth_alpha=float(mode[len("int8-sq"):])))
+    elif mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    return MODES.get(mode, mode)
 
 
-def _llm(model: Optional[str], quantization: Optional[str], kv: int, **kw):
+def _llm(model: Optional[str], quantization: Optional[str], kv: int, dtype: str = "float32", **kw):
     from pagedllm import LLM
 
-    return LLM(model, quantization=quantization, kv_cache_memory=kv, **kw)
+    return LLM(model, quantization=quantization, kv_cache_memory=kv, dtype=dtype, **kw)
 
 
 def heldout_windows(tokenizer, path: str, fraction: float, window: int, min_tokens: int) -> list[list[int]]:
@@ -121,18 +139,19 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def run_quality(args) -> dict:
-    _register_head_fp32()
     res: dict = {}
     ref_greedy = None
     windows = None
-    for mode, quant in MODES.items():
-        llm = _llm(args.model, quant, args.kv_cache_memory, max_num_batched_tokens=args.window)
+    for mode in ["fp32"] + [m for m in args.modes if m != "fp32"]:
+        quant = _register_ablation(mode)
+        llm = _llm(args.model, quant, args.kv_cache_memory, args.dtype, max_num_batched_tokens=args.window)
+        smoothing = llm.llm_engine.executor.runner.model.quantization_report.smoothing
         if windows is None:
             windows = heldout_windows(llm.get_tokenizer(), args.text, args.heldout_fraction, args.window,
                                       args.min_tokens)
         ppl, count = perplexity(llm, windows)
         greedy = greedy_outputs(llm, args.max_tokens)
-        entry = {"perplexity": ppl, "scored_tokens": count}
+        entry = {"perplexity": ppl, "scored_tokens": count, "smoothing": smoothing}
         if ref_greedy is None:
             ref_greedy = greedy
         else:
@@ -144,7 +163,8 @@ def run_quality(args) -> dict:
         print(f"{mode:>15}: perplexity {ppl:.4f} over {count} tokens"
               + (f" ({entry['perplexity_vs_fp32'] * 100:+.2f}% vs fp32), greedy first differs at token "
                  f"{entry['mean_first_difference']:.1f} on average ({entry['identical']}/{len(firsts)} "
-                 f"identical for {args.max_tokens} tokens)" if mode != "fp32" else ""), flush=True)
+                 f"identical for {args.max_tokens} tokens)" if mode != "fp32" else "")
+              + (f" [{smoothing}]" if smoothing else ""), flush=True)
         del llm
         gc.collect()
     return res
@@ -220,7 +240,7 @@ def run_throughput(args) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for _ in range(args.repeats):
         for mode in ("fp32", "int8"):
-            llm = _llm(args.model, MODES[mode], args.kv_cache_memory, max_num_seqs=args.num_prompts)
+            llm = _llm(args.model, MODES[mode], args.kv_cache_memory, args.dtype, max_num_seqs=args.num_prompts)
             if prompts is None:
                 vocab = llm.llm_engine.vocab_size
                 rng = random.Random(0)

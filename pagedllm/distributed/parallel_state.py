@@ -136,6 +136,14 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tensor_model_parallel_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise max of ``x`` over the TP group, in place; returns ``x``."""
+    if _TP_SIZE == 1:
+        return x
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_TP_GROUP)
+    return x
+
+
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's ``x`` along ``dim`` (rank order)."""
     if _TP_SIZE == 1:

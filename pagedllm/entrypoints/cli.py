@@ -65,8 +65,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="dummy = random weights of the model's shape (no weight files needed)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int8-g64", "none"],
                    help="int8 = W8A8: int8 weights (per output channel) and activations (per token), int32 "
-                        "matmuls; int8-g64: activation scales per token and group of 64 features (closer to "
-                        "fp32, slower prefill); default: none")
+                        "matmuls, after SmoothQuant smoothing calibrated at load (PAGEDLLM_SMOOTHQUANT_ALPHA=0: "
+                        "off; then a GGUF file's Q8_0 blocks go straight in); int8-g64: activation scales per "
+                        "token and group of 64 features (slower prefill); default: none")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")

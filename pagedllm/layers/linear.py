@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.quantization import QuantizationConfig, get_linear_method
+from pagedllm.layers.quantization.q8_0 import is_q8_0, load_q8_0
 
 
 def loaded_shape(loaded: Any) -> list[int]:
@@ -71,6 +72,8 @@ class ReplicatedLinear(LinearBase):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if is_q8_0(loaded):  # GGUF Q8_0 kept quantized (layers/quantization/q8_0.py)
+            return load_q8_0(self, self.weight_loader, param, loaded, shard_id)
         _copy(param, param.data, load_full(loaded))
 
 
@@ -88,6 +91,8 @@ class ColumnParallelLinear(LinearBase):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if is_q8_0(loaded):  # GGUF Q8_0 kept quantized (layers/quantization/q8_0.py)
+            return load_q8_0(self, self.weight_loader, param, loaded, shard_id)
         size = param.shape[0]
         _copy(param, param.data, load_narrow(loaded, 0, self.tp_rank * size, size))
 
@@ -109,6 +114,8 @@ class MergedColumnParallelLinear(LinearBase):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
+        if is_q8_0(loaded):  # GGUF Q8_0 kept quantized (layers/quantization/q8_0.py)
+            return load_q8_0(self, self.weight_loader, param, loaded, shard_id)
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
         _copy(param, param.data.narrow(0, offset, size), load_narrow(loaded, 0, self.tp_rank * size, size))
@@ -143,6 +150,8 @@ class QKVParallelLinear(LinearBase):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str = "q") -> None:
+        if is_q8_0(loaded):  # GGUF Q8_0 kept quantized (layers/quantization/q8_0.py)
+            return load_q8_0(self, self.weight_loader, param, loaded, shard_id)
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
         else:
@@ -171,6 +180,8 @@ class RowParallelLinear(LinearBase):
             self.bias.weight_loader = self._bias_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if is_q8_0(loaded):  # GGUF Q8_0 kept quantized (layers/quantization/q8_0.py)
+            return load_q8_0(self, self.weight_loader, param, loaded, shard_id)
         size = param.shape[1]
         _copy(param, param.data, load_narrow(loaded, 1, self.tp_rank * size, size))
 

@@ -8,6 +8,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from typing import Any, Iterator
 
 import torch
@@ -17,8 +18,9 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import get_tp_rank
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
-from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
-from pagedllm.models.gguf import is_gguf_file, iterate_gguf_weights, one_line
+from pagedllm.layers.quantization import Int8Config, get_quantization_config, process_weights_after_loading
+from pagedllm.layers.quantization.smoothquant import smooth_for_quantization
+from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 
 
@@ -90,6 +92,29 @@ class _CheckedWeights:
             yield name, w
 
 
+# Checkpoint names of the linear layers whose loaders take Q8_0 blocks (``layers/linear.py``).
+_LINEAR_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def gguf_q8_0_direct(quant_config: Any) -> bool:
+    """Whether a GGUF file's Q8_0 matrices go straight into the int8 layers (int8 values and block
+    scales, requantized per output channel; no float copy): for ``--quantization int8`` without
+    SmoothQuant. With SmoothQuant (the default) they are dequantized (exactly: fp16 x int8 fits
+    float32), calibrated and smoothed, then quantized per channel: smoothing needs float weights."""
+    from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
+
+    return isinstance(quant_config, Int8Config) and smoothquant_alpha(quant_config.smooth_alpha) is None
+
+
+def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Q8_0 tensors stay quantized for the linear layers' weights; the rest (embedding, router,
+    LM head) are dequantized here."""
+    for name, w in weights:
+        if isinstance(w, Q8_0Weight) and not _LINEAR_WEIGHT.search(name):
+            w = w.dequantize()
+        yield name, w
+
+
 def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
@@ -111,7 +136,12 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
                 p.data.copy_(torch.empty(p.shape).uniform_(-0.02, 0.02, generator=gen).to(p.dtype))
     else:
         path = model_config.model
-        raw = iterate_gguf_weights(path, model_config.hf_config) if is_gguf_file(path) else iterate_weights(path)
+        if is_gguf_file(path):
+            q8_0 = gguf_q8_0_direct(get_quantization_config(model_config.quantization))
+            raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0)
+            raw = q8_0_for_linears_only(raw) if q8_0 else raw
+        else:
+            raw = iterate_weights(path)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)
@@ -121,10 +151,12 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
         except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
             raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None
     quant_config = get_quantization_config(model_config.quantization)
+    smoothing = smooth_for_quantization(model, quant_config, model_config.tokenizer)
     report = process_weights_after_loading(model, quant_config)
+    report.smoothing = smoothing.describe() if smoothing else ""
     model.quantization_report = report
     if quant_config is not None and get_tp_rank() == 0:
-        logger.info("quantization=%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
-                    report.method, report.num_quantized, report.bytes_before / 2**20, report.bytes_after / 2**20,
-                    report.bytes_saved / 2**20)
+        logger.info("quantization=%s%s: %d layers quantized; weights %.1f MiB -> %.1f MiB per rank (saved %.1f MiB)",
+                    report.method, f", {report.smoothing}" if report.smoothing else "", report.num_quantized,
+                    report.bytes_before / 2**20, report.bytes_after / 2**20, report.bytes_saved / 2**20)
     return model.eval()

@@ -15,10 +15,12 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
+from pagedllm.layers.quantization.q8_0 import finish_q8_0
+from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 QUANTIZATION_METHODS: dict[str, Callable[[], QuantizationConfig]] = {
-    "int8": Int8Config,  # one activation scale per token
+    "int8": partial(Int8Config, smooth_alpha=DEFAULT_SMOOTH_ALPHA),  # one activation scale per token, SmoothQuant
     "int8-g64": partial(Int8Config, act_group_size=64),  # per token and per group of 64 features
 }
 
@@ -52,6 +54,7 @@ class QuantizationReport:
     num_quantized: int  # layers whose method is not the float one
     bytes_before: int  # this rank's parameter bytes before / after the post-load step
     bytes_after: int
+    smoothing: str = ""  # what SmoothQuant did before quantizing ("": nothing)
 
     @property
     def bytes_saved(self) -> int:
@@ -71,6 +74,8 @@ def process_weights_after_loading(model: nn.Module, quant_config: Optional[Quant
         if quant_config is not None and not getattr(module, "prefix", ""):
             module.prefix = name
             module.quant_method = get_linear_method(module, quant_config, name)
+        if getattr(module, "q8_0_qs", None) is not None and not isinstance(module.quant_method, Int8LinearMethod):
+            finish_q8_0(module, to_int8=False)  # GGUF Q8_0 blocks into a layer that stays float
         module.quant_method.process_weights_after_loading(module)
         count += not isinstance(module.quant_method, UnquantizedLinearMethod)
     return QuantizationReport(quant_config.describe() if quant_config else "none", count, before, _param_bytes(model))

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_all_reduce_max
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -32,10 +32,8 @@ _TINY = 1e-12  # all-zero rows get this scale (their int8 values are then 0)
 
 
 def _all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
+    """Max over this stage's TP group (not the world: with pipeline parallelism it spans stages)."""
+    return tensor_model_parallel_all_reduce_max(x)
 
 
 def quantize_per_channel(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +116,11 @@ class Int8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "weight_q", None) is not None:
             return  # already int8 (e.g. set from a GGUF Q8_0 tensor by set_int8_weight)
+        if getattr(layer, "q8_0_qs", None) is not None:  # GGUF Q8_0 blocks kept by the loader
+            from pagedllm.layers.quantization.q8_0 import finish_q8_0
+
+            if finish_q8_0(layer, to_int8=True):
+                return
         w = layer.weight.data
         amax = None
         if getattr(layer, "input_is_parallel", False) and getattr(layer, "tp_size", 1) > 1:
@@ -182,18 +185,22 @@ class Int8Config(QuantizationConfig):
     ``quantize_lm_head`` is False; layers whose name starts with a prefix in ``ignore`` stay float.
 
     Activation scales are per token (row), or per token and per group of ``act_group_size``
-    input features (``int8-g64``; one scale per row when g does not divide k). On SmolLM2-135M one
-    scale per row cost +4.7 % held-out perplexity, groups of 64 +1.2 %; but k / 64 shallow int8
-    matmuls plus their float epilogues made a 1024-token prefill matmul ~8x slower
-    (benchmarks/README.md).
+    input features (``int8-g64``; one scale per row when g does not divide k). ``smooth_alpha``:
+    SmoothQuant's migration strength (``smoothquant.py``; the loader calibrates and folds the
+    factors into the float weights before they are quantized; None: no smoothing). On
+    SmolLM2-135M one scale per row cost +4.7 % held-out perplexity, with SmoothQuant (alpha 0.65,
+    ``--quantization int8``) +1.8 %, groups of 64 +1.2 % (but k / 64 shallow int8 matmuls plus
+    their float epilogues made a 1024-token prefill matmul ~8x slower; benchmarks/README.md).
     """
 
     name = "int8"
 
-    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 0) -> None:
+    def __init__(self, quantize_lm_head: bool = True, ignore: Sequence[str] = (), act_group_size: int = 0,
+                 smooth_alpha: Optional[float] = None) -> None:
         self.quantize_lm_head = quantize_lm_head
         self.ignore = tuple(ignore)
         self.act_group_size = act_group_size
+        self.smooth_alpha = smooth_alpha  # SmoothQuant migration strength (None: off); see smoothquant.py
 
     def is_layer_skipped(self, prefix: str) -> bool:
         return any(prefix == p or prefix.startswith(p + ".") for p in self.ignore)

@@ -32,6 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, or shape:qwen2-0.5b; default: the demo model")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="e.g. int8 (see pagedllm serve --help)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
     p.add_argument("--context-len", type=int, default=256, help="prompt tokens of each sequence")
     p.add_argument("--steps", type=int, default=5, help="decode steps measured (per method)")
@@ -155,19 +156,31 @@ def machine_peaks(dtype: torch.dtype) -> dict[str, float]:
 
 def step_cost(engine, batch: int, context: int) -> dict[str, float]:
     """FLOPs and bytes of one decode step of ``batch`` sequences at ``context`` tokens."""
+    from pagedllm.layers.linear import LinearBase
+
     model = engine.executor.runner.model
     cfg = engine.model_config.hf_config
-    seen, weight_bytes, linear_params = set(), 0, 0
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
+    # Weight bytes as held (parameters and buffers: packed or quantized weights are buffers);
+    # linear FLOPs from the layers' shapes, whatever form their weights take.
+    seen, weight_bytes = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.layout != torch.strided or t.numel() == 0:  # oneDNN-packed: counted from its shape below
             continue
-        seen.add(p.data_ptr())
-        weight_bytes += p.numel() * p.element_size()
-        if p.dim() == 2 and "embed_tokens" not in name:
-            linear_params += p.numel()
-    if getattr(cfg, "tie_word_embeddings", False):
-        linear_params += model.lm_head.weight.numel()  # the tied embedding is read again as the LM head
-        weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weight_bytes += t.numel() * t.element_size()
+    linear_params = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            linear_params += m.input_size * m.output_size
+            packed = getattr(m, "packed_weight", None)
+            if packed is not None and packed.layout != torch.strided:
+                weight_bytes += m.input_size * m.output_size * packed.element_size()
+    lm_params = cfg.vocab_size * cfg.hidden_size // engine.config.parallel_config.tensor_parallel_size
+    linear_params += lm_params
+    lm_weight = getattr(model.lm_head, "weight", None)  # absent when the head is quantized
+    if getattr(cfg, "tie_word_embeddings", False) and lm_weight is not None:
+        weight_bytes += lm_params * lm_weight.element_size()  # the tied embedding, read again as the head
     mc = engine.model_config
     heads = cfg.num_attention_heads
     attn_flops = cfg.num_hidden_layers * 2 * 2 * batch * context * heads * mc.head_dim
@@ -209,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype, load_format=load_format, max_model_len=max_len, block_size=args.block_size,
               max_num_seqs=args.batch_size, max_num_batched_tokens=max(2048, args.context_len),
               kv_cache_memory=tokens_needed * per_token, seed=args.seed, enable_prefix_caching=False,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, quantization=args.quantization)
     engine = llm.llm_engine
     cuda = engine.config.device.startswith("cuda")
     timers = Timers(torch.cuda.synchronize if cuda else (lambda: None))

@@ -9,6 +9,7 @@ Measured on SmolLM2-135M, batch 48 decode, 2 threads: see benchmarks/README.md s
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -38,6 +39,8 @@ def _build() -> ctypes.CDLL:
 
 _LIBRARY = LazyLibrary(_build)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_logged_fallback = False
+logger = logging.getLogger("pagedllm")
 
 
 def _fn(name: str, *tensors: torch.Tensor):
@@ -47,8 +50,14 @@ def _fn(name: str, *tensors: torch.Tensor):
     if (t0.device.type != "cpu" or t0.dtype not in _SUFFIX or os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") == "0"
             or any(t.dtype != t0.dtype or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors)):
         return None
-    lib, _ = _LIBRARY.get()
-    return None if lib is None else getattr(lib, f"{name}_{_SUFFIX[t0.dtype]}")
+    lib, err = _LIBRARY.get()
+    if lib is None:
+        global _logged_fallback
+        if not _logged_fallback:  # one line per process, as the attention backend's fallback
+            _logged_fallback = True
+            logger.info("cpu fused ops: PyTorch ops (the C kernels could not be built or loaded: %s)", err)
+        return None
+    return getattr(lib, f"{name}_{_SUFFIX[t0.dtype]}")
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

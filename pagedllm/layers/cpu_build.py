@@ -3,7 +3,8 @@
 The CPU kernels (``layers/attention/paged_attention_cpu.cpp``, ``layers/cpu_fused_ops.cpp``) use
 no torch headers, so they need neither ninja nor torch as a build requirement: the host's C++
 compiler (``$CXX`` or g++) builds them in a second or two into ``$PAGEDLLM_CACHE_DIR`` (default
-``~/.cache/pagedllm/kernels``), keyed by the source, the flags and the CPU's flags.
+``~/.cache/pagedllm/kernels``), keyed by the source, the shared headers (``cpu_math.h``), the
+flags and the CPU's flags.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+INCLUDE_DIR = Path(__file__).parent  # cpu_math.h, shared by the kernels
 
 
 def cpu_id() -> str:
@@ -39,7 +41,8 @@ def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
-    src = source.read_bytes()
+    flags = [*flags, f"-I{INCLUDE_DIR}"]
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
     key = hashlib.sha256(src + " ".join([cxx, *flags]).encode() + cpu_id().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
     lib_path = cache / f"{source.stem}-{key}.so"

@@ -12,6 +12,8 @@
 #include <cstring>
 
 #include <omp.h>
+
+#include "cpu_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -19,19 +21,9 @@
 namespace {
 
 inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float to_f(uint16_t x) { return pagedllm_cpu::bf16_to_float(x); }
 inline void put(float* p, float f) { *p = f; }
-inline void put(uint16_t* p, float f) {  // round to nearest even; NaN stays NaN (branch-free: vectorises)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  *p = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
-}
+inline void put(uint16_t* p, float f) { *p = pagedllm_cpu::float_to_bf16(f); }
 template <typename T>
 inline float rnd(float f) {  // f rounded to T and back: the rounding of a stored intermediate
   T t;
@@ -39,24 +31,8 @@ inline float rnd(float f) {  // f rounded to T and back: the rounding of a store
   return to_f(t);
 }
 
-// exp(x) (Cephes expf: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp); branch-free.
-// x is clamped to [-87.3, 88.3] (exp(88.3) = 2.2e38: silu's 1 + exp(-g) stays finite).
-inline float exp_f(float x) {
-  x = std::fmin(std::fmax(x, -87.3f), 88.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &e, sizeof s);
-  return y * s;
-}
+// exp(x), x clamped to [-87.3, 88.3] (exp(88.3) = 2.2e38: silu's 1 + exp(-g) stays finite).
+inline float exp_f(float x) { return pagedllm_cpu::exp_clamped(std::fmin(std::fmax(x, -87.3f), 88.3f)); }
 
 #if defined(__AVX512F__)
 // exp_f on 16 lanes (the same reduction and polynomial; GCC does not vectorise the scalar one).

@@ -29,43 +29,17 @@
 
 #include <omp.h>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr int kQueryTile = 16;  // query tokens per work item in a prefill chunk
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using pagedllm_cpu::bf16_to_float;
+using pagedllm_cpu::float_to_bf16;
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even (NaN stays NaN: quiet bit kept)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// exp(x) for x <= 0 (Cephes expf: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp);
-// branch-free so the compiler vectorises the loops that call it.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &e, sizeof s);
-  return y * s;
-}
+// exp(x) for x <= 0; branch-free so the compiler vectorises the loops that call it.
+inline float exp_nonpos(float x) { return pagedllm_cpu::exp_clamped(std::max(x, -87.0f)); }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

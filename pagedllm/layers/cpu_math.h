@@ -1,0 +1,45 @@
+// Scalar helpers shared by this package's CPU kernels (layers/attention/paged_attention_cpu.cpp,
+// layers/cpu_fused_ops.cpp), compiled into each by layers/cpu_build.py (-I this folder).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <cmath>
+
+namespace pagedllm_cpu {
+
+inline float bf16_to_float(uint16_t x) {  // bf16 bits are the top half of a float's
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN (quiet bit kept). Branch-free, so loops over it vectorise.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
+}
+
+// exp(x) for x already clamped into [-87.3, 88.3] by the caller (Cephes expf: Cody-Waite range
+// reduction + degree-6 polynomial, ~1 ulp); branch-free.
+inline float exp_clamped(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, sizeof s);
+  return y * s;
+}
+
+}  // namespace pagedllm_cpu

@@ -148,6 +148,31 @@ inline void pv_rows(const float* p, int p_stride, const T* const* v, int n, floa
 }
 #endif  // __AVX512F__
 
+// One online-softmax step for a query row: scores sr[0, n) (-inf where masked) whose max is bmax
+// are folded into the row's running max m, sum l and accumulator acc[0, d) (rescaled when the max
+// grows); sr becomes the unnormalised probabilities, 0 where masked (all 0 when nothing is visible).
+inline void softmax_fold(float* sr, int n, float bmax, float& m, float& l, float* acc, int d) {
+  if (bmax == -INFINITY) {
+    std::fill(sr, sr + n, 0.0f);
+    return;
+  }
+  const float m_new = std::max(m, bmax);
+  const float corr = exp_nonpos(m - m_new);  // m = -inf -> 0 (acc and l are 0 then)
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; ++j) {
+    const float e = exp_nonpos(sr[j] - m_new);
+    sr[j] = sr[j] == -INFINITY ? 0.0f : e;
+    sum += sr[j];
+  }
+  l = l * corr + sum;
+  m = m_new;
+  if (corr != 1.0f) {
+#pragma omp simd
+    for (int c = 0; c < d; ++c) acc[c] *= corr;
+  }
+}
+
 template <typename T>
 inline void load_row(const T* src, float* dst, int d);
 
@@ -302,26 +327,7 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
               sr[j] = visible ? sc : -INFINITY;
               bmax = std::max(bmax, sr[j]);
             }
-            if (bmax == -INFINITY) {  // nothing visible to this row in this block
-              for (int j = 0; j < n; ++j) sr[j] = 0.0f;
-              continue;
-            }
-            const float m_new = std::max(m[r], bmax);
-            const float corr = exp_nonpos(m[r] - m_new);  // m[r] = -inf -> 0 (acc and l are 0 then)
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < n; ++j) {
-              const float e = exp_nonpos(sr[j] - m_new);
-              sr[j] = sr[j] == -INFINITY ? 0.0f : e;
-              sum += sr[j];
-            }
-            l[r] = l[r] * corr + sum;
-            m[r] = m_new;
-            if (corr != 1.0f) {
-              float* ar = &acc[static_cast<size_t>(r) * D];
-#pragma omp simd
-              for (int c = 0; c < D; ++c) ar[c] *= corr;
-            }
+            softmax_fold(sr, n, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
           }
           // acc[r] += sum_j p[r][j] * v_j: V rows (L1-resident after the first row) stream through
           // one row's accumulator, which stays in registers when D is a compile-time constant.
@@ -453,26 +459,7 @@ void paged_attention_vec(const T* q, const T* k_cache, const T* v_cache, T* out,
               sr[j] = (j >= vis_lo && j < vis_hi) ? sr[j] : -INFINITY;
               bmax = std::max(bmax, sr[j]);
             }
-            if (bmax == -INFINITY) {
-              std::fill(sr, sr + npad, 0.0f);
-              continue;
-            }
-            const float m_new = std::max(m[r], bmax);
-            const float corr = exp_nonpos(m[r] - m_new);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < npad; ++j) {
-              const float e = exp_nonpos(sr[j] - m_new);
-              sr[j] = sr[j] == -INFINITY ? 0.0f : e;
-              sum += sr[j];
-            }
-            l[r] = l[r] * corr + sum;
-            m[r] = m_new;
-            if (corr != 1.0f) {
-              float* ar = &acc[static_cast<size_t>(r) * D];
-#pragma omp simd
-              for (int c = 0; c < D; ++c) ar[c] *= corr;
-            }
+            softmax_fold(sr, npad, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
           }
           pv_rows<kHeadDim>(&s[static_cast<size_t>(r0) * KC], KC, vp.data(), n, &acc[static_cast<size_t>(r0) * D],
                             head_rows, D);

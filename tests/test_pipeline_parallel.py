@@ -22,7 +22,8 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from test_block_pool_scheduler import make_req
-from test_tensor_parallel import PROMPT_LENS, assert_same_outputs, make_prompts, run, wait_gone, worker_pids
+from test_tensor_parallel import (PROMPT_LENS, assert_same_outputs, generate_while_killing, make_prompts, run,
+                                  wait_gone, worker_pids)
 
 BLOCKS = 12  # a small pool: 14 prompts of up to 96 + 10 tokens cannot all run at once -> preemption
 # Many concurrent requests (two sets of 7, each with a shared prefix), so two batches can be in flight.
@@ -196,23 +197,10 @@ def test_dead_stage_fails_fast(llama_dir):
     llm = make_llm(llama_dir, pp=2)
     engine = llm.llm_engine
     (pid,) = worker_pids(llm)
-    result: dict = {}
-
-    def generate():
-        try:
-            run(llm, make_prompts(500), max_tokens=100)
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
-            result["error"] = e
-
     try:
-        killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
-        killer.start()
-        t = threading.Thread(target=generate, daemon=True)
-        t.start()
-        t.join(timeout=60)  # a hang guard, not a speed check
-        killer.join()
-        assert not t.is_alive(), "the engine hung after a pipeline stage died"
-        assert isinstance(result.get("error"), RuntimeError) and "rank 1" in str(result["error"])
+        hung, error = generate_while_killing(llm, pid, max_tokens=100)
+        assert not hung, "the engine hung after a pipeline stage died"
+        assert isinstance(error, RuntimeError) and "rank 1" in str(error)
         with pytest.raises(RuntimeError, match="worker died"):
             engine.check_health()
     finally:

@@ -443,17 +443,10 @@ def test_int8_close_to_float(llama_dir, quantization):
 def test_tp2_int8_matches_tp1_int8(tmp_path, arch, extra):
     """With SmoothQuant (the default): both ranks compute TP=1's factors (column maxima and the
     o_proj groups over ranks; qwen2: q/k/v biases; one KV head: replicated on both ranks)."""
-    from test_tensor_parallel import KV_BYTES, assert_same_outputs, make_prompts as tp_prompts, run
+    from test_tensor_parallel import assert_tp2_matches_tp1, make_prompts as tp_prompts
 
     d = build_checkpoint(str(tmp_path), arch, seed=7, **extra)
-    prompts = tp_prompts(500, seed=2)
-    ref = run(LLM(d, quantization="int8", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64), prompts)
-    two = LLM(d, quantization="int8", tensor_parallel_size=2, kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
-    try:
-        assert_same_outputs(ref, run(two, prompts))
-        assert_pool_empty(two)
-    finally:
-        two.llm_engine.shutdown()
+    assert_tp2_matches_tp1(d, tp_prompts(500, seed=2), quantization="int8", max_num_batched_tokens=64)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
@@ -490,20 +483,13 @@ def test_tp2_int8_matches_tp1_int8_gguf_q8_0_direct(tmp_path, monkeypatch):
     the max over ranks, so TP=2 equals TP=1."""
     pytest.importorskip("gguf")
     from test_gguf import write_llama_gguf
-    from test_tensor_parallel import KV_BYTES, assert_same_outputs, make_prompts as tp_prompts, run
+    from test_tensor_parallel import assert_tp2_matches_tp1, make_prompts as tp_prompts
 
     hf = build_checkpoint(str(tmp_path / "hf"), "llama", seed=6)
     path = str(tmp_path / "q8.gguf")
     write_llama_gguf(hf, path, quant_types=("Q8_0",))
     monkeypatch.setenv("PAGEDLLM_SMOOTHQUANT_ALPHA", "0")  # the direct path; workers inherit it
-    prompts = tp_prompts(500, seed=3)
-    ref = run(LLM(path, quantization="int8", kv_cache_memory=KV_BYTES, max_num_batched_tokens=64), prompts)
-    two = LLM(path, quantization="int8", tensor_parallel_size=2, kv_cache_memory=KV_BYTES, max_num_batched_tokens=64)
-    try:
-        assert_same_outputs(ref, run(two, prompts))
-        assert_pool_empty(two)
-    finally:
-        two.llm_engine.shutdown()
+    assert_tp2_matches_tp1(path, tp_prompts(500, seed=3), quantization="int8", max_num_batched_tokens=64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -55,6 +55,39 @@ def run(llm: LLM, prompts, max_tokens: int = 10):
     return llm.generate(prompts, sp, use_tqdm=False)
 
 
+def generate_while_killing(llm: LLM, pid: int, max_tokens: int) -> tuple[bool, BaseException | None]:
+    """Generate 500-token-vocabulary prompts on ``llm`` in a thread and SIGKILL ``pid`` 1 s in,
+    while steps are running. Returns (whether the thread still ran after 60 s: a hang guard, not a
+    speed check; what generate raised)."""
+    result: dict = {}
+
+    def generate():
+        try:
+            run(llm, make_prompts(500), max_tokens=max_tokens)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    t = threading.Thread(target=generate, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    killer.join()
+    return t.is_alive(), result.get("error")
+
+
+def assert_tp2_matches_tp1(model: str, prompts, **llm_kwargs) -> None:
+    """TP = 2 gives TP = 1's greedy ids and logprobs on ``model`` (``llm_kwargs`` for both), and
+    its pool is full again after the run."""
+    ref = run(LLM(model, kv_cache_memory=KV_BYTES, **llm_kwargs), prompts)
+    two = LLM(model, tensor_parallel_size=2, kv_cache_memory=KV_BYTES, **llm_kwargs)
+    try:
+        assert_same_outputs(ref, run(two, prompts))
+        assert_pool_empty(two)
+    finally:
+        two.llm_engine.shutdown()
+
+
 def assert_same_outputs(ref, got) -> None:
     for a, b in zip(ref, got):
         ca, cb = a.outputs[0], b.outputs[0]
@@ -122,24 +155,11 @@ def test_dead_worker_fails_fast(llama_dir):
     try:
         run(llm, [[10, 11, 12]], max_tokens=2)
         (pid,) = worker_pids(llm)
-        result: dict = {}
-
-        def generate():
-            try:
-                run(llm, make_prompts(500), max_tokens=400)
-            except BaseException as e:  # noqa: BLE001 - the test inspects it
-                result["error"] = e
-
         # Kill the rank while steps are running: the driver is in a step or between two.
-        killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
-        killer.start()
-        t = threading.Thread(target=generate, daemon=True)
-        t.start()
-        t.join(timeout=60)  # a hang guard, not a speed check
-        killer.join()
-        assert not t.is_alive(), "the engine hung after a worker died"
-        assert isinstance(result.get("error"), RuntimeError)
-        assert "rank 1" in str(result["error"])
+        hung, error = generate_while_killing(llm, pid, max_tokens=400)
+        assert not hung, "the engine hung after a worker died"
+        assert isinstance(error, RuntimeError)
+        assert "rank 1" in str(error)
         with pytest.raises(RuntimeError, match="worker died"):
             engine.check_health()
         with pytest.raises(RuntimeError):

@@ -149,6 +149,15 @@ class QKVParallelLinear(LinearBase):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's output [N, q_size + 2 * kv_size] -> q [N, num_heads, head_dim] and k, v
+        [N, num_kv_heads, head_dim] of this rank: views of ``qkv`` (v reshaped, as its split may
+        not be viewable)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
+        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                v.reshape(n, self.num_kv_heads, self.head_dim))
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str = "q") -> None:
         if is_q8_0(loaded):  # GGUF Q8_0 kept quantized (layers/quantization/q8_0.py)
             return load_q8_0(self, self.weight_loader, param, loaded, shard_id)

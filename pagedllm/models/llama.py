@@ -67,10 +67,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split_heads(self.qkv_proj(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(self.rotary_emb, RotaryEmbedding):

@@ -61,9 +61,8 @@ class OPTAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
-        o = self.backend.forward(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
-                                 v.reshape(n, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
+        q, k, v = self.qkv_proj.split_heads(self.qkv_proj(x))
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.out_proj(o.reshape(n, -1))
 
 

@@ -99,6 +99,9 @@ class CacheConfig:
     cpu_kv_cache_space: Optional[int] = None
     cpu_kv_cache_space_reason: str = ""
     enable_prefix_caching: bool = True
+    # "auto" (the model's dtype) or "int8" (values and a float32 scale per token and KV head,
+    # layers/attention/kv_quant.py); vLLM's --kv-cache-dtype.
+    cache_dtype: str = "auto"
     num_blocks: int = 0  # set once the KV cache is allocated
 
 
@@ -220,6 +223,7 @@ class EngineArgs:
     num_threads: Optional[int] = None  # CPU threads; None: OMP_NUM_THREADS if set, else the physical cores
     quantization: Optional[str] = None
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -278,6 +282,11 @@ class EngineArgs:
         if self.attention_backend not in attention_backends:
             raise ValueError(f"attention_backend must be one of {', '.join(attention_backends)}; "
                              f"got {self.attention_backend!r}")
+        from pagedllm.layers.attention.kv_quant import CHOICES as kv_cache_dtypes
+
+        if self.kv_cache_dtype not in kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(kv_cache_dtypes)}; got "
+                             f"{self.kv_cache_dtype!r}")
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")
@@ -313,6 +322,7 @@ class EngineArgs:
                 cpu_kv_cache_space=cpu_space,
                 cpu_kv_cache_space_reason=cpu_space_reason,
                 enable_prefix_caching=self.enable_prefix_caching,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

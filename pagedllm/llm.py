@@ -47,6 +47,9 @@ class LLM:
         attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
             "torch" (pure-PyTorch reference) or "cpu".
         pipeline_parallel_size: pipeline stages (layers split over processes; world = TP x PP).
+        kv_cache_dtype: "auto" (the model's dtype) or "int8" (int8 K/V with a float32 scale per token
+            and KV head: 3.8x the tokens of a float32 cache, 1.9x bfloat16's, in the same memory;
+            see ``layers/attention/kv_quant.py``).
 
     Raises:
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
@@ -61,7 +64,8 @@ class LLM:
                  load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
                  num_threads: Optional[int] = None,
                  quantization: Optional[str] = None,
-                 attention_backend: str = "auto", pipeline_parallel_size: int = 1) -> None:
+                 attention_backend: str = "auto", pipeline_parallel_size: int = 1,
+                 kv_cache_dtype: str = "auto") -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -69,7 +73,7 @@ class LLM:
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
                           device=device, num_threads=num_threads, quantization=quantization,
-                          attention_backend=attention_backend,
+                          attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
                           pipeline_parallel_size=pipeline_parallel_size)
         self.llm_engine = LLMEngine.from_engine_args(args)
 

@@ -33,6 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="e.g. int8 (see pagedllm serve --help)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoding together")
     p.add_argument("--context-len", type=int, default=256, help="prompt tokens of each sequence")
     p.add_argument("--steps", type=int, default=5, help="decode steps measured (per method)")
@@ -184,7 +185,9 @@ def step_cost(engine, batch: int, context: int) -> dict[str, float]:
     mc = engine.model_config
     heads = cfg.num_attention_heads
     attn_flops = cfg.num_hidden_layers * 2 * 2 * batch * context * heads * mc.head_dim
-    kv_bytes = 2 * cfg.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize * batch * context
+    runner = engine.executor.runner
+    kv_bytes = (2 * cfg.num_hidden_layers * mc.num_kv_heads * runner.kv_row_size * runner.kv_cache_dtype.itemsize
+                * batch * context)
     return {"linear_flops": 2 * batch * linear_params, "attention_flops": attn_flops,
             "weight_bytes_read": weight_bytes, "kv_bytes_read": kv_bytes}
 
@@ -218,11 +221,12 @@ def run(args: argparse.Namespace) -> dict:
 
     cfg = EngineArgs(model=model, dtype=args.dtype, max_model_len=max_len).create_engine_config()
     mc = cfg.model_config
-    per_token = 2 * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    per_token = 2 * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize  # >= int8's
     llm = LLM(model, dtype=args.dtype, load_format=load_format, max_model_len=max_len, block_size=args.block_size,
               max_num_seqs=args.batch_size, max_num_batched_tokens=max(2048, args.context_len),
               kv_cache_memory=tokens_needed * per_token, seed=args.seed, enable_prefix_caching=False,
-              attention_backend=args.attention_backend, quantization=args.quantization)
+              attention_backend=args.attention_backend, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     cuda = engine.config.device.startswith("cuda")
     timers = Timers(torch.cuda.synchronize if cuda else (lambda: None))

@@ -41,6 +41,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--quantization", default=None, choices=["int8", "int8-g64"],
                    help="pagedllm only: int8 = W8A8")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="pagedllm only")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest request of the workload (throughput) / the model's (memory)")
     g.add_argument("--block-size", type=int, default=16)
@@ -126,7 +127,8 @@ def run_pagedllm(args: argparse.Namespace, s: Setup) -> dict:
     llm = LLM(s.model_path, dtype=args.dtype, max_model_len=s.max_model_len, block_size=args.block_size,
               kv_cache_memory=s.kv_budget, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, load_format=s.load_format, seed=args.seed,
-              quantization=getattr(args, "quantization", None))
+              quantization=getattr(args, "quantization", None),
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     engine = llm.llm_engine
     try:
         if not args.no_warmup:

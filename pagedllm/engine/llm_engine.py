@@ -116,11 +116,12 @@ class LLMEngine:
         capped = " capped at max_num_seqs x max_model_len" if num_blocks < budget // per_block else ""
         threads = f" | threads {pc.num_threads} ({pc.num_threads_reason})" if pc.num_threads else ""
         logger.info(
-            "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache: %d blocks x %d tokens = %.1f MiB "
+            "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache%s: %d blocks x %d tokens = %.1f MiB "
             "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB%s | "
             "prefix caching %s%s",
             mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
-            self.config.device, pc.tensor_parallel_size, pc.pipeline_parallel_size, num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
+            self.config.device, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+            " (int8)" if cc.cache_dtype == "int8" else "", num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
             mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,
             f" ({mc.quantization})" if mc.quantization else "",
             "on" if cc.enable_prefix_caching else "off", threads)

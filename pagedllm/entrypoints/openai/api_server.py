@@ -394,7 +394,8 @@ def _engine_args(args: argparse.Namespace):
         device=None if args.device == "auto" else args.device,
         num_threads=getattr(args, "num_threads", None),
         quantization=getattr(args, "quantization", None),
-        attention_backend=getattr(args, "attention_backend", "auto"))
+        attention_backend=getattr(args, "attention_backend", "auto"),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def _run_headless(args: argparse.Namespace) -> int:

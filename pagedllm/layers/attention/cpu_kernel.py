@@ -1,6 +1,7 @@
 """Paged attention on the CPU through a small C++/OpenMP kernel (``paged_attention_cpu.cpp``) that
 reads K/V in place through the block table: no per-layer gather of the context, grouped-query
-attention without expanding K/V, online softmax over blocks, fp32 and bf16 (fp32 accumulation).
+attention without expanding K/V, online softmax over blocks, fp32 and bf16 (fp32 accumulation),
+over a cache in the model's dtype or int8 (``kv_quant.py``).
 
 The kernel is compiled on first use with the host's C++ compiler and loaded with ctypes
 (``layers/cpu_build.py``: no torch headers, so neither ninja nor a torch build requirement). Where
@@ -14,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.layers.attention.torch_backend import TorchPagedAttention
@@ -22,14 +24,20 @@ from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 FLAGS = BASE_FLAGS
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 1024
 
 def _build() -> ctypes.CDLL:
     lib = build_library(SOURCE, FLAGS)
     i32p, f32, i32, i64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int64
-    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
+    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16, lib.paged_attention_f32_i8,
+               lib.paged_attention_bf16_i8):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32]
+    for fn in (lib.kv_write_int8_f32, lib.kv_write_int8_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32,
+                       ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -52,9 +60,10 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
                     scale: float, sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
                     max_query_len: int = 0) -> torch.Tensor:
     """out [N, H, D] <- attention of q [N, H, D] over the paged ``kv_cache``
-    [2, num_blocks, block_size, Hkv, D] for the sequences of ``meta``; the step's new K/V must
-    already be in the cache. Rows of sequences with more than ``max_query_len`` new tokens (when
-    > 0) are left untouched. Raises ValueError on a shape, dtype or layout mismatch."""
+    [2, num_blocks, block_size, Hkv, D] in q's dtype (or [..., D + 4] int8, ``kv_quant.py``) for
+    the sequences of ``meta``; the step's new K/V must already be in the cache. Rows of sequences
+    with more than ``max_query_len`` new tokens (when > 0) are left untouched. Raises ValueError on
+    a shape, dtype or layout mismatch."""
     lib, err = load_kernel()
     if lib is None:
         raise RuntimeError(f"cpu paged-attention kernel unavailable: {err}")
@@ -62,23 +71,39 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     _, num_blocks, bs, hkv, d_cache = kv_cache.shape
     _check(q, "q", q.dtype, 3)
     _check(out, "out", q.dtype, 3)
-    _check(kv_cache, "kv_cache", q.dtype, 5)
+    int8 = kv_quant.is_int8(kv_cache)
+    _check(kv_cache, "kv_cache", torch.int8 if int8 else q.dtype, 5)
     bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
     _check(bt, "block_tables", torch.int32, 2)
     _check(sl, "seq_lens", torch.int32, 1)
     _check(qsl, "query_start_loc", torch.int32, 1)
     b = sl.shape[0]
-    if (d_cache != d or h % hkv or out.shape != q.shape or bs != meta.block_size or bt.shape[0] != b
+    if (d_cache != kv_quant.cache_row_size(d, "int8" if int8 else "auto") or h % hkv or out.shape != q.shape or bs != meta.block_size or bt.shape[0] != b
             or qsl.shape[0] != b + 1 or kv_cache.shape[0] != 2 or q.dtype not in SUPPORTED_DTYPES):
         raise ValueError(f"cpu paged attention: inconsistent shapes q {tuple(q.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
                          f"query_start_loc {tuple(qsl.shape)}, block_size {meta.block_size}")
-    fn = lib.paged_attention_f32 if q.dtype == torch.float32 else lib.paged_attention_bf16
+    fn = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}{'_i8' if int8 else ''}")
     with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
         fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), bt.data_ptr(),
            bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0),
            float(logits_soft_cap or 0.0), int(max_query_len))
     return out
+
+
+def write_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``backend.write_kv`` for an int8 ``kv_cache`` in one C pass (the same bytes as the torch
+    reference); k/v [N, Hkv, D] with free token strides (views of the fused qkv output)."""
+    lib, _ = load_kernel()
+    n, hkv, d = k.shape
+    if (lib is None or k.dtype not in _SUFFIX or v.dtype != k.dtype or not kv_cache.is_contiguous()
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or any(t.stride(1) != d or t.stride(2) != 1 for t in (k, v))):
+        write_kv(k, v, kv_cache, slot_mapping)
+        return
+    getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, hkv, d,
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -111,7 +136,7 @@ class CpuPagedAttention(AttentionBackend):
         if kv_cache is None or meta.block_tables is None:
             return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        (write_kv_int8 if kv_quant.is_int8(kv_cache) else write_kv)(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
                               logits_soft_cap, max_query_len=self.LONG_PREFILL)
         flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])

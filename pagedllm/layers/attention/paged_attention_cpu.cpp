@@ -11,7 +11,9 @@
 //
 // Layouts (all contiguous, checked by the Python caller):
 //   q, out      [N, H, D]                         float32 or bfloat16 (raw uint16)
-//   k/v cache   [num_blocks, block_size, Hkv, D]  same dtype as q
+//   k/v cache   [num_blocks, block_size, Hkv, D]  same dtype as q, or
+//               [num_blocks, block_size, Hkv, D + 4] int8: each (token, KV head) row is D int8 values
+//               then their float32 scale (x ~ value * scale, scale = max|x| / 127; kv_write_int8)
 //   block_tables [B, bt_stride] int32; seq_lens [B] int32; query_start_loc [B + 1] int32
 // Sequences with more than max_query_len new tokens (when > 0) are skipped: the caller runs those.
 // Accumulation is float32. Plain C ABI (called through ctypes): no torch headers, builds in seconds.
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -41,6 +44,19 @@ using pagedllm_cpu::float_to_bf16;
 // exp(x) for x <= 0; branch-free so the compiler vectorises the loops that call it.
 inline float exp_nonpos(float x) { return pagedllm_cpu::exp_clamped(std::max(x, -87.0f)); }
 
+// Cache element C: float, uint16_t (bf16) or int8_t (a row of D values then a float32 scale).
+template <typename C>
+constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+template <typename C>
+constexpr int row_elems(int d) { return kInt8<C> ? d + 4 : d; }  // elements of C between heads
+template <typename C>
+constexpr int row_bytes(int d) { return row_elems<C>(d) * static_cast<int>(sizeof(C)); }
+inline float row_scale(const int8_t* row, int d) {
+  float s;
+  std::memcpy(&s, row + d, sizeof(float));
+  return s;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512 1
@@ -50,6 +66,20 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// An int8 row as float, or as bf16: an integer of at most 7 bits is exact in bf16 (the float's low
+// 16 bits are zero), so the bf16 dot products of int8 keys stay exact products.
+inline void int8_row_to(const int8_t* src, float* dst, int d) {
+  for (int c = 0; c < d; c += 16) _mm512_storeu_ps(dst + c, load16(src + c));
+}
+inline void int8_row_to(const int8_t* src, uint16_t* dst, int d) {
+  for (int c = 0; c < d; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(load16(src + c)), 16)));
 }
 
 // {sum(v[0]), ..., sum(v[15])}: a transposing add tree, 45 shuffles/adds for 16 sums where
@@ -112,7 +142,7 @@ inline void pv_block(const float* p, int p_stride, const T* const* v, int n, flo
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + r * D + 16 * c);
   for (int j = 0; j < n; ++j) {
     if (j + 24 < n)
-      for (int c = 0; c < static_cast<int>(sizeof(T)) * D; c += 64)
+      for (int c = 0; c < row_bytes<T>(D); c += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(v[j + 24]) + c, 0, 2);
     __m512 vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load16(v[j] + 16 * c);
@@ -187,6 +217,13 @@ inline void load_row<uint16_t>(const uint16_t* src, float* dst, int d) {
   for (int i = 0; i < d; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
+template <>
+inline void load_row<int8_t>(const int8_t* src, float* dst, int d) {  // dequantized
+  const float scale = row_scale(src, d);
+#pragma omp simd
+  for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
 inline void store_row(const float* src, float* dst, int d, float mul) {
 #pragma omp simd
   for (int i = 0; i < d; ++i) dst[i] = src[i] * mul;
@@ -218,7 +255,7 @@ inline float dot(const float* a, const float* b, int d) {
 template <typename T>
 inline void prefetch_rows(const T* p, int n, int64_t stride, int d) {
   for (int j = 0; j < n; ++j)
-    for (int c = 0; c < d * static_cast<int>(sizeof(T)); c += 64)
+    for (int c = 0; c < row_bytes<T>(d); c += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(p + j * stride) + c);
 }
 
@@ -244,15 +281,18 @@ std::vector<Item> make_items(const int32_t* query_start_loc, int num_seqs, int n
   return items;
 }
 
-template <typename T, int kHeadDim>  // kHeadDim > 0: head_dim fixed at compile time (unrolled loops)
-void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* block_tables,
+// T: q/out; C: the cache (T, or int8_t). kHeadDim > 0: head_dim fixed at compile time (unrolled loops).
+template <typename T, typename C, int kHeadDim>
+void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* block_tables,
                      int64_t bt_stride, const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
                      float soft_cap, int max_query_len) {
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
-  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;  // between tokens of a block
+  const int row = row_elems<C>(D);                                     // between KV heads of a token
+  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * row;  // between tokens of a block
   const int64_t blk_stride = tok_stride * bs;
+  constexpr bool kDirect = std::is_same_v<C, float>;  // K/V rows used in place, else converted
   const std::vector<Item> items = make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len);
   const int num_items = static_cast<int>(items.size());
 
@@ -299,11 +339,11 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
         const bool has_next = (blk + 1) * bs <= last_pos;
         const int64_t next_blk = has_next ? static_cast<int64_t>(table[blk + 1]) * blk_stride : 0;
         for (int h = w.h_begin; h < w.h_end; ++h) {
-          const int64_t base = static_cast<int64_t>(table[blk]) * blk_stride + h * D +
+          const int64_t base = static_cast<int64_t>(table[blk]) * blk_stride + h * row +
                                static_cast<int64_t>(j0 - blk * bs) * tok_stride;
           const int r0 = (h - w.h_begin) * head_rows;
           const float* kp;
-          if constexpr (sizeof(T) == sizeof(float)) {
+          if constexpr (kDirect) {
             kp = nullptr;
           } else {
             for (int j = 0; j < n; ++j) load_row(k_cache + base + j * tok_stride, &kf[static_cast<size_t>(j) * D], D);
@@ -316,8 +356,8 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
             float bmax = -INFINITY;
             for (int j = 0; j < n; ++j) {
               const int pos = j0 + j;
-              if constexpr (sizeof(T) == sizeof(float)) {
-                kp = reinterpret_cast<const float*>(k_cache) + base + j * tok_stride;
+              if constexpr (kDirect) {
+                kp = k_cache + base + j * tok_stride;
               } else {
                 kp = &kf[static_cast<size_t>(j) * D];
               }
@@ -331,12 +371,12 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
           }
           // acc[r] += sum_j p[r][j] * v_j: V rows (L1-resident after the first row) stream through
           // one row's accumulator, which stays in registers when D is a compile-time constant.
-          if constexpr (sizeof(T) != sizeof(float)) {
+          if constexpr (!kDirect) {
             for (int j = 0; j < n; ++j) load_row(v_cache + base + j * tok_stride, &vf[static_cast<size_t>(j) * D], D);
           }
           if (has_next) {
             for (int j = 0; j < n; ++j) {
-              const int64_t nx = next_blk + h * D + (j + j0 - blk * bs) * tok_stride;
+              const int64_t nx = next_blk + h * row + (j + j0 - blk * bs) * tok_stride;
               prefetch_rows(k_cache + nx, 1, 0, D);
               prefetch_rows(v_cache + nx, 1, 0, D);
             }
@@ -347,8 +387,8 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
             for (int j = 0; j < n; ++j) {
               const float pj = pr[j];
               const float* vp;
-              if constexpr (sizeof(T) == sizeof(float)) {
-                vp = reinterpret_cast<const float*>(v_cache) + base + j * tok_stride;
+              if constexpr (kDirect) {
+                vp = v_cache + base + j * tok_stride;
               } else {
                 vp = &vf[static_cast<size_t>(j) * D];
               }
@@ -376,15 +416,19 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, T* out, con
 // boundaries) are computed 16 at a time per query row with one transposing add tree, then masked,
 // exponentiated and summed as whole vectors, and only then folded into the running softmax (one
 // rescale per chunk, as in flash-decoding); P.V then streams each V row once for several rows.
-template <typename T, int kHeadDim>
-void paged_attention_vec(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* block_tables,
+// An int8 cache: each 16 keys are widened once into a small buffer (as T: exact, see int8_row_to)
+// for the dot products of all rows, the scores then scaled by each key's scale; each V row's scale
+// is folded into the probabilities before P.V, which widens the V rows as it streams them.
+template <typename T, typename C, int kHeadDim>
+void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* block_tables,
                          int64_t bt_stride, const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
                          float soft_cap, int max_query_len) {
   constexpr int KC = 512;  // keys per chunk (a multiple of 16)
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
-  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;
+  const int row = row_elems<C>(D);
+  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * row;
   const int64_t blk_stride = tok_stride * bs;
   const std::vector<Item> items = make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len);
   const int num_items = static_cast<int>(items.size());
@@ -397,7 +441,11 @@ void paged_attention_vec(const T* q, const T* k_cache, const T* v_cache, T* out,
     std::vector<float> s(static_cast<size_t>(max_rows) * KC);
     std::vector<int> row_pos(max_rows);
     std::vector<int64_t> off(KC);
-    std::vector<const T*> kp(KC), vp(KC);
+    std::vector<const C*> kp(KC), vp(KC);
+    std::vector<float> k_scale(kInt8<C> ? KC : 0), v_scale(kInt8<C> ? KC : 0);
+    std::vector<T> kw(kInt8<C> ? 16 * D : 0);  // 16 int8 key rows widened
+    const T* kw_rows[16];
+    for (int j = 0; j < 16 && kInt8<C>; ++j) kw_rows[j] = &kw[static_cast<size_t>(j) * D];
 
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < num_items; ++it) {
@@ -430,21 +478,34 @@ void paged_attention_vec(const T* q, const T* k_cache, const T* v_cache, T* out,
         }
         for (int j = n; j < npad; ++j) off[j] = off[n - 1];  // padding keys repeat the last (masked)
         for (int h = w.h_begin; h < w.h_end; ++h) {
-          for (int j = 0; j < npad; ++j) kp[j] = k_cache + off[j] + h * D, vp[j] = v_cache + off[j] + h * D;
+          for (int j = 0; j < npad; ++j) kp[j] = k_cache + off[j] + h * row, vp[j] = v_cache + off[j] + h * row;
           const int r0 = (h - w.h_begin) * head_rows;
           const __m512 vscale = _mm512_set1_ps(scale);
           for (int j0 = 0; j0 < npad; j0 += 16) {  // each 16 keys from L1 for all rows of the head
             if (j0 + 16 < npad)
               for (int j = j0 + 16; j < j0 + 32; ++j)
-                for (int c = 0; c < static_cast<int>(sizeof(T)) * D; c += 64)
+                for (int c = 0; c < row_bytes<C>(D); c += 64)
                   __builtin_prefetch(reinterpret_cast<const char*>(kp[j]) + c, 0, 2);
             for (int j = j0; j < j0 + 16; ++j)  // this head's V rows, for P.V after the scores
-              for (int c = 0; c < static_cast<int>(sizeof(T)) * D; c += 64)
+              for (int c = 0; c < row_bytes<C>(D); c += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(vp[j]) + c, 0, 2);
-            for (int r = r0; r < r0 + head_rows; ++r)
-              _mm512_storeu_ps(&s[static_cast<size_t>(r) * KC + j0],
-                               _mm512_mul_ps(dot16<kHeadDim>(&qt[static_cast<size_t>(r) * D], &kp[j0], D), vscale));
+            if constexpr (kInt8<C>) {
+              for (int j = 0; j < 16; ++j) {  // the scales are read from rows now in cache (prefetched)
+                int8_row_to(kp[j0 + j], &kw[static_cast<size_t>(j) * D], D);
+                k_scale[j0 + j] = row_scale(kp[j0 + j], D) * scale;
+              }
+              const __m512 ks = _mm512_loadu_ps(&k_scale[j0]);
+              for (int r = r0; r < r0 + head_rows; ++r)
+                _mm512_storeu_ps(&s[static_cast<size_t>(r) * KC + j0],
+                                 _mm512_mul_ps(dot16<kHeadDim>(&qt[static_cast<size_t>(r) * D], kw_rows, D), ks));
+            } else {
+              for (int r = r0; r < r0 + head_rows; ++r)
+                _mm512_storeu_ps(&s[static_cast<size_t>(r) * KC + j0],
+                                 _mm512_mul_ps(dot16<kHeadDim>(&qt[static_cast<size_t>(r) * D], &kp[j0], D), vscale));
+            }
           }
+          if constexpr (kInt8<C>)
+            for (int j = 0; j < n; ++j) v_scale[j] = row_scale(vp[j], D);  // rows prefetched by now
           for (int r = r0; r < r0 + head_rows; ++r) {
             float* sr = &s[static_cast<size_t>(r) * KC];
             const int p = row_pos[r];
@@ -460,6 +521,10 @@ void paged_attention_vec(const T* q, const T* k_cache, const T* v_cache, T* out,
               bmax = std::max(bmax, sr[j]);
             }
             softmax_fold(sr, npad, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
+            if constexpr (kInt8<C>) {
+#pragma omp simd
+              for (int j = 0; j < n; ++j) sr[j] *= v_scale[j];
+            }
           }
           pv_rows<kHeadDim>(&s[static_cast<size_t>(r0) * KC], KC, vp.data(), n, &acc[static_cast<size_t>(r0) * D],
                             head_rows, D);
@@ -475,33 +540,62 @@ void paged_attention_vec(const T* q, const T* k_cache, const T* v_cache, T* out,
 }
 #endif  // PAGEDLLM_AVX512
 
+// Quantize this step's K and V rows into an int8 cache (symmetric per (token, KV head) row:
+// scale = max|x| / 127, value = round-half-even(x * (127 / max|x|)); an all-zero row stores 0s
+// and scale 0). The same float32 operations as the torch reference (layers/attention/kv_quant.py),
+// so both write identical bytes. k/v: [N, Hkv, D] with token strides k_stride/v_stride (elements)
+// and contiguous heads; slot_mapping [N] int64.
+template <typename T>
+void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slot_mapping,
+                   int64_t n, int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
+  const int row = d + 4;
+#pragma omp parallel for schedule(static) if (n * num_kv_heads >= 256)
+  for (int64_t t = 0; t < n; ++t) {
+    std::vector<float> x(d);
+    for (int kv = 0; kv < 2; ++kv) {
+      const T* src = kv == 0 ? k + t * k_stride : v + t * v_stride;
+      int8_t* dst = (kv == 0 ? k_cache : v_cache) + slot_mapping[t] * num_kv_heads * row;
+      for (int h = 0; h < num_kv_heads; ++h, src += d, dst += row) {
+        load_row(src, x.data(), d);
+        float amax = 0.0f;
+        for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < d; ++i)
+          dst[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] * inv))));
+        const float sc = amax / 127.0f;
+        std::memcpy(dst + d, &sc, sizeof(float));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // Common head sizes get a specialisation; others run the same code with a runtime head_dim.
 #define PA_ARGS block_tables, bt_stride, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, \
                 block_size, scale, window, soft_cap, max_query_len
 #ifdef PAGEDLLM_AVX512
-#define DISPATCH_VEC(T, ...)                                                          \
-  if (head_dim % 16 == 0) switch (head_dim) {                                       \
-      case 64: return paged_attention_vec<T, 64>(__VA_ARGS__, PA_ARGS);             \
-      case 128: return paged_attention_vec<T, 128>(__VA_ARGS__, PA_ARGS);           \
-      default: return paged_attention_vec<T, 0>(__VA_ARGS__, PA_ARGS);              \
+#define DISPATCH_VEC(T, C, ...)                                                        \
+  if (head_dim % 16 == 0) switch (head_dim) {                                        \
+      case 64: return paged_attention_vec<T, C, 64>(__VA_ARGS__, PA_ARGS);           \
+      case 128: return paged_attention_vec<T, C, 128>(__VA_ARGS__, PA_ARGS);         \
+      default: return paged_attention_vec<T, C, 0>(__VA_ARGS__, PA_ARGS);            \
     }
 #else
-#define DISPATCH_VEC(T, ...)
+#define DISPATCH_VEC(T, C, ...)
 #endif
 // Common head sizes get a specialisation; others run the same code with a runtime head_dim.
-#define DISPATCH_HEAD_DIM(T, ...)                                         \
-  DISPATCH_VEC(T, __VA_ARGS__)                                            \
-  switch (head_dim) {                                                     \
-    case 64: return paged_attention<T, 64>(__VA_ARGS__, PA_ARGS);         \
-    case 128: return paged_attention<T, 128>(__VA_ARGS__, PA_ARGS);       \
-    default: return paged_attention<T, 0>(__VA_ARGS__, PA_ARGS);          \
+#define DISPATCH_HEAD_DIM(T, C, ...)                                        \
+  DISPATCH_VEC(T, C, __VA_ARGS__)                                           \
+  switch (head_dim) {                                                       \
+    case 64: return paged_attention<T, C, 64>(__VA_ARGS__, PA_ARGS);        \
+    case 128: return paged_attention<T, C, 128>(__VA_ARGS__, PA_ARGS);      \
+    default: return paged_attention<T, C, 0>(__VA_ARGS__, PA_ARGS);         \
   }
 
 extern "C" {
 
-int pagedllm_kernel_abi_version() { return 2; }
+int pagedllm_kernel_abi_version() { return 3; }
 
 int pagedllm_kernel_avx512() {
 #ifdef PAGEDLLM_AVX512
@@ -511,18 +605,37 @@ int pagedllm_kernel_avx512() {
 #endif
 }
 
-void paged_attention_f32(const float* q, const float* k_cache, const float* v_cache, float* out,
-                         const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
-                         const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int window, float soft_cap, int max_query_len) {
-  DISPATCH_HEAD_DIM(float, q, k_cache, v_cache, out);
+#define PA_PARAMS                                                                                              \
+  const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,     \
+      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,    \
+      float soft_cap, int max_query_len
+
+void paged_attention_f32(const float* q, const float* k_cache, const float* v_cache, float* out, PA_PARAMS) {
+  DISPATCH_HEAD_DIM(float, float, q, k_cache, v_cache, out);
 }
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, uint16_t* out,
-                          const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
-                          const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, int window, float soft_cap, int max_query_len) {
-  DISPATCH_HEAD_DIM(uint16_t, q, k_cache, v_cache, out);
+                          PA_PARAMS) {
+  DISPATCH_HEAD_DIM(uint16_t, uint16_t, q, k_cache, v_cache, out);
+}
+
+void paged_attention_f32_i8(const float* q, const int8_t* k_cache, const int8_t* v_cache, float* out, PA_PARAMS) {
+  DISPATCH_HEAD_DIM(float, int8_t, q, k_cache, v_cache, out);
+}
+
+void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k_cache, const int8_t* v_cache, uint16_t* out,
+                             PA_PARAMS) {
+  DISPATCH_HEAD_DIM(uint16_t, int8_t, q, k_cache, v_cache, out);
+}
+
+void kv_write_int8_f32(const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* slots, int64_t n,
+                       int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
+  kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
+}
+
+void kv_write_int8_bf16(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, const int64_t* slots,
+                        int64_t n, int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
+  kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
 }
 
 }  // extern "C"

@@ -1,6 +1,10 @@
 """Reference paged attention in pure PyTorch (CPU and CUDA): gathers each sequence's context out of
 the paged cache through its block table, then runs SDPA (or an explicit softmax when the logits
-are soft-capped). Every faster backend is tested equal to this one."""
+are soft-capped). Every faster backend is tested equal to this one.
+
+An int8 cache (``kv_quant.py``) is dequantized as it is gathered (in float32, then rounded to q's
+dtype); a prompt attends to its own K/V as the cache holds them (quantized and dequantized), so its
+result does not depend on how it was chunked."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata, PrefillSeq
 
@@ -49,6 +54,13 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) ->
     return m
 
 
+def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``slots`` of a flat cache [num_slots, Hkv, D or D + 4]: [len(slots), Hkv, D] in ``dtype``
+    (an int8 cache dequantized in float32 first)."""
+    rows = flat.index_select(0, slots)
+    return kv_quant.dequantize(rows).to(dtype) if kv_quant.is_int8(flat) else rows
+
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
@@ -63,8 +75,8 @@ class TorchPagedAttention(AttentionBackend):
             slots, k_pos = self._decode_slots(meta)
             b, length = slots.shape
             hkv, d = k.shape[1:]
-            ck = flat_k.index_select(0, slots.view(-1)).view(b, length, hkv, d).transpose(1, 2)
-            cv = flat_v.index_select(0, slots.view(-1)).view(b, length, hkv, d).transpose(1, 2)
+            ck = _gather(flat_k, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
+            cv = _gather(flat_v, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
             mask = _visible(meta.seq_lens[:nd].long() - 1, k_pos, sliding_window).view(b, 1, 1, length)
             o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap)
             out[:nd] = o.reshape(b, -1, d)
@@ -97,6 +109,8 @@ class TorchPagedAttention(AttentionBackend):
         if not p.has_prefix or flat_k is None:  # K/V of the whole sequence are in this batch
             ks = k[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
             vs = v[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
+            if flat_k is not None and kv_quant.is_int8(flat_k):  # what the cache holds, without reading it
+                ks, vs = kv_quant.roundtrip(ks), kv_quant.roundtrip(vs)
             if window is None and soft_cap is None:
                 return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         else:
@@ -106,8 +120,8 @@ class TorchPagedAttention(AttentionBackend):
                 pos = torch.arange(p.seq_len, device=q.device)
                 meta.derived[key] = meta.block_tables[row, pos // bs].long() * bs + pos % bs
             slots = meta.derived[key]
-            ks = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            vs = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            ks = _gather(flat_k, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = _gather(flat_v, slots, q.dtype).transpose(0, 1).unsqueeze(0)
         length = ks.shape[2]
         q_pos = torch.arange(length - t, length, device=q.device)
         mask = _visible(q_pos, torch.arange(length, device=q.device), window)

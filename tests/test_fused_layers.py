@@ -126,6 +126,32 @@ def test_silu_and_mul_equals_transformers_mlp_product(dtype, path):
         assert torch.equal(gate_up, before)  # the input is left alone
 
 
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_quantize_and_epilogue_bit_equal(dtype, bias, path):
+    """The int8 linear (W8A8) on either path equals its definition written in PyTorch ops bit for
+    bit: per-token scales max(max|x|, 1e-12) / 127, values round_half_even(x * 127 / amax) (the
+    reciprocal then a multiply, as PyTorch's 127 / tensor), float32 epilogue acc * sx * sw + bias
+    rounded once to the activation dtype. Rows of 1-300 tokens, strided rows, an all-zero row."""
+    from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel, set_int8_weight
+
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in [(1, 576, 49152), (48, 1536, 576), (300, 64, 96), (5, 17, 40)]:
+        wide = (torch.randn(m, 2 * k, generator=g) * torch.rand(m, 1, generator=g) * 8).to(dtype)
+        x = wide[:, :k]  # rows strided
+        x[m // 2] = 0
+        layer = torch.nn.Module()
+        set_int8_weight(layer, *quantize_per_channel(torch.randn(n, k, generator=g)))
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+        got = Int8LinearMethod().apply(layer, x, b)
+        amax = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12)
+        xq = (x * (127 / amax)).round().to(torch.int8)
+        want = torch._int_mm(xq, layer.weight_q).float() * (amax / 127) * layer.weight_scale
+        want = (want + b if bias else want).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want), (m, k, n)
+
+
 def test_decoder_layer_plain_forward_equals_fused(llama_dir):
     """The plain per-layer API (used by other model files) and the fused path agree, and the
     model shares one RoPE table across its layers."""

@@ -8,7 +8,8 @@
   the greedy output of each of 20 chat prompts (plain prompts when the tokenizer has no chat
   template) first differs from fp32 (``--max-tokens`` when it never does). Runs the ``--modes``:
   fp32 first, then e.g. int8 (SmoothQuant, the default), int8-nosmooth (per-token int8 without
-  smoothing), int8-g64, int8-head-fp32 (LM head left in float), int8-sq0.7 (SmoothQuant alpha 0.7).
+  smoothing), int8-g64, int8-head-fp32 (LM head left in float), int8-sq0.7 (SmoothQuant alpha 0.7);
+  a mode ending in ``+kv8`` runs with the int8 KV cache (``--kv-cache-dtype int8``), e.g. ``fp32+kv8``.
 - ``matmul``: time of ``y = x W^T`` at decode shapes (``--rows`` tokens x the model's linear
   layers): fp32 ``F.linear`` vs the int8 method's ``apply`` (per-token quantization + ``_int_mm``
   + scales) vs ``_int_mm`` alone; the per-token quantization is timed on its own too.
@@ -59,7 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat prompt")
     p.add_argument("--modes", nargs="+", default=QUALITY_MODES,
                    help="quality: fp32 (always run first), int8, int8-g64, int8-nosmooth, int8-head-fp32, "
-                        "int8-sqALPHA")
+                        "int8-sqALPHA; any of them + '+kv8': with the int8 KV cache")
     p.add_argument("--rows", type=int, nargs="+", default=[48, 128, 256], help="matmul: tokens per step")
     p.add_argument("--num-prompts", type=int, default=48, help="throughput: requests at once")
     p.add_argument("--input-len", type=int, default=128, help="throughput: prompt tokens")
@@ -143,8 +144,10 @@ def run_quality(args) -> dict:
     ref_greedy = None
     windows = None
     for mode in ["fp32"] + [m for m in args.modes if m != "fp32"]:
-        quant = _register_ablation(mode)
-        llm = _llm(args.model, quant, args.kv_cache_memory, args.dtype, max_num_batched_tokens=args.window)
+        kv8 = mode.endswith("+kv8")
+        quant = _register_ablation(mode.removesuffix("+kv8"))
+        llm = _llm(args.model, quant, args.kv_cache_memory, args.dtype, max_num_batched_tokens=args.window,
+                   kv_cache_dtype="int8" if kv8 else "auto")
         smoothing = llm.llm_engine.executor.runner.model.quantization_report.smoothing
         if windows is None:
             windows = heldout_windows(llm.get_tokenizer(), args.text, args.heldout_fraction, args.window,

@@ -1,7 +1,7 @@
 // Elementwise CPU kernels around the matmuls, one pass over memory each, where PyTorch eager runs
-// 2-6 ATen ops (each a thread-pool dispatch over a ~50k-element tensor): the residual add fused
-// with RMSNorm (vLLM's fused_add_rms_norm), SiLU(gate) * up (vLLM's silu_and_mul) and rotate-half
-// RoPE in place. Same operations in the same order and with the same roundings as transformers'
+// 2-9 ATen ops (each a thread-pool dispatch over a ~50k-element tensor): the residual add fused
+// with RMSNorm (vLLM's fused_add_rms_norm), SiLU(gate) * up (vLLM's silu_and_mul), rotate-half
+// RoPE in place, and the int8 linear's per-token quantization and epilogue. Same operations in the same order and with the same roundings as transformers'
 // Llama modules (bf16: each intermediate rounded to bf16 where transformers rounds it); built with
 // -ffp-contract=off so no multiply-add is fused. Differences from ATen: RMSNorm's mean of squares
 // is summed in another order (fp32: last-bit differences) and SiLU's exp is our own polynomial
@@ -146,6 +146,49 @@ void rotary(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads,
   }
 }
 
+// W8A8 around torch._int_mm (layers/quantization/int8.py), each one pass instead of 4-9 ATen ops,
+// with PyTorch's operations and roundings so that the results are bit-identical:
+// per-token quantization q = round_half_even(x * ((1 / amax) * 127)) (PyTorch's 127 / tensor is a
+// reciprocal, then a multiply), amax = max(max|x|, 1e-12), scale = amax / 127; and the epilogue
+// out = rnd(float(acc) * sx[i] * sw[j] (+ bias[j])).
+template <typename T>
+void quantize_rows(const T* x, int64_t x_stride, int64_t m, int k, int8_t* q, float* scale) {
+#pragma omp parallel for schedule(static) if (m * k >= kMinWork)
+  for (int64_t i = 0; i < m; ++i) {
+    const T* xr = x + i * x_stride;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(to_f(xr[c])));
+    amax = std::max(amax, 1e-12f);
+    const float inv = (1.0f / amax) * 127.0f;
+    int8_t* qr = q + i * k;
+#pragma omp simd
+    for (int c = 0; c < k; ++c) qr[c] = static_cast<int8_t>(std::nearbyint(to_f(xr[c]) * inv));
+    scale[i] = amax / 127.0f;
+  }
+}
+
+template <typename T>
+void int8_epilogue(const int32_t* acc, int64_t m, int n, const float* sx, const float* sw, const T* bias, T* out) {
+  constexpr int kCols = 1024;  // work items of one row's columns: a single row still splits over threads
+  const int64_t col_blocks = (n + kCols - 1) / kCols;
+#pragma omp parallel for schedule(static) if (m * n >= kMinWork)
+  for (int64_t it = 0; it < m * col_blocks; ++it) {
+    const int64_t i = it / col_blocks;
+    const int j0 = static_cast<int>(it % col_blocks) * kCols, j1 = std::min(n, j0 + kCols);
+    const int32_t* a = acc + i * n;
+    T* o = out + i * n;
+    const float s = sx[i];
+    if (bias) {
+#pragma omp simd
+      for (int j = j0; j < j1; ++j) put(&o[j], static_cast<float>(a[j]) * s * sw[j] + to_f(bias[j]));
+    } else {
+#pragma omp simd
+      for (int j = j0; j < j1; ++j) put(&o[j], static_cast<float>(a[j]) * s * sw[j]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -171,6 +214,21 @@ void rotary_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, c
 }
 void rotary_bf16(uint16_t* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const uint16_t* cs) {
   rotary(x, ts, hs, n, heads, d, cs);
+}
+
+void quantize_rows_f32(const float* x, int64_t xs, int64_t m, int k, int8_t* q, float* scale) {
+  quantize_rows(x, xs, m, k, q, scale);
+}
+void quantize_rows_bf16(const uint16_t* x, int64_t xs, int64_t m, int k, int8_t* q, float* scale) {
+  quantize_rows(x, xs, m, k, q, scale);
+}
+void int8_epilogue_f32(const int32_t* acc, int64_t m, int n, const float* sx, const float* sw, const float* bias,
+                       float* out) {
+  int8_epilogue(acc, m, n, sx, sw, bias, out);
+}
+void int8_epilogue_bf16(const int32_t* acc, int64_t m, int n, const float* sx, const float* sw, const uint16_t* bias,
+                        uint16_t* out) {
+  int8_epilogue(acc, m, n, sx, sw, bias, out);
 }
 
 }  // extern "C"

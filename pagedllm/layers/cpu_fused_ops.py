@@ -32,7 +32,9 @@ def _build() -> ctypes.CDLL:
         getattr(lib, f"add_rms_norm_{sfx}").argtypes = [p, i64, p, p, p, i64, i32, f32]
         getattr(lib, f"silu_and_mul_{sfx}").argtypes = [p, i64, p, i64, i32]
         getattr(lib, f"rotary_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p]
-        for name in ("add_rms_norm", "silu_and_mul", "rotary"):
+        getattr(lib, f"quantize_rows_{sfx}").argtypes = [p, i64, i64, i32, p, p]
+        getattr(lib, f"int8_epilogue_{sfx}").argtypes = [p, i64, i32, p, p, p, p]
+        for name in ("add_rms_norm", "silu_and_mul", "rotary", "quantize_rows", "int8_epilogue"):
             getattr(lib, f"{name}_{sfx}").restype = None
     return lib
 
@@ -105,3 +107,37 @@ def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
         return False
     fn(x.data_ptr(), x.stride(0), x.stride(1), n, h, d, cos_sin.data_ptr())
     return True
+
+
+def quantize_rows(x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """x [m, k] (rows may be strided) -> (int8 [m, k], float32 scale [m, 1]), bit-identical to
+    ``quantization/int8.quantize_per_token`` without the TP reduction; None when the kernel does
+    not apply."""
+    if x.dim() != 2:
+        return None
+    fn = _fn("quantize_rows", x)
+    if fn is None:
+        return None
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, 1, dtype=torch.float32)
+    fn(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
+                  dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """acc [m, n] int32, sx [m, 1] and sw [n] float32, bias [n] in ``dtype`` or None ->
+    [m, n] ``dtype`` = rnd(float(acc) * sx * sw (+ bias)), as the int8 method's PyTorch epilogue;
+    None when the kernel does not apply."""
+    m, n = acc.shape
+    if (acc.dtype != torch.int32 or not acc.is_contiguous() or sx.dtype != torch.float32 or sw.dtype != torch.float32
+            or not sx.is_contiguous() or not sw.is_contiguous() or sx.numel() != m or sw.numel() != n
+            or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
+        return None
+    out = torch.empty(m, n, dtype=dtype)
+    fn = _fn("int8_epilogue", out)
+    if fn is None:
+        return None
+    fn(acc.data_ptr(), m, n, sx.data_ptr(), sw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
+    return out

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_all_reduce_max
+from pagedllm.layers import cpu_fused_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -59,6 +60,10 @@ def quantize_per_token(x: torch.Tensor, reduce_amax: bool = False) -> tuple[torc
     10x slower at k = 1536). ``x * (127 / amax)`` lies in [-127, 127] up to rounding, so no clamp
     is needed. ``reduce_amax`` takes the max over tensor-parallel ranks. Error per element <= scale / 2.
     """
+    if not reduce_amax and x.device.type == "cpu":  # one C pass, same bits (layers/cpu_fused_ops.py)
+        fused = cpu_fused_ops.quantize_rows(x)
+        if fused is not None:
+            return fused
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     if reduce_amax:
         amax = _all_reduce_max(amax)
@@ -152,10 +157,15 @@ class Int8LinearMethod(LinearMethodBase):
         acc = int8_mm(xq, layer.weight_q)
         if reduce_results:
             acc = tensor_model_parallel_all_reduce(acc)  # int32 sum: exact, order-free
-        out = acc.float().mul_(sx).mul_(layer.weight_scale)  # float32 [m, n]
-        if bias is not None:
-            out.add_(bias)
-        return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+        out = None
+        if acc.device.type == "cpu":  # one C pass, same bits
+            out = cpu_fused_ops.int8_epilogue(acc, sx, layer.weight_scale, bias, x.dtype)
+        if out is None:
+            out = acc.float().mul_(sx).mul_(layer.weight_scale)  # float32 [m, n]
+            if bias is not None:
+                out.add_(bias)
+            out = out.to(x.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def _grouped_matmul(layer: nn.Module, x: torch.Tensor, g: int) -> torch.Tensor:

@@ -96,9 +96,10 @@ def _compare_int8(seqs, block_size, hkv, group, d, dtype, seed, window=None, sof
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_int8_cache_matches_reference(d, dtype):
     """Vector loops (D % 16 == 0, with the 64/128 specialisations) and portable loops (24, 80);
-    decodes, chunked prefills over a prefix, a long prefill (routed to SDPA), contexts past one
+    decodes, chunked prefills over a prefix, long prefills with and without a prefix (SDPA over
+    the K/V read back from the cache, in C for the kernel backend), contexts past one
     key chunk, random block tables."""
-    seqs = [(0, 1), (300, 1), (17, 1), (700, 1), (40, 20), (0, 33), (5, 150)]
+    seqs = [(0, 1), (300, 1), (17, 1), (700, 1), (40, 20), (0, 33), (5, 150), (0, 140)]
     _compare_int8(seqs, 16, 2, 3, d, dtype, seed=d)
     _compare_int8(seqs, 5, 1, 4, d, dtype, seed=d + 1, window=70, soft_cap=30.0)
 

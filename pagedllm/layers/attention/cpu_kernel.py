@@ -18,7 +18,7 @@ import torch
 from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
-from pagedllm.layers.attention.torch_backend import TorchPagedAttention
+from pagedllm.layers.attention.torch_backend import TorchPagedAttention, _gather
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
@@ -34,6 +34,9 @@ def _build() -> ctypes.CDLL:
                lib.paged_attention_bf16_i8):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32]
+    for fn in (lib.kv_read_int8_f32, lib.kv_read_int8_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i32, i32, ctypes.c_void_p]
     for fn in (lib.kv_write_int8_f32, lib.kv_write_int8_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32,
@@ -106,6 +109,19 @@ def write_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
 
 
+def gather_kv(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``torch_backend._gather`` with an int8 cache read and dequantized in one C pass (same values)."""
+    lib, _ = load_kernel()
+    if lib is None or not kv_quant.is_int8(flat) or dtype not in _SUFFIX or not flat.is_contiguous():
+        return _gather(flat, slots, dtype)
+    slots = slots.contiguous()
+    n, (hkv, row) = slots.shape[0], flat.shape[1:]
+    out = torch.empty(n, hkv, row - kv_quant.SCALE_BYTES, dtype=dtype)
+    getattr(lib, f"kv_read_int8_{_SUFFIX[dtype]}")(flat.data_ptr(), slots.data_ptr(), n, hkv, out.shape[-1],
+                                                    out.data_ptr())
+    return out
+
+
 class CpuPagedAttention(AttentionBackend):
     """The compiled kernel for CPU tensors in fp32/bf16, for decodes and short prefill chunks.
 
@@ -145,5 +161,5 @@ class CpuPagedAttention(AttentionBackend):
             if p.query_end - p.query_start > self.LONG_PREFILL:
                 out[p.query_start:p.query_end] = self._reference.prefill(
                     q, k, v, flat_k, flat_v, meta, meta.num_decode_tokens + i, p, scale, sliding_window,
-                    logits_soft_cap)
+                    logits_soft_cap, gather=gather_kv)
         return out

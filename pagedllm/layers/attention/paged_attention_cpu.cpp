@@ -569,6 +569,23 @@ void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, c
   }
 }
 
+// out[t] <- the int8 cache's rows at slot_mapping[t], dequantized (value * scale in float32, then
+// rounded to T, as kv_quant.dequantize(...).to(dtype)); out [N, Hkv, D] contiguous.
+template <typename T>
+void kv_read_int8(const int8_t* cache, const int64_t* slot_mapping, int64_t n, int num_kv_heads, int d, T* out) {
+  const int row = d + 4;
+#pragma omp parallel for schedule(static) if (n * num_kv_heads >= 256)
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* src = cache + slot_mapping[t] * num_kv_heads * row;
+    T* dst = out + t * num_kv_heads * d;
+    std::vector<float> x(d);
+    for (int h = 0; h < num_kv_heads; ++h, src += row, dst += d) {
+      load_row(src, x.data(), d);  // value * scale
+      store_row(x.data(), dst, d, 1.0f);
+    }
+  }
+}
+
 }  // namespace
 
 // Common head sizes get a specialisation; others run the same code with a runtime head_dim.
@@ -636,6 +653,15 @@ void kv_write_int8_f32(const float* k, int64_t ks, const float* v, int64_t vs, c
 void kv_write_int8_bf16(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, const int64_t* slots,
                         int64_t n, int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
   kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
+}
+
+void kv_read_int8_f32(const int8_t* cache, const int64_t* slots, int64_t n, int num_kv_heads, int d, float* out) {
+  kv_read_int8(cache, slots, n, num_kv_heads, d, out);
+}
+
+void kv_read_int8_bf16(const int8_t* cache, const int64_t* slots, int64_t n, int num_kv_heads, int d,
+                       uint16_t* out) {
+  kv_read_int8(cache, slots, n, num_kv_heads, d, out);
 }
 
 }  // extern "C"

@@ -99,18 +99,17 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
-                 window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+                 window: Optional[int], soft_cap: Optional[float], gather=_gather) -> torch.Tensor:
         """[T, H, D] for one prompt chunk (batch row ``row`` of ``meta``), whose queries sit at positions
         seq_len - T .. seq_len - 1; flat_k/flat_v [num_slots, Hkv, D] are the cache (None: no cache)."""
         t = p.query_end - p.query_start
         h, d = q.shape[1:]
         hkv = k.shape[1]
         qs = q[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        if not p.has_prefix or flat_k is None:  # K/V of the whole sequence are in this batch
+        # An int8 cache: the prompt's own K/V as the cache holds them (read back, dequantized).
+        if flat_k is None or (not p.has_prefix and not kv_quant.is_int8(flat_k)):  # K/V all in this batch
             ks = k[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
             vs = v[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
-            if flat_k is not None and kv_quant.is_int8(flat_k):  # what the cache holds, without reading it
-                ks, vs = kv_quant.roundtrip(ks), kv_quant.roundtrip(vs)
             if window is None and soft_cap is None:
                 return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         else:
@@ -120,8 +119,10 @@ class TorchPagedAttention(AttentionBackend):
                 pos = torch.arange(p.seq_len, device=q.device)
                 meta.derived[key] = meta.block_tables[row, pos // bs].long() * bs + pos % bs
             slots = meta.derived[key]
-            ks = _gather(flat_k, slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            vs = _gather(flat_v, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            ks = gather(flat_k, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            vs = gather(flat_v, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            if not p.has_prefix and window is None and soft_cap is None:
+                return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         length = ks.shape[2]
         q_pos = torch.arange(length - t, length, device=q.device)
         mask = _visible(q_pos, torch.arange(length, device=q.device), window)

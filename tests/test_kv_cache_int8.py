@@ -19,12 +19,16 @@ from test_quantization import GREEDY_TOP2, _ids, assert_same_greedy, make_prompt
 
 
 def to_int8_cache(cache: torch.Tensor) -> torch.Tensor:
-    """A float cache [..., D] as an int8 cache [..., D + 4] holding the same K/V quantized."""
-    out = torch.empty(*cache.shape[:-1], cache.shape[-1] + kv_quant.SCALE_BYTES, dtype=torch.int8)
-    values, scales = kv_quant.split_rows(out)
-    q, s = kv_quant.quantize(cache)
-    values.copy_(q)
-    scales.copy_(s)
+    """A float cache [2, num_blocks, block_size, Hkv, D] as an int8 cache holding the same K/V
+    quantized (the bytes of the scale rows past the scales are random)."""
+    _, nb, bs, hkv, d = cache.shape
+    rows = kv_quant.block_rows(bs, d, "int8")
+    out = torch.randint(-128, 127, (2, nb, rows, hkv, d), dtype=torch.int8)
+    for i in range(2):
+        values, scales = kv_quant.split_blocks(out[i])
+        q, s = kv_quant.quantize(cache[i])
+        values.copy_(q)
+        scales.copy_(s)
     return out
 
 
@@ -60,14 +64,21 @@ def test_c_writer_writes_the_reference_bytes(dtype, d):
     k, v = qkv[:, 3:5], qkv[:, 5:7]
     k[4] = 0  # an all-zero row
     slots = torch.randperm(40 * 8, generator=g)[:300]
-    ref = torch.randint(-128, 127, (2, 40, 8, 2, d + 4), dtype=torch.int8, generator=g)
-    got = ref.clone()
+    before = torch.randint(-128, 127, (2, 40, kv_quant.block_rows(8, d, "int8"), 2, d), dtype=torch.int8, generator=g)
+    ref, got = before.clone(), before.clone()
     write_kv(k, v, ref, slots)
     write_kv_int8(k, v, got, slots)
     assert torch.equal(got, ref)
-    untouched = torch.ones(40 * 8, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(got.view(2, -1, 2, d + 4)[:, untouched], ref.view(2, -1, 2, d + 4)[:, untouched])
+    for i, x in enumerate((k, v)):  # the written slots hold x quantized; the others are untouched
+        values, scales = kv_quant.split_blocks(ref[i])
+        q, s = kv_quant.quantize(x)
+        assert torch.equal(values[slots // 8, slots % 8], q) and torch.equal(scales[slots // 8, slots % 8], s)
+        untouched = torch.ones(40 * 8, dtype=torch.bool)
+        untouched[slots] = False
+        old_values, old_scales = kv_quant.split_blocks(before[i])
+        assert torch.equal(values.reshape(-1, 2, d)[untouched], old_values.reshape(-1, 2, d)[untouched])
+        assert torch.equal(scales.reshape(-1, 2)[untouched].view(torch.int32),
+                           old_scales.reshape(-1, 2)[untouched].view(torch.int32))
 
 
 def _compare_int8(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None):
@@ -116,7 +127,7 @@ def test_kernel_rejects_int8_cache_of_wrong_row_size():
 
     _kernel()
     q, k, v, cache, meta, _, _ = make_batch([(3, 1), (0, 4)], 4, 2, 2, 16, torch.float32, seed=1)
-    bad = torch.zeros(*cache.shape, dtype=torch.int8)  # no room for the scales
+    bad = torch.zeros(*cache.shape, dtype=torch.int8)  # no rows for the scales
     with pytest.raises(ValueError, match="inconsistent shapes"):
         paged_attention(torch.empty_like(q), q, bad, meta, 0.25)
 
@@ -140,7 +151,7 @@ def test_engine_int8_kv_cache(llama_dir):
 
     f32 = LLM(llama_dir, **kw)
     i8 = LLM(llama_dir, kv_cache_dtype="int8", **kw)
-    # fp32 rows of 16 values (64 bytes) vs int8 rows of 16 values + a 4-byte scale (20 bytes)
+    # fp32: 16 rows of 16 values (1,024 bytes a head) vs int8: 16 + 4 rows of 16 bytes (320)
     assert i8.llm_engine.config.cache_config.num_blocks == pytest.approx(
         f32.llm_engine.config.cache_config.num_blocks * 64 / 20, rel=0.01)
     assert i8.llm_engine.executor.runner.kv_caches[0].dtype == torch.int8
@@ -152,8 +163,8 @@ def test_engine_int8_kv_cache(llama_dir):
     for llm in (f32, i8):
         assert_pool_empty(llm)
 
-    # 17 blocks of 16 tokens in int8 rows (one 272-token sequence), steps of <= 48 tokens.
-    per_block = 2 * 2 * 16 * 2 * (16 + 4)
+    # 17 blocks of 16 tokens (one 272-token sequence), steps of <= 48 tokens.
+    per_block = 2 * 2 * (16 + 4) * 2 * 16
     llm = LLM(llama_dir, kv_cache_dtype="int8", kv_cache_memory=17 * per_block, max_model_len=272,
               max_num_batched_tokens=48, enable_prefix_caching=False, device="cpu")
     assert_same_greedy(alone, llm.generate(prompts, GREEDY_TOP2, use_tqdm=False))

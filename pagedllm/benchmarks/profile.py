@@ -186,8 +186,8 @@ def step_cost(engine, batch: int, context: int) -> dict[str, float]:
     heads = cfg.num_attention_heads
     attn_flops = cfg.num_hidden_layers * 2 * 2 * batch * context * heads * mc.head_dim
     runner = engine.executor.runner
-    kv_bytes = (2 * cfg.num_hidden_layers * mc.num_kv_heads * runner.kv_row_size * runner.kv_cache_dtype.itemsize
-                * batch * context)
+    kv_bytes = (2 * cfg.num_hidden_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache_dtype.itemsize
+                * runner.kv_block_rows / engine.config.cache_config.block_size * batch * context)
     return {"linear_flops": 2 * batch * linear_params, "attention_flops": attn_flops,
             "weight_bytes_read": weight_bytes, "kv_bytes_read": kv_bytes}
 

@@ -1,9 +1,12 @@
-// Scalar helpers shared by this package's CPU kernels (layers/attention/paged_attention_cpu.cpp,
+// Helpers shared by this package's CPU kernels (layers/attention/paged_attention_cpu.cpp,
 // layers/cpu_fused_ops.cpp), compiled into each by layers/cpu_build.py (-I this folder).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 
@@ -41,5 +44,25 @@ inline float exp_clamped(float x) {
   std::memcpy(&s, &e, sizeof s);
   return y * s;
 }
+
+#if defined(__AVX512F__)
+// exp_clamped on 16 lanes (the same reduction and polynomial; GCC does not vectorise the scalar one).
+inline __m512 exp_clamped16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
 
 }  // namespace pagedllm_cpu

@@ -1,8 +1,8 @@
 """Model runner: owns the model weights and this rank's paged KV cache, and runs forward passes.
 
 The number of KV blocks comes from a memory budget (``worker/kv_cache_budget.py``); the cache is
-allocated once, as one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (int8
-with head_dim + 4 elements per row for ``--kv-cache-dtype int8``: ``layers/attention/kv_quant.py``).
+allocated once, as one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (int8,
+with the block's scales in a few more token rows, for ``--kv-cache-dtype int8``: ``kv_quant.py``).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class ModelRunner:
         self.dtype = config.model_config.dtype
         int8 = config.cache_config.cache_dtype == "int8"
         self.kv_cache_dtype = torch.int8 if int8 else self.dtype
-        self.kv_row_size = kv_quant.cache_row_size(self.head_dim, config.cache_config.cache_dtype)
+        self.kv_block_rows = kv_quant.block_rows(config.cache_config.block_size, self.head_dim,
+                                                 config.cache_config.cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
 
     @property
@@ -50,8 +51,7 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer, on this rank."""
-        bs = self.config.cache_config.block_size
-        return 2 * self.num_layers * bs * self.num_kv_heads * self.kv_row_size * self.kv_cache_dtype.itemsize
+        return 2 * self.num_layers * self.kv_block_rows * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -70,7 +70,7 @@ class ModelRunner:
         # A backend that never reads unwritten slots needs no zero-fill (saves touching every page at
         # start); one that gathers padded slots needs finite values there (NaN * 0 is NaN).
         alloc = torch.zeros if self.attention_backend.needs_zeroed_cache else torch.empty
-        self.kv_caches = [alloc(2, num_blocks, bs, self.num_kv_heads, self.kv_row_size, dtype=self.kv_cache_dtype,
+        self.kv_caches = [alloc(2, num_blocks, self.kv_block_rows, self.num_kv_heads, self.head_dim, dtype=self.kv_cache_dtype,
                                 device=self.device) if self.start_layer <= i < self.end_layer else None
                           for i in range(len(self.model.layers))]
 

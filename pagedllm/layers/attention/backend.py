@@ -14,8 +14,8 @@ from pagedllm.layers.attention.metadata import AttentionMetadata
 class AttentionBackend:
     """Computes attention for the flat batch: q [N, H, D], k/v [N, Hkv, D] (this step's new
     tokens, written into ``kv_cache`` by ``meta.slot_mapping`` first) -> [N, H, D] in q's dtype.
-    ``kv_cache`` [2, num_blocks, block_size, Hkv, D] in q's dtype, or [..., D + 4] int8 (the int8
-    cache of ``kv_quant.py``, read as float32).
+    ``kv_cache`` [2, num_blocks, block_size, Hkv, D] in q's dtype, or the int8 cache of
+    ``kv_quant.py`` [2, num_blocks, block_size + S, Hkv, D] (values, then the block's scales).
 
     Head h reads KV head ``h // (H // Hkv)`` (grouped-query attention, transformers' ``repeat_kv``).
     ``sliding_window`` W: a query at position p sees keys at positions p - W < j <= p (transformers'
@@ -44,8 +44,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     sequence's new tokens attend to themselves through the cache); an int8 cache quantizes them
     (``kv_quant.py``)."""
     if kv_quant.is_int8(kv_cache):
-        kv_quant.write(k, kv_cache[0].view(-1, *kv_cache.shape[-2:]), slot_mapping)
-        kv_quant.write(v, kv_cache[1].view(-1, *kv_cache.shape[-2:]), slot_mapping)
+        kv_quant.write(k, kv_cache[0], slot_mapping)
+        kv_quant.write(v, kv_cache[1], slot_mapping)
         return
     kv_cache[0].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, v)

@@ -18,7 +18,7 @@ import torch
 from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
-from pagedllm.layers.attention.torch_backend import TorchPagedAttention, _gather
+from pagedllm.layers.attention.torch_backend import TorchPagedAttention, flat_cache, gather_rows
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
@@ -36,10 +36,10 @@ def _build() -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32]
     for fn in (lib.kv_read_int8_f32, lib.kv_read_int8_bf16):
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i32, i32, ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i32, i32, i32, ctypes.c_void_p]
     for fn in (lib.kv_write_int8_f32, lib.kv_write_int8_bf16):
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32,
+        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32, i32,
                        ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
@@ -63,7 +63,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
                     scale: float, sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
                     max_query_len: int = 0) -> torch.Tensor:
     """out [N, H, D] <- attention of q [N, H, D] over the paged ``kv_cache``
-    [2, num_blocks, block_size, Hkv, D] in q's dtype (or [..., D + 4] int8, ``kv_quant.py``) for
+    [2, num_blocks, block_size, Hkv, D] in q's dtype (or int8 [2, num_blocks, block_size + S, Hkv, D],
+    ``kv_quant.py``) for
     the sequences of ``meta``; the step's new K/V must already be in the cache. Rows of sequences
     with more than ``max_query_len`` new tokens (when > 0) are left untouched. Raises ValueError on
     a shape, dtype or layout mismatch."""
@@ -71,7 +72,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     if lib is None:
         raise RuntimeError(f"cpu paged-attention kernel unavailable: {err}")
     n, h, d = q.shape
-    _, num_blocks, bs, hkv, d_cache = kv_cache.shape
+    _, num_blocks, rows, hkv, d_cache = kv_cache.shape
     _check(q, "q", q.dtype, 3)
     _check(out, "out", q.dtype, 3)
     int8 = kv_quant.is_int8(kv_cache)
@@ -81,7 +82,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     _check(sl, "seq_lens", torch.int32, 1)
     _check(qsl, "query_start_loc", torch.int32, 1)
     b = sl.shape[0]
-    if (d_cache != kv_quant.cache_row_size(d, "int8" if int8 else "auto") or h % hkv or out.shape != q.shape or bs != meta.block_size or bt.shape[0] != b
+    if (d_cache != d or h % hkv or out.shape != q.shape or bt.shape[0] != b
+            or rows != kv_quant.block_rows(meta.block_size, d, "int8" if int8 else "auto")
             or qsl.shape[0] != b + 1 or kv_cache.shape[0] != 2 or q.dtype not in SUPPORTED_DTYPES):
         raise ValueError(f"cpu paged attention: inconsistent shapes q {tuple(q.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
@@ -89,7 +91,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     fn = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}{'_i8' if int8 else ''}")
     with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
         fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), bt.data_ptr(),
-           bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0),
+           bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, meta.block_size, float(scale),
+           int(sliding_window or 0),
            float(logits_soft_cap or 0.0), int(max_query_len))
     return out
 
@@ -100,25 +103,27 @@ def write_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot
     lib, _ = load_kernel()
     n, hkv, d = k.shape
     if (lib is None or k.dtype not in _SUFFIX or v.dtype != k.dtype or not kv_cache.is_contiguous()
+            or kv_cache.shape[-2:] != (hkv, d) or v.shape != k.shape
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
             or any(t.stride(1) != d or t.stride(2) != 1 for t in (k, v))):
         write_kv(k, v, kv_cache, slot_mapping)
         return
     getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, hkv, d,
-        kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        kv_quant.block_size_of(kv_cache.shape[2], d), kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
 
 
 def gather_kv(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``torch_backend._gather`` with an int8 cache read and dequantized in one C pass (same values)."""
+    """``torch_backend.gather_rows`` with an int8 cache read and dequantized in one C pass (same values)."""
     lib, _ = load_kernel()
-    if lib is None or not kv_quant.is_int8(flat) or dtype not in _SUFFIX or not flat.is_contiguous():
-        return _gather(flat, slots, dtype)
+    if (lib is None or not kv_quant.is_int8(flat) or dtype not in _SUFFIX or not flat.is_contiguous()
+            or slots.dtype != torch.int64):
+        return gather_rows(flat, slots, dtype)
     slots = slots.contiguous()
-    n, (hkv, row) = slots.shape[0], flat.shape[1:]
-    out = torch.empty(n, hkv, row - kv_quant.SCALE_BYTES, dtype=dtype)
-    getattr(lib, f"kv_read_int8_{_SUFFIX[dtype]}")(flat.data_ptr(), slots.data_ptr(), n, hkv, out.shape[-1],
-                                                    out.data_ptr())
+    _, rows, hkv, d = flat.shape
+    out = torch.empty(slots.shape[0], hkv, d, dtype=dtype)
+    getattr(lib, f"kv_read_int8_{_SUFFIX[dtype]}")(flat.data_ptr(), slots.data_ptr(), slots.shape[0], hkv, d,
+                                                    kv_quant.block_size_of(rows, d), out.data_ptr())
     return out
 
 
@@ -155,8 +160,7 @@ class CpuPagedAttention(AttentionBackend):
         (write_kv_int8 if kv_quant.is_int8(kv_cache) else write_kv)(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
                               logits_soft_cap, max_query_len=self.LONG_PREFILL)
-        flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])
-        flat_v = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+        flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)
         for i, p in enumerate(meta.prefills):
             if p.query_end - p.query_start > self.LONG_PREFILL:
                 out[p.query_start:p.query_end] = self._reference.prefill(

@@ -12,8 +12,9 @@
 // Layouts (all contiguous, checked by the Python caller):
 //   q, out      [N, H, D]                         float32 or bfloat16 (raw uint16)
 //   k/v cache   [num_blocks, block_size, Hkv, D]  same dtype as q, or
-//               [num_blocks, block_size, Hkv, D + 4] int8: each (token, KV head) row is D int8 values
-//               then their float32 scale (x ~ value * scale, scale = max|x| / 127; kv_write_int8)
+//               [num_blocks, block_size + S, Hkv, D] int8: each block's rows of values, then in the
+//               S = ceil(4 * block_size / D) rows after them its float32 scales [block_size, Hkv]
+//               (x ~ value * scale, scale = max|x| / 127 per (token, KV head) row; kv_write_int8)
 //   block_tables [B, bt_stride] int32; seq_lens [B] int32; query_start_loc [B + 1] int32
 // Sequences with more than max_query_len new tokens (when > 0) are skipped: the caller runs those.
 // Accumulation is float32. Plain C ABI (called through ctypes): no torch headers, builds in seconds.
@@ -44,17 +45,23 @@ using pagedllm_cpu::float_to_bf16;
 // exp(x) for x <= 0; branch-free so the compiler vectorises the loops that call it.
 inline float exp_nonpos(float x) { return pagedllm_cpu::exp_clamped(std::max(x, -87.0f)); }
 
-// Cache element C: float, uint16_t (bf16) or int8_t (a row of D values then a float32 scale).
+// Cache element C: float, uint16_t (bf16) or int8_t (values; the block's scales after its rows).
 template <typename C>
 constexpr bool kInt8 = std::is_same_v<C, int8_t>;
 template <typename C>
-constexpr int row_elems(int d) { return kInt8<C> ? d + 4 : d; }  // elements of C between heads
+constexpr int row_bytes(int d) { return d * static_cast<int>(sizeof(C)); }
+// Token rows of one block: an int8 block has S more, holding its scales.
 template <typename C>
-constexpr int row_bytes(int d) { return row_elems<C>(d) * static_cast<int>(sizeof(C)); }
-inline float row_scale(const int8_t* row, int d) {
+inline int block_rows(int bs, int d) { return kInt8<C> ? bs + (4 * bs + d - 1) / d : bs; }
+// The float32 scale at byte offset `off` of an int8 cache.
+inline float scale_at(const int8_t* cache, int64_t off) {
   float s;
-  std::memcpy(&s, row + d, sizeof(float));
+  std::memcpy(&s, cache + off, sizeof(float));
   return s;
+}
+// Byte offset of the scale of (token `in` of the block at `block_off`, KV head h).
+inline int64_t scale_offset(int64_t block_off, int bs, int in, int num_kv_heads, int h, int d) {
+  return block_off + static_cast<int64_t>(bs) * num_kv_heads * d + (static_cast<int64_t>(in) * num_kv_heads + h) * 4;
 }
 
 #if defined(__AVX512F__)
@@ -203,6 +210,34 @@ inline void softmax_fold(float* sr, int n, float bmax, float& m, float& l, float
   }
 }
 
+#ifdef PAGEDLLM_AVX512
+// softmax_fold for n a multiple of 16, with the exponentials 16 at a time (the scalar loop above
+// does not vectorise: its exp is a function GCC keeps scalar).
+inline void softmax_fold16(float* sr, int n, float bmax, float& m, float& l, float* acc, int d) {
+  if (bmax == -INFINITY) {
+    std::fill(sr, sr + n, 0.0f);
+    return;
+  }
+  const float m_new = std::max(m, bmax);
+  const float corr = exp_nonpos(m - m_new);
+  const __m512 mn = _mm512_set1_ps(m_new), lo = _mm512_set1_ps(-87.0f), neg_inf = _mm512_set1_ps(-INFINITY);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(sr + j);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, pagedllm_cpu::exp_clamped16(_mm512_max_ps(_mm512_sub_ps(x, mn), lo)));
+    _mm512_storeu_ps(sr + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  l = l * corr + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  if (corr != 1.0f) {
+#pragma omp simd
+    for (int c = 0; c < d; ++c) acc[c] *= corr;
+  }
+}
+#endif
+
 template <typename T>
 inline void load_row(const T* src, float* dst, int d);
 
@@ -217,9 +252,7 @@ inline void load_row<uint16_t>(const uint16_t* src, float* dst, int d) {
   for (int i = 0; i < d; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
-template <>
-inline void load_row<int8_t>(const int8_t* src, float* dst, int d) {  // dequantized
-  const float scale = row_scale(src, d);
+inline void dequant_row(const int8_t* src, float scale, float* dst, int d) {
 #pragma omp simd
   for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
@@ -289,9 +322,8 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
                      float soft_cap, int max_query_len) {
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
-  const int row = row_elems<C>(D);                                     // between KV heads of a token
-  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * row;  // between tokens of a block
-  const int64_t blk_stride = tok_stride * bs;
+  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;  // between tokens of a block
+  const int64_t blk_stride = tok_stride * block_rows<C>(bs, D);
   constexpr bool kDirect = std::is_same_v<C, float>;  // K/V rows used in place, else converted
   const std::vector<Item> items = make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len);
   const int num_items = static_cast<int>(items.size());
@@ -339,14 +371,22 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
         const bool has_next = (blk + 1) * bs <= last_pos;
         const int64_t next_blk = has_next ? static_cast<int64_t>(table[blk + 1]) * blk_stride : 0;
         for (int h = w.h_begin; h < w.h_end; ++h) {
-          const int64_t base = static_cast<int64_t>(table[blk]) * blk_stride + h * row +
-                               static_cast<int64_t>(j0 - blk * bs) * tok_stride;
+          const int64_t blk_off = static_cast<int64_t>(table[blk]) * blk_stride;
+          const int64_t base = blk_off + h * D + static_cast<int64_t>(j0 - blk * bs) * tok_stride;
           const int r0 = (h - w.h_begin) * head_rows;
+          // Row j of this block's keys as float (bf16 widened, int8 dequantized) into kf / vf.
+          auto widen = [&](const C* cache, int j, float* dst) {
+            if constexpr (kInt8<C>)
+              dequant_row(cache + base + j * tok_stride,
+                          scale_at(cache, scale_offset(blk_off, bs, j0 - blk * bs + j, num_kv_heads, h, D)), dst, D);
+            else
+              load_row(cache + base + j * tok_stride, dst, D);
+          };
           const float* kp;
           if constexpr (kDirect) {
             kp = nullptr;
           } else {
-            for (int j = 0; j < n; ++j) load_row(k_cache + base + j * tok_stride, &kf[static_cast<size_t>(j) * D], D);
+            for (int j = 0; j < n; ++j) widen(k_cache, j, &kf[static_cast<size_t>(j) * D]);
           }
           // Scores and the block's online-softmax update, row by row.
           for (int r = r0; r < r0 + head_rows; ++r) {
@@ -372,11 +412,11 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
           // acc[r] += sum_j p[r][j] * v_j: V rows (L1-resident after the first row) stream through
           // one row's accumulator, which stays in registers when D is a compile-time constant.
           if constexpr (!kDirect) {
-            for (int j = 0; j < n; ++j) load_row(v_cache + base + j * tok_stride, &vf[static_cast<size_t>(j) * D], D);
+            for (int j = 0; j < n; ++j) widen(v_cache, j, &vf[static_cast<size_t>(j) * D]);
           }
           if (has_next) {
             for (int j = 0; j < n; ++j) {
-              const int64_t nx = next_blk + h * row + (j + j0 - blk * bs) * tok_stride;
+              const int64_t nx = next_blk + h * D + (j + j0 - blk * bs) * tok_stride;
               prefetch_rows(k_cache + nx, 1, 0, D);
               prefetch_rows(v_cache + nx, 1, 0, D);
             }
@@ -427,9 +467,8 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
   constexpr int KC = 512;  // keys per chunk (a multiple of 16)
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
-  const int row = row_elems<C>(D);
-  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * row;
-  const int64_t blk_stride = tok_stride * bs;
+  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;
+  const int64_t blk_stride = tok_stride * block_rows<C>(bs, D);
   const std::vector<Item> items = make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len);
   const int num_items = static_cast<int>(items.size());
 
@@ -440,7 +479,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
     std::vector<float> acc(static_cast<size_t>(max_rows) * D), m(max_rows), l(max_rows);
     std::vector<float> s(static_cast<size_t>(max_rows) * KC);
     std::vector<int> row_pos(max_rows);
-    std::vector<int64_t> off(KC);
+    std::vector<int64_t> off(KC), sc_off(kInt8<C> ? KC : 0);  // sc_off: the key's scale for KV head 0
     std::vector<const C*> kp(KC), vp(KC);
     std::vector<float> k_scale(kInt8<C> ? KC : 0), v_scale(kInt8<C> ? KC : 0);
     std::vector<T> kw(kInt8<C> ? 16 * D : 0);  // 16 int8 key rows widened
@@ -474,11 +513,19 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
         const int npad = (n + 15) & ~15;
         for (int j = 0, blk = c0 / bs, in = c0 % bs; j < n; ++j) {  // walk the block table
           off[j] = static_cast<int64_t>(table[blk]) * blk_stride + in * tok_stride;
+          if constexpr (kInt8<C>) {
+            sc_off[j] = scale_offset(static_cast<int64_t>(table[blk]) * blk_stride, bs, in, num_kv_heads, 0, D);
+            __builtin_prefetch(reinterpret_cast<const char*>(k_cache) + sc_off[j], 0, 2);
+            __builtin_prefetch(reinterpret_cast<const char*>(v_cache) + sc_off[j], 0, 2);
+          }
           if (++in == bs) in = 0, ++blk;
         }
-        for (int j = n; j < npad; ++j) off[j] = off[n - 1];  // padding keys repeat the last (masked)
+        for (int j = n; j < npad; ++j) {  // padding keys repeat the last (masked)
+          off[j] = off[n - 1];
+          if constexpr (kInt8<C>) sc_off[j] = sc_off[n - 1];
+        }
         for (int h = w.h_begin; h < w.h_end; ++h) {
-          for (int j = 0; j < npad; ++j) kp[j] = k_cache + off[j] + h * row, vp[j] = v_cache + off[j] + h * row;
+          for (int j = 0; j < npad; ++j) kp[j] = k_cache + off[j] + h * D, vp[j] = v_cache + off[j] + h * D;
           const int r0 = (h - w.h_begin) * head_rows;
           const __m512 vscale = _mm512_set1_ps(scale);
           for (int j0 = 0; j0 < npad; j0 += 16) {  // each 16 keys from L1 for all rows of the head
@@ -492,7 +539,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             if constexpr (kInt8<C>) {
               for (int j = 0; j < 16; ++j) {  // the scales are read from rows now in cache (prefetched)
                 int8_row_to(kp[j0 + j], &kw[static_cast<size_t>(j) * D], D);
-                k_scale[j0 + j] = row_scale(kp[j0 + j], D) * scale;
+                k_scale[j0 + j] = scale_at(k_cache, sc_off[j0 + j] + 4 * h) * scale;
               }
               const __m512 ks = _mm512_loadu_ps(&k_scale[j0]);
               for (int r = r0; r < r0 + head_rows; ++r)
@@ -505,7 +552,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             }
           }
           if constexpr (kInt8<C>)
-            for (int j = 0; j < n; ++j) v_scale[j] = row_scale(vp[j], D);  // rows prefetched by now
+            for (int j = 0; j < n; ++j) v_scale[j] = scale_at(v_cache, sc_off[j] + 4 * h);
           for (int r = r0; r < r0 + head_rows; ++r) {
             float* sr = &s[static_cast<size_t>(r) * KC];
             const int p = row_pos[r];
@@ -520,7 +567,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
               sr[j] = (j >= vis_lo && j < vis_hi) ? sr[j] : -INFINITY;
               bmax = std::max(bmax, sr[j]);
             }
-            softmax_fold(sr, npad, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
+            softmax_fold16(sr, npad, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
             if constexpr (kInt8<C>) {
 #pragma omp simd
               for (int j = 0; j < n; ++j) sr[j] *= v_scale[j];
@@ -544,18 +591,22 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
 // scale = max|x| / 127, value = round-half-even(x * (127 / max|x|)); an all-zero row stores 0s
 // and scale 0). The same float32 operations as the torch reference (layers/attention/kv_quant.py),
 // so both write identical bytes. k/v: [N, Hkv, D] with token strides k_stride/v_stride (elements)
-// and contiguous heads; slot_mapping [N] int64.
+// and contiguous heads; slot_mapping [N] int64; the caches [num_blocks, block_rows, Hkv, D].
 template <typename T>
 void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slot_mapping,
-                   int64_t n, int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
-  const int row = d + 4;
+                   int64_t n, int num_kv_heads, int d, int block_size, int8_t* k_cache, int8_t* v_cache) {
+  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * d;
+  const int64_t blk_stride = tok_stride * block_rows<int8_t>(block_size, d);
 #pragma omp parallel for schedule(static) if (n * num_kv_heads >= 256)
   for (int64_t t = 0; t < n; ++t) {
     std::vector<float> x(d);
+    const int64_t blk_off = slot_mapping[t] / block_size * blk_stride;
+    const int in = static_cast<int>(slot_mapping[t] % block_size);
     for (int kv = 0; kv < 2; ++kv) {
       const T* src = kv == 0 ? k + t * k_stride : v + t * v_stride;
-      int8_t* dst = (kv == 0 ? k_cache : v_cache) + slot_mapping[t] * num_kv_heads * row;
-      for (int h = 0; h < num_kv_heads; ++h, src += d, dst += row) {
+      int8_t* cache = kv == 0 ? k_cache : v_cache;
+      for (int h = 0; h < num_kv_heads; ++h, src += d) {
+        int8_t* dst = cache + blk_off + in * tok_stride + h * d;
         load_row(src, x.data(), d);
         float amax = 0.0f;
         for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
@@ -563,25 +614,28 @@ void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, c
         for (int i = 0; i < d; ++i)
           dst[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] * inv))));
         const float sc = amax / 127.0f;
-        std::memcpy(dst + d, &sc, sizeof(float));
+        std::memcpy(cache + scale_offset(blk_off, block_size, in, num_kv_heads, h, d), &sc, sizeof(float));
       }
     }
   }
 }
 
 // out[t] <- the int8 cache's rows at slot_mapping[t], dequantized (value * scale in float32, then
-// rounded to T, as kv_quant.dequantize(...).to(dtype)); out [N, Hkv, D] contiguous.
+// rounded to T, as kv_quant.gather(...).to(dtype)); out [N, Hkv, D] contiguous.
 template <typename T>
-void kv_read_int8(const int8_t* cache, const int64_t* slot_mapping, int64_t n, int num_kv_heads, int d, T* out) {
-  const int row = d + 4;
+void kv_read_int8(const int8_t* cache, const int64_t* slot_mapping, int64_t n, int num_kv_heads, int d,
+                  int block_size, T* out) {
+  const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * d;
+  const int64_t blk_stride = tok_stride * block_rows<int8_t>(block_size, d);
 #pragma omp parallel for schedule(static) if (n * num_kv_heads >= 256)
   for (int64_t t = 0; t < n; ++t) {
-    const int8_t* src = cache + slot_mapping[t] * num_kv_heads * row;
-    T* dst = out + t * num_kv_heads * d;
+    const int64_t blk_off = slot_mapping[t] / block_size * blk_stride;
+    const int in = static_cast<int>(slot_mapping[t] % block_size);
     std::vector<float> x(d);
-    for (int h = 0; h < num_kv_heads; ++h, src += row, dst += d) {
-      load_row(src, x.data(), d);  // value * scale
-      store_row(x.data(), dst, d, 1.0f);
+    for (int h = 0; h < num_kv_heads; ++h) {
+      dequant_row(cache + blk_off + in * tok_stride + h * d,
+                  scale_at(cache, scale_offset(blk_off, block_size, in, num_kv_heads, h, d)), x.data(), d);
+      store_row(x.data(), out + (t * num_kv_heads + h) * d, d, 1.0f);
     }
   }
 }
@@ -646,22 +700,23 @@ void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k_cache, const int
 }
 
 void kv_write_int8_f32(const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* slots, int64_t n,
-                       int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
-  kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
+                       int num_kv_heads, int d, int block_size, int8_t* k_cache, int8_t* v_cache) {
+  kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, block_size, k_cache, v_cache);
 }
 
 void kv_write_int8_bf16(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, const int64_t* slots,
-                        int64_t n, int num_kv_heads, int d, int8_t* k_cache, int8_t* v_cache) {
-  kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
+                        int64_t n, int num_kv_heads, int d, int block_size, int8_t* k_cache, int8_t* v_cache) {
+  kv_write_int8(k, ks, v, vs, slots, n, num_kv_heads, d, block_size, k_cache, v_cache);
 }
 
-void kv_read_int8_f32(const int8_t* cache, const int64_t* slots, int64_t n, int num_kv_heads, int d, float* out) {
-  kv_read_int8(cache, slots, n, num_kv_heads, d, out);
+void kv_read_int8_f32(const int8_t* cache, const int64_t* slots, int64_t n, int num_kv_heads, int d, int block_size,
+                      float* out) {
+  kv_read_int8(cache, slots, n, num_kv_heads, d, block_size, out);
 }
 
-void kv_read_int8_bf16(const int8_t* cache, const int64_t* slots, int64_t n, int num_kv_heads, int d,
+void kv_read_int8_bf16(const int8_t* cache, const int64_t* slots, int64_t n, int num_kv_heads, int d, int block_size,
                        uint16_t* out) {
-  kv_read_int8(cache, slots, n, num_kv_heads, d, out);
+  kv_read_int8(cache, slots, n, num_kv_heads, d, block_size, out);
 }
 
 }  // extern "C"

@@ -54,11 +54,18 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) ->
     return m
 
 
-def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``slots`` of a flat cache [num_slots, Hkv, D or D + 4]: [len(slots), Hkv, D] in ``dtype``
-    (an int8 cache dequantized in float32 first)."""
-    rows = flat.index_select(0, slots)
-    return kv_quant.dequantize(rows).to(dtype) if kv_quant.is_int8(flat) else rows
+def gather_rows(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Slots ``slots`` of one half of a cache (``flat_cache``): [len(slots), Hkv, D] in ``dtype`` (an int8
+    cache dequantized in float32 first)."""
+    if kv_quant.is_int8(flat):
+        return kv_quant.gather(flat, slots).to(dtype)
+    return flat.index_select(0, slots)
+
+
+def flat_cache(kv_cache: torch.Tensor, i: int) -> torch.Tensor:
+    """K (i = 0) or V (1) of a layer's cache as gather_rows reads it: [num_slots, Hkv, D] for a float
+    cache; an int8 cache stays [num_blocks, block_size + S, Hkv, D] (its scales sit in each block)."""
+    return kv_cache[i] if kv_quant.is_int8(kv_cache) else kv_cache[i].view(-1, *kv_cache.shape[-2:])
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -68,15 +75,14 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         if kv_cache is not None:
             write_kv(k, v, kv_cache, meta.slot_mapping)
-            flat_k = kv_cache[0].view(-1, *kv_cache.shape[-2:])
-            flat_v = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+            flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)
         nd = meta.num_decode_tokens
         if nd:
             slots, k_pos = self._decode_slots(meta)
             b, length = slots.shape
             hkv, d = k.shape[1:]
-            ck = _gather(flat_k, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
-            cv = _gather(flat_v, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
+            ck = gather_rows(flat_k, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
+            cv = gather_rows(flat_v, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
             mask = _visible(meta.seq_lens[:nd].long() - 1, k_pos, sliding_window).view(b, 1, 1, length)
             o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap)
             out[:nd] = o.reshape(b, -1, d)
@@ -99,9 +105,9 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
-                 window: Optional[int], soft_cap: Optional[float], gather=_gather) -> torch.Tensor:
+                 window: Optional[int], soft_cap: Optional[float], gather=gather_rows) -> torch.Tensor:
         """[T, H, D] for one prompt chunk (batch row ``row`` of ``meta``), whose queries sit at positions
-        seq_len - T .. seq_len - 1; flat_k/flat_v [num_slots, Hkv, D] are the cache (None: no cache)."""
+        seq_len - T .. seq_len - 1; flat_k/flat_v are the cache (``flat_cache``; None: no cache)."""
         t = p.query_end - p.query_start
         h, d = q.shape[1:]
         hkv = k.shape[1]

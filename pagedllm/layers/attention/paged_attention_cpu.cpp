@@ -561,12 +561,19 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             // Visible keys: j < n, position <= p, inside the window.
             const int vis_hi = std::min(n, p - c0 + 1);                        // j < vis_hi
             const int vis_lo = window > 0 ? std::max(0, p - window + 1 - c0) : 0;  // j >= vis_lo
-            float bmax = -INFINITY;
-#pragma omp simd reduction(max : bmax)
-            for (int j = 0; j < npad; ++j) {
-              sr[j] = (j >= vis_lo && j < vis_hi) ? sr[j] : -INFINITY;
-              bmax = std::max(bmax, sr[j]);
+            // Masked to -inf, and the max, 16 at a time (GCC kept this loop scalar: a chain of maxss).
+            const __m512i lo_v = _mm512_set1_epi32(vis_lo), hi_v = _mm512_set1_epi32(vis_hi);
+            const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+            __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            __m512 vmax = neg_inf;
+            for (int j = 0; j < npad; j += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+              const __mmask16 live = _mm512_cmp_epi32_mask(idx, lo_v, _MM_CMPINT_NLT) &
+                                     _mm512_cmp_epi32_mask(idx, hi_v, _MM_CMPINT_LT);
+              const __m512 x = _mm512_mask_blend_ps(live, neg_inf, _mm512_loadu_ps(sr + j));
+              _mm512_storeu_ps(sr + j, x);
+              vmax = _mm512_max_ps(vmax, x);
             }
+            const float bmax = _mm512_reduce_max_ps(vmax);
             softmax_fold16(sr, npad, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
             if constexpr (kInt8<C>) {
 #pragma omp simd

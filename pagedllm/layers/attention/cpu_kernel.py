@@ -78,9 +78,11 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     int8 = kv_quant.is_int8(kv_cache)
     _check(kv_cache, "kv_cache", torch.int8 if int8 else q.dtype, 5)
     bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
-    _check(bt, "block_tables", torch.int32, 2)
-    _check(sl, "seq_lens", torch.int32, 1)
-    _check(qsl, "query_start_loc", torch.int32, 1)
+    if "cpu.checked" not in meta.derived:  # the step's metadata: checked by its first layer
+        _check(bt, "block_tables", torch.int32, 2)
+        _check(sl, "seq_lens", torch.int32, 1)
+        _check(qsl, "query_start_loc", torch.int32, 1)
+        meta.derived["cpu.checked"] = True
     b = sl.shape[0]
     if (d_cache != d or h % hkv or out.shape != q.shape or bt.shape[0] != b
             or rows != kv_quant.block_rows(meta.block_size, d, "int8" if int8 else "auto")
@@ -89,11 +91,15 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
                          f"query_start_loc {tuple(qsl.shape)}, block_size {meta.block_size}")
     fn = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}{'_i8' if int8 else ''}")
-    with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
-        fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), bt.data_ptr(),
-           bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, meta.block_size, float(scale),
-           int(sliding_window or 0),
-           float(logits_soft_cap or 0.0), int(max_query_len))
+    half = kv_cache.stride(0) * kv_cache.element_size()  # bytes from the K half to the V half
+    args = (q.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + half, out.data_ptr(), bt.data_ptr(),
+            bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, meta.block_size, float(scale),
+            int(sliding_window or 0), float(logits_soft_cap or 0.0), int(max_query_len))
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
+            fn(*args)
+    else:
+        fn(*args)
     return out
 
 

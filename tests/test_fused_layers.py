@@ -24,10 +24,8 @@ def path(request, monkeypatch):
     """Selects the implementation: "torch" turns the C kernels off, "c" requires them."""
     from pagedllm.layers import cpu_fused_ops
 
-    if request.param == "torch":
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "0")
-    else:
-        monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+    monkeypatch.setattr(cpu_fused_ops, "ENABLED", request.param == "c")  # PAGEDLLM_CPU_FUSED_OPS, read at import
+    if request.param == "c":
         lib, err = cpu_fused_ops._LIBRARY.get()
         if lib is None:
             pytest.skip(f"the C kernels cannot be built here: {err}")
@@ -184,7 +182,7 @@ def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_pa
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("PAGEDLLM_CPU_FUSED_OPS", "1")
+    monkeypatch.setattr(cpu_fused_ops, "ENABLED", True)
     monkeypatch.setattr(cpu_fused_ops, "_LIBRARY", cpu_build.LazyLibrary(cpu_fused_ops._build))
     monkeypatch.setattr(cpu_fused_ops, "_logged_fallback", False)
     records: list[logging.LogRecord] = []

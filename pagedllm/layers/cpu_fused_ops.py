@@ -41,25 +41,32 @@ def _build() -> ctypes.CDLL:
 
 _LIBRARY = LazyLibrary(_build)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+ENABLED = os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"  # read once, at import
 _logged_fallback = False
 logger = logging.getLogger("pagedllm")
 
 
 def _fn(name: str, *tensors: torch.Tensor):
     """The kernel ``name`` for these tensors, or None (another device or dtype, mixed dtypes, a
-    last dim that is not contiguous, the switch off, or no library)."""
+    last dim that is not contiguous, the switch off, or no library). Called per layer and op, so
+    kept to a few attribute reads."""
     t0 = tensors[0]
-    if (t0.device.type != "cpu" or t0.dtype not in _SUFFIX or os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") == "0"
-            or any(t.dtype != t0.dtype or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors)):
+    sfx = _SUFFIX.get(t0.dtype)
+    if sfx is None or not ENABLED or t0.device.type != "cpu":
         return None
-    lib, err = _LIBRARY.get()
+    for t in tensors:
+        if t.dtype != t0.dtype or t.stride(-1) != 1 or t.device.type != "cpu":
+            return None
+    lib = _LIBRARY.lib
     if lib is None:
-        global _logged_fallback
-        if not _logged_fallback:  # one line per process, as the attention backend's fallback
-            _logged_fallback = True
-            logger.info("cpu fused ops: PyTorch ops (the C kernels could not be built or loaded: %s)", err)
-        return None
-    return getattr(lib, f"{name}_{_SUFFIX[t0.dtype]}")
+        lib, err = _LIBRARY.get()
+        if lib is None:
+            global _logged_fallback
+            if not _logged_fallback:  # one line per process, as the attention backend's fallback
+                _logged_fallback = True
+                logger.info("cpu fused ops: PyTorch ops (the C kernels could not be built or loaded: %s)", err)
+            return None
+    return getattr(lib, f"{name}_{sfx}")
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -51,12 +51,14 @@ def test_quantization_error_bound(dtype):
     assert torch.equal(kv_quant.roundtrip(x), (values.float() * scales.unsqueeze(-1)).to(dtype))
 
 
+@pytest.mark.parametrize("cache", ["int8", "model"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [16, 24, 64])
-def test_c_writer_writes_the_reference_bytes(dtype, d):
-    """The kernel library's writer on strided K/V views (as split from the fused qkv output) writes
-    byte for byte what the torch reference writes, and only into the given slots."""
-    from pagedllm.layers.attention.cpu_kernel import write_kv_int8
+def test_c_writer_writes_the_reference_bytes(dtype, d, cache):
+    """The kernel library's writer (the cpu backend's) on strided K/V views, as split from the fused
+    qkv output, writes byte for byte what the torch reference writes, into the given slots only:
+    an int8 cache (quantized) and a cache in the model's dtype (copied)."""
+    from pagedllm.layers.attention.cpu_kernel import write_kv_c
 
     _kernel()
     g = torch.Generator().manual_seed(d)
@@ -64,10 +66,17 @@ def test_c_writer_writes_the_reference_bytes(dtype, d):
     k, v = qkv[:, 3:5], qkv[:, 5:7]
     k[4] = 0  # an all-zero row
     slots = torch.randperm(40 * 8, generator=g)[:300]
+    if cache == "model":
+        before = torch.randn(2, 40, 8, 2, d, generator=g).to(dtype)
+        ref, got = before.clone(), before.clone()
+        write_kv(k, v, ref, slots)
+        write_kv_c(k, v, got, slots)
+        assert torch.equal(got, ref) and torch.equal(got[0].view(-1, 2, d)[slots], k)
+        return
     before = torch.randint(-128, 127, (2, 40, kv_quant.block_rows(8, d, "int8"), 2, d), dtype=torch.int8, generator=g)
     ref, got = before.clone(), before.clone()
     write_kv(k, v, ref, slots)
-    write_kv_int8(k, v, got, slots)
+    write_kv_c(k, v, got, slots)
     assert torch.equal(got, ref)
     for i, x in enumerate((k, v)):  # the written slots hold x quantized; the others are untouched
         values, scales = kv_quant.split_blocks(ref[i])

@@ -37,6 +37,10 @@ def _build() -> ctypes.CDLL:
     for fn in (lib.kv_read_int8_f32, lib.kv_read_int8_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i32, i32, i32, ctypes.c_void_p]
+    for fn in (lib.kv_write_f32, lib.kv_write_bf16):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32,
+                       ctypes.c_void_p, ctypes.c_void_p]
     for fn in (lib.kv_write_int8_f32, lib.kv_write_int8_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32, i32,
@@ -103,20 +107,26 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     return out
 
 
-def write_kv_int8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``backend.write_kv`` for an int8 ``kv_cache`` in one C pass (the same bytes as the torch
-    reference); k/v [N, Hkv, D] with free token strides (views of the fused qkv output)."""
+def write_kv_c(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``backend.write_kv`` in one C call (an int8 cache: quantized, the same bytes as the torch
+    reference; else copied); k/v [N, Hkv, D] with free token strides (views of the fused qkv
+    output). Falls back to ``write_kv`` for any other layout."""
     lib, _ = load_kernel()
     n, hkv, d = k.shape
+    int8 = kv_quant.is_int8(kv_cache)
     if (lib is None or k.dtype not in _SUFFIX or v.dtype != k.dtype or not kv_cache.is_contiguous()
-            or kv_cache.shape[-2:] != (hkv, d) or v.shape != k.shape
+            or (not int8 and kv_cache.dtype != k.dtype) or kv_cache.shape[-2:] != (hkv, d) or v.shape != k.shape
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
             or any(t.stride(1) != d or t.stride(2) != 1 for t in (k, v))):
         write_kv(k, v, kv_cache, slot_mapping)
         return
-    getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(
-        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, hkv, d,
-        kv_quant.block_size_of(kv_cache.shape[2], d), kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+    half = kv_cache.stride(0) * kv_cache.element_size()
+    ptrs = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, hkv, d)
+    if int8:
+        getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(*ptrs, kv_quant.block_size_of(kv_cache.shape[2], d),
+                                                          kv_cache.data_ptr(), kv_cache.data_ptr() + half)
+    else:
+        getattr(lib, f"kv_write_{_SUFFIX[k.dtype]}")(*ptrs, kv_cache.data_ptr(), kv_cache.data_ptr() + half)
 
 
 def gather_kv(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +173,7 @@ class CpuPagedAttention(AttentionBackend):
         if kv_cache is None or meta.block_tables is None:
             return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap)
-        (write_kv_int8 if kv_quant.is_int8(kv_cache) else write_kv)(k, v, kv_cache, meta.slot_mapping)
+        write_kv_c(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
                               logits_soft_cap, max_query_len=self.LONG_PREFILL)
         flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)

@@ -627,6 +627,19 @@ void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, c
   }
 }
 
+// Copy this step's K and V rows into a cache of their own dtype (what index_copy_ does, in one
+// call for both): k/v [N, Hkv, D] with token strides k_stride/v_stride; caches [slots, Hkv, D].
+template <typename T>
+void kv_write(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slot_mapping, int64_t n,
+              int num_kv_heads, int d, T* k_cache, T* v_cache) {
+  const int64_t row = static_cast<int64_t>(num_kv_heads) * d;
+#pragma omp parallel for schedule(static) if (n * row >= 65536)
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(k_cache + slot_mapping[t] * row, k + t * k_stride, sizeof(T) * row);
+    std::memcpy(v_cache + slot_mapping[t] * row, v + t * v_stride, sizeof(T) * row);
+  }
+}
+
 // out[t] <- the int8 cache's rows at slot_mapping[t], dequantized (value * scale in float32, then
 // rounded to T, as kv_quant.gather(...).to(dtype)); out [N, Hkv, D] contiguous.
 template <typename T>
@@ -704,6 +717,16 @@ void paged_attention_f32_i8(const float* q, const int8_t* k_cache, const int8_t*
 void paged_attention_bf16_i8(const uint16_t* q, const int8_t* k_cache, const int8_t* v_cache, uint16_t* out,
                              PA_PARAMS) {
   DISPATCH_HEAD_DIM(uint16_t, int8_t, q, k_cache, v_cache, out);
+}
+
+void kv_write_f32(const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* slots, int64_t n,
+                  int num_kv_heads, int d, float* k_cache, float* v_cache) {
+  kv_write(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
+}
+
+void kv_write_bf16(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, const int64_t* slots, int64_t n,
+                   int num_kv_heads, int d, uint16_t* k_cache, uint16_t* v_cache) {
+  kv_write(k, ks, v, vs, slots, n, num_kv_heads, d, k_cache, v_cache);
 }
 
 void kv_write_int8_f32(const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* slots, int64_t n,

@@ -48,8 +48,8 @@ class LLM:
             "torch" (pure-PyTorch reference) or "cpu".
         pipeline_parallel_size: pipeline stages (layers split over processes; world = TP x PP).
         kv_cache_dtype: "auto" (the model's dtype) or "int8" (int8 K/V with a float32 scale per token
-            and KV head: 3.8x the tokens of a float32 cache, 1.9x bfloat16's, in the same memory;
-            see ``layers/attention/kv_quant.py``).
+            and KV head: at head_dim 64 and block_size 16, 3.8x the tokens of a float32 cache and 1.9x
+            bfloat16's in the same memory; see ``layers/attention/kv_quant.py``).
 
     Raises:
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported

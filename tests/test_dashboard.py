@@ -48,6 +48,7 @@ def test_stream_needs_the_key_and_reports_the_pool(llama_dir, tmp_path):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         info = httpx.get(srv.url + "/dashboard/api/info", headers=AUTH).json()
         assert info["block_size"] == 16 and info["num_blocks"] > 0 and info["dtype"] == "float32"
+        assert info["kv_cache_dtype"] == "float32"
         assert info["max_concurrency"] == pytest.approx(info["num_blocks"] / 64)
         # a shared 40-token prefix, run twice: its two full blocks stay cached (evictable) afterwards
         prompt = list(range(5, 45))

@@ -316,6 +316,8 @@ def run(args: argparse.Namespace) -> dict:
     fig = _plot(result, parts, args, plain, context)
     json_path, _ = write_result(args.output_dir, f"profile-{stamp()}", result, fig)
     if top_ops:
-        with open(json_path[:-len(".json")] + "-ops.txt", "w") as f:
+        ops_path = json_path[:-len(".json")] + "-ops.txt"
+        with open(ops_path, "w") as f:
             f.write(table)
+        print(f"the torch profiler's op table written to {ops_path}")
     return result

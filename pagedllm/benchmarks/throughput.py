@@ -105,6 +105,12 @@ class Setup:
                             "budget_tokens": self.kv_budget // self.kv_bytes_per_token,
                             "workload_tokens": total_tokens, "max_model_len": self.max_model_len,
                             "dtype": str(self.dtype).replace("torch.", "")}
+        if getattr(args, "kv_cache_dtype", "auto") == "int8":  # pagedllm's int8 cache: more tokens, same bytes
+            from pagedllm.layers.attention.kv_quant import block_rows
+
+            per_token = (2 * self.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim
+                         * block_rows(bs, mc.head_dim, "int8") / bs)
+            self.budget_info["budget_tokens_int8"] = int(self.kv_budget // per_token)
 
 
 def _result(name: str, reqs: list[ds.BenchRequest], elapsed: float, per_request: list[dict], **extra) -> dict:
@@ -350,7 +356,9 @@ def run(args: argparse.Namespace) -> dict:
     backends = list(BACKENDS) if args.backend == "all" else [args.backend]
     wl = ds.describe(args, s.requests)
     print(f"workload: {wl['distribution']}; {wl['total_prompt_tokens']} prompt + {wl['total_output_tokens']} "
-          f"output tokens; KV budget {s.kv_budget / 2**20:.1f} MiB = {s.budget_info['budget_tokens']} tokens")
+          f"output tokens; KV budget {s.kv_budget / 2**20:.1f} MiB = {s.budget_info['budget_tokens']} tokens"
+          + (f" ({s.budget_info['budget_tokens_int8']} in pagedllm's int8 cache)"
+             if "budget_tokens_int8" in s.budget_info else ""))
     results: dict[str, dict] = {}
     for b in backends:
         t, load = time.perf_counter(), os.getloadavg()[0]

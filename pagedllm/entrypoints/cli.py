@@ -62,7 +62,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "else the pure-PyTorch reference (torch)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache storage; auto = the model's dtype; int8 = int8 values and a float32 scale per "
-                        "token and KV head (3.8x the tokens of float32 in the same memory, 1.9x bfloat16's)")
+                        "token and KV head (at head_dim 64: 3.8x the tokens of float32 in the same memory, 1.9x "
+                        "bfloat16's)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the model's shape (no weight files needed)")

@@ -38,6 +38,7 @@ def startup_facts(llm) -> dict:
             "dtype": str(mc.dtype).replace("torch.", ""), "device": cfg.device,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
             "num_blocks": cc.num_blocks, "block_size": cc.block_size, "max_model_len": mc.max_model_len,
+            "kv_cache_dtype": "int8" if cc.cache_dtype == "int8" else str(mc.dtype).replace("torch.", ""),
             "max_concurrency": cc.num_blocks / blocks_per_seq, "prefix_caching": bool(cc.enable_prefix_caching)}
 
 

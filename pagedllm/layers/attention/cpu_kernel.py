@@ -144,7 +144,8 @@ def gather_kv(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> to
 
 
 class CpuPagedAttention(AttentionBackend):
-    """The compiled kernel for CPU tensors in fp32/bf16, for decodes and short prefill chunks.
+    """The compiled kernel for CPU tensors in fp32/bf16 (caches in that dtype or int8), for decodes
+    and short prefill chunks.
 
     Prefill chunks of more than ``LONG_PREFILL`` new tokens run on the reference's SDPA (a GEMM
     flash kernel; measured on a SmolLM2 layer, CPU time: a 2,048-token prompt 86 ms there vs 154 ms

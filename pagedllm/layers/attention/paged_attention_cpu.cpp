@@ -537,7 +537,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
               for (int c = 0; c < row_bytes<C>(D); c += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(vp[j]) + c, 0, 2);
             if constexpr (kInt8<C>) {
-              for (int j = 0; j < 16; ++j) {  // the scales are read from rows now in cache (prefetched)
+              for (int j = 0; j < 16; ++j) {  // scale lines were prefetched by the table walk
                 int8_row_to(kp[j0 + j], &kw[static_cast<size_t>(j) * D], D);
                 k_scale[j0 + j] = scale_at(k_cache, sc_off[j0 + j] + 4 * h) * scale;
               }

@@ -3,6 +3,8 @@ line that explains them."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,6 +84,51 @@ def test_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     n, why = cpu_threads.resolve_num_threads(None)
     assert n == cpu_threads.physical_cores() and 1 <= n <= len(cpu_threads._allowed_cpus()) and "physical" in why
+
+
+_POOL_SCRIPT = """
+import os, torch
+from pagedllm.worker.cpu_threads import release_openmp_threads
+torch.set_num_threads(3)
+threads = lambda: len(os.listdir("/proc/self/task"))
+x = torch.randn(1 << 20)
+release_openmp_threads()
+base = threads()                                   # no pool
+(x * 2).sum()                                      # a parallel region: this thread's pool of 2 workers
+with_pool = threads()
+released = release_openmp_threads()
+print(base, with_pool, released, threads())
+(x * 2).sum()
+print(threads())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_release_openmp_threads_frees_the_callers_pool():
+    """The server's loader thread gives back its OpenMP workers before the engine thread runs
+    the steps (async_engine.AsyncLLM.start); a later parallel region makes a pool again."""
+    out = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.split("\n")[:2]
+    base, with_pool, released, after = first.split()
+    assert released == "True"
+    assert int(with_pool) == int(base) + 2 and int(after) == int(base), out.stdout
+    assert int(second) == int(base) + 2, out.stdout
+
+
+def test_async_engine_start_releases_the_loader_threads(llama_dir, monkeypatch):
+    from pagedllm.engine import async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_openmp_threads", lambda: calls.append(1) or True)
+    llm = async_engine.AsyncLLM.from_engine_args(EngineArgs(model=llama_dir, device="cpu", max_model_len=64,
+                                                            kv_cache_memory=2**20))
+    try:
+        llm.start()
+        llm.start()  # already running: nothing more
+        assert calls == [1]
+    finally:
+        llm.shutdown()
 
 
 def test_engine_uses_fixed_kv_space_and_logs_choices(llama_dir, monkeypatch, caplog):

@@ -7,6 +7,7 @@ that default; ``num_threads`` (``--num-threads``) wins over both.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 
@@ -46,3 +47,34 @@ def resolve_num_threads(num_threads: int | None) -> tuple[int, str]:
         return int(env), "OMP_NUM_THREADS"
     n = physical_cores()
     return n, f"physical cores ({len(_allowed_cpus())} logical CPUs available)"
+
+
+def release_openmp_threads() -> bool:
+    """Free the calling thread's OpenMP worker threads (``omp_pause_resource_all``, OpenMP 5.0).
+
+    Call it from the thread that loaded the model before another thread (the server's engine
+    loop) runs the forward passes. Each thread that opens a parallel region keeps its own pool of
+    ``threads - 1`` workers, and GNU libgomp lets a waiting worker spin only while the process
+    has no more OpenMP threads than CPUs: past that, every parallel region ends in a futex sleep
+    and the next one begins with a wake-up. With the default threads = cores, the loader's idle
+    pool was that one thread too many, and SmolLM2's decode steps ran 1.6x slower in a second
+    thread than in the first. A pool is made again if this thread opens a parallel region later.
+
+    Returns True when an OpenMP runtime was found in the process and released its threads.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:  # not Linux
+        return False
+    for path in sorted(paths):
+        # libgomp.so.1, or a wheel's renamed copy such as libgomp-a34b3233.so.1
+        if os.path.basename(path).split(".so")[0].split("-")[0] in ("libgomp", "libiomp5", "libomp"):
+            try:
+                return ctypes.CDLL(path).omp_pause_resource_all(_OMP_PAUSE_HARD) == 0
+            except (OSError, AttributeError):  # a runtime older than OpenMP 5.0
+                return False
+    return False
+
+
+_OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2

@@ -104,6 +104,65 @@ def test_int_mm_is_exact_and_batch_invariant(m):
     assert torch.equal(int8_mm(a[rows].contiguous(), b), full[rows])
 
 
+def _vnni_or_skip():
+    from pagedllm.layers import int8_gemm_cpu
+
+    lib, why = int8_gemm_cpu._LIBRARY.get()
+    if lib is None:
+        pytest.skip(f"small-batch int8 kernel unavailable: {why}")
+    return int8_gemm_cpu
+
+
+@pytest.mark.parametrize("k", [576, 70, 1, 130])
+@pytest.mark.parametrize("n", [1, 7, 16, 49])
+def test_small_batch_int8_gemm_is_exact(k, n):
+    """The VNNI kernel (u8 x s8 with a +128 offset undone through the weight's row sums) equals the
+    exact integer product for every row count it takes and every tile remainder: k not a multiple
+    of 64 (masked tail), n not a multiple of a tile's columns, rows strided, extreme values."""
+    g8 = _vnni_or_skip()
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    w[0] = 127  # the largest |partial sums|
+    wsum = g8.weight_row_sums(w)
+    assert torch.equal(wsum, w.long().sum(1).int())
+    for m in range(1, g8.MAX_ROWS + 1):
+        base = torch.randint(-127, 128, (m, k + 9), dtype=torch.int8, generator=g)
+        base[0, :k] = -127
+        a = base[:, 3:3 + k]  # rows strided (stride k + 9)
+        out = g8.int8_gemm(a, w, wsum)
+        assert out is not None and out.dtype == torch.int32
+        assert torch.equal(out, (a.long() @ w.long().t()).int()), m
+    assert g8.int8_gemm(torch.zeros(g8.MAX_ROWS + 1, k, dtype=torch.int8), w, wsum) is None  # more rows: _int_mm
+
+
+def test_int8_linear_same_bits_with_and_without_the_small_batch_kernel(monkeypatch):
+    """A decode-sized int8 linear gives the same output through the VNNI kernel as through
+    torch._int_mm, merged and row-parallel layers included (weight_sum is set at load)."""
+    g8 = _vnni_or_skip()
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(200, 96), torch.randn(96, 200)
+    col = make_linear(ColumnParallelLinear, 96, 200, bias=True, group=0)
+    col.weight_loader(col.weight, w1)
+    col.bias.weight_loader(col.bias, torch.randn(200))
+    row = make_linear(RowParallelLinear, 200, 96, bias=False, group=0)
+    row.weight_loader(row.weight, w2)
+    layers = [col, row]
+    for layer in layers:
+        process_weights_after_loading(layer, layer.cfg)
+        assert torch.equal(layer.weight_sum, layer.weight_q.t().long().sum(1).int())
+    calls = []
+    real = g8.int8_gemm
+    monkeypatch.setattr(g8, "int8_gemm", lambda *a: calls.append(1) or real(*a))
+    for m in (1, 3, 5):
+        x = torch.randn(m, 96)
+        fast = layers[1](layers[0](x))
+        monkeypatch.setattr(g8, "MAX_ROWS", 0)
+        slow = layers[1](layers[0](x))
+        monkeypatch.setattr(g8, "MAX_ROWS", 5)
+        assert torch.equal(fast, slow)
+    assert len(calls) == 6  # two layers x three batches, none while MAX_ROWS was 0
+
+
 def test_row_parallel_and_merged_layers_quantize():
     x = torch.randn(9, 64)
     w = torch.randn(32, 64)

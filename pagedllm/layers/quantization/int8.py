@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_all_reduce_max
-from pagedllm.layers import cpu_fused_ops
+from pagedllm.layers import cpu_fused_ops, int8_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -154,7 +154,11 @@ class Int8LinearMethod(LinearMethodBase):
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
-        acc = int8_mm(xq, layer.weight_q)
+        acc = None
+        if xq.shape[0] <= int8_gemm_cpu.MAX_ROWS and xq.device.type == "cpu":  # a few tokens: VNNI kernel
+            acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)
+        if acc is None:
+            acc = int8_mm(xq, layer.weight_q)
         if reduce_results:
             acc = tensor_model_parallel_all_reduce(acc)  # int32 sum: exact, order-free
         out = None
@@ -188,6 +192,9 @@ def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> N
         del layer.weight
     layer.weight_q = nn.Parameter(int8_weight_layout(q), requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
+    if "weight_sum" in layer._buffers:
+        del layer._buffers["weight_sum"]
+    layer.register_buffer("weight_sum", int8_gemm_cpu.weight_row_sums(q), persistent=False)
 
 
 class Int8Config(QuantizationConfig):

@@ -182,10 +182,13 @@ def test_kernel_head_dims(d, dtype):
     _compare(seqs, 5, 1, 4, d=d, dtype=dtype, seed=d + 1, window=70, tol=tol)
 
 
-def test_backend_routes_long_prefills_to_reference():
-    """The cpu backend: kernel for decodes and short chunks, SDPA for chunks over LONG_PREFILL."""
+@pytest.mark.parametrize("long_prefill", [None, 128])
+def test_backend_routes_long_prefills(long_prefill):
+    """The cpu backend: the kernel for every chunk by default; with LONG_PREFILL set, SDPA for the
+    chunks over it. Both equal dense attention."""
     kernel = _kernel()
-    seqs = [(30, 1), (0, 1), (50, kernel.LONG_PREFILL + 1), (10, 5), (0, 2 * kernel.LONG_PREFILL)]
+    kernel.LONG_PREFILL = long_prefill
+    seqs = [(30, 1), (0, 1), (50, 129), (10, 5), (0, 256), (300, 200)]
     q, k, v, cache, meta, fk, fv = make_batch(seqs, 8, 2, 4, 32, torch.float32, seed=4)
     for window, cap in [(None, None), (40, 10.0)]:
         out = kernel.forward(q, k, v, cache.clone(), meta, 0.2, sliding_window=window, logits_soft_cap=cap)

@@ -15,7 +15,7 @@ from pagedllm.config import EngineArgs, resolve_dtype
 from pagedllm.worker import cpu_threads
 from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes, physical_memory_bytes
 
-from conftest import assert_pool_empty
+from conftest import assert_pool_empty, build_checkpoint
 
 
 class _Cfg:
@@ -73,6 +73,17 @@ def test_fixed_kv_space_only_when_no_memory_setting_given(llama_dir, monkeypatch
         cc = EngineArgs(model=llama_dir, device="cpu", **kw).create_engine_config().cache_config
         assert cc.cpu_kv_cache_space is None
     assert EngineArgs(model=llama_dir, device="cpu").create_engine_config().cache_config.gpu_memory_utilization == 0.9
+
+
+def test_cpu_step_token_budget_default(tmp_path):
+    """2,048 tokens a step on a CPU (larger steps measured slower per token there) even where
+    max_model_len is 8,192 (other devices then take 8,192); an explicit value wins."""
+    model = build_checkpoint(str(tmp_path), max_position_embeddings=8192)
+    sc = EngineArgs(model=model, device="cpu", max_model_len=8192).create_engine_config().scheduler_config
+    assert sc.max_num_batched_tokens == 2048
+    sc = EngineArgs(model=model, device="cpu", max_model_len=8192,
+                    max_num_batched_tokens=4096).create_engine_config().scheduler_config
+    assert sc.max_num_batched_tokens == 4096
 
 
 def test_threads(monkeypatch):

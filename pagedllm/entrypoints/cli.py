@@ -102,7 +102,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="CPU threads for the model (default: OMP_NUM_THREADS if set, else the physical cores)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="maximum sequences in the running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step (default: max(2048, min(max_model_len, 8192)))")
+                   help="token budget of one engine step (default: 2048 on a CPU, "
+                        "else max(2048, min(max_model_len, 8192)))")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0, help="random seed (weights of --load-format dummy, sampling)")

@@ -115,7 +115,7 @@ def _vnni_or_skip():
 
 @pytest.mark.parametrize("k", [576, 70, 1, 130])
 @pytest.mark.parametrize("n", [1, 7, 16, 49])
-def test_small_batch_int8_gemm_is_exact(k, n):
+def test_small_batch_int8_gemm_is_exact(k, n, monkeypatch):
     """The VNNI kernel (u8 x s8 with a +128 offset undone through the weight's row sums) equals the
     exact integer product for every row count it takes and every tile remainder: k not a multiple
     of 64 (masked tail), n not a multiple of a tile's columns, rows strided, extreme values."""
@@ -125,14 +125,18 @@ def test_small_batch_int8_gemm_is_exact(k, n):
     w[0] = 127  # the largest |partial sums|
     wsum = g8.weight_row_sums(w)
     assert torch.equal(wsum, w.long().sum(1).int())
-    for m in range(1, g8.MAX_ROWS + 1):
+    lo, hi = g8.MIN_ROWS, g8.MAX_ROWS
+    monkeypatch.setattr(g8, "MIN_ROWS", 1)  # one row too: the kernel's 1 x 16 tile
+    for m in range(1, hi + 1):
         base = torch.randint(-127, 128, (m, k + 9), dtype=torch.int8, generator=g)
         base[0, :k] = -127
         a = base[:, 3:3 + k]  # rows strided (stride k + 9)
         out = g8.int8_gemm(a, w, wsum)
         assert out is not None and out.dtype == torch.int32
         assert torch.equal(out, (a.long() @ w.long().t()).int()), m
-    assert g8.int8_gemm(torch.zeros(g8.MAX_ROWS + 1, k, dtype=torch.int8), w, wsum) is None  # more rows: _int_mm
+    monkeypatch.setattr(g8, "MIN_ROWS", lo)
+    for m in (lo - 1, hi + 1):  # fewer or more rows: torch._int_mm
+        assert g8.int8_gemm(torch.zeros(m, k, dtype=torch.int8), w, wsum) is None
 
 
 def test_int8_linear_same_bits_with_and_without_the_small_batch_kernel(monkeypatch):
@@ -153,7 +157,7 @@ def test_int8_linear_same_bits_with_and_without_the_small_batch_kernel(monkeypat
     calls = []
     real = g8.int8_gemm
     monkeypatch.setattr(g8, "int8_gemm", lambda *a: calls.append(1) or real(*a))
-    for m in (1, 3, 5):
+    for m in (2, 3, 5):
         x = torch.randn(m, 96)
         fast = layers[1](layers[0](x))
         monkeypatch.setattr(g8, "MAX_ROWS", 0)

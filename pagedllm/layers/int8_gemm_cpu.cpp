@@ -72,10 +72,20 @@ inline void tile(const uint8_t* a, int k, const int8_t* w, const int32_t* wsum, 
     for (int c = 0; c < NC && j0 + c < n; ++c) out[r * ldo + j0 + c] = s[r * NC + c] - 128 * wsum[j0 + c];
 }
 
+constexpr int kPrefetchGroups = 4;
+
 // All m rows against the columns of groups [g0, g1) of NC columns, with MR rows a tile.
 template <int MR, int NC>
 inline void tiles(const uint8_t* a, int m, int k, const int8_t* w, const int32_t* wsum, int n, int g, int32_t* out) {
   const int j0 = g * NC;
+  // The weight rows of the group kPrefetchGroups ahead, into L2: each row is only k bytes (a few
+  // cache lines), too short a stream for the hardware prefetcher to reach full bandwidth.
+  const int jp = j0 + kPrefetchGroups * NC;
+  if (jp < n) {
+    const char* p = reinterpret_cast<const char*>(w + static_cast<int64_t>(jp) * k);
+    const int64_t bytes = static_cast<int64_t>(std::min(NC, n - jp)) * k;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  }
   int i0 = 0;
   for (; i0 + MR <= m; i0 += MR) tile<MR, NC>(a + static_cast<int64_t>(i0) * k, k, w, wsum, n, j0, out + static_cast<int64_t>(i0) * n, n);
   for (; i0 < m; ++i0) tile<1, NC>(a + static_cast<int64_t>(i0) * k, k, w, wsum, n, j0, out + static_cast<int64_t>(i0) * n, n);

@@ -1,7 +1,7 @@
 """The small-batch int8 GEMM of ``int8_gemm_cpu.cpp`` (AVX512-VNNI): exact int32 ``a @ w.T`` for
-steps of at most ``MAX_ROWS`` tokens, where it beats ``torch._int_mm``; the int8 linear method
+steps of ``MIN_ROWS`` to ``MAX_ROWS`` tokens, where it beats ``torch._int_mm``; the int8 linear method
 (``layers/quantization/int8.py``) calls it and falls back to ``torch._int_mm`` where it returns
-None (another device, more rows, a CPU without AVX512-VNNI, no compiler, or
+None (another device, fewer or more rows, a CPU without AVX512-VNNI, no compiler, or
 ``PAGEDLLM_CPU_FUSED_OPS=0``). Measured in benchmarks/README.md section 9.
 """
 from __future__ import annotations
@@ -16,9 +16,11 @@ from pagedllm.layers import cpu_fused_ops
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("int8_gemm_cpu.cpp")
-# Rows up to which the kernel ran faster than torch._int_mm on SmolLM2's shapes (2 threads,
-# AVX512-VNNI): it is compute-bound past that, where oneDNN's packed gemm is the better loop.
-MAX_ROWS = 5
+# Rows where the kernel ran faster than torch._int_mm in a SmolLM2 decode step (2 threads, Zen 5;
+# ms a step, torch._int_mm -> kernel: 2 rows 14.9 -> 11.2, 4 rows 17.1 -> 13.0). One row: oneDNN
+# has a GEMV of its own (9.4 vs 10.5 ms); from 6 rows the matmul is compute-bound and oneDNN's
+# packed loop the better one.
+MIN_ROWS, MAX_ROWS = 2, 5
 
 
 def _build() -> ctypes.CDLL:
@@ -44,8 +46,8 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
     ``weight_row_sums(w)`` -> int32 [m, n] = a @ w.T, bit-identical to ``torch._int_mm``; None
     when the kernel does not apply (see the module docstring)."""
     m, k = a.shape
-    if (m > MAX_ROWS or not cpu_fused_ops.ENABLED or a.device.type != "cpu" or a.dtype != torch.int8
-            or a.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != k or wsum.dtype != torch.int32):
+    if (not MIN_ROWS <= m <= MAX_ROWS or not cpu_fused_ops.ENABLED or a.device.type != "cpu"
+            or a.dtype != torch.int8 or a.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != k or wsum.dtype != torch.int32):
         return None
     lib = _LIBRARY.lib
     if lib is None:

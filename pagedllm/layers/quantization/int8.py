@@ -155,7 +155,7 @@ class Int8LinearMethod(LinearMethodBase):
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
         acc = None
-        if xq.shape[0] <= int8_gemm_cpu.MAX_ROWS and xq.device.type == "cpu":  # a few tokens: VNNI kernel
+        if int8_gemm_cpu.MIN_ROWS <= xq.shape[0] <= int8_gemm_cpu.MAX_ROWS and xq.device.type == "cpu":
             acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)
         if acc is None:
             acc = int8_mm(xq, layer.weight_q)

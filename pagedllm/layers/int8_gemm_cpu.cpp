@@ -28,9 +28,11 @@ namespace {
 inline __m512i hsum16_epi32(const __m512i* v) {
   __m512i x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: {a0+a2, b0+b2, a1+a3, b1+b3}
-    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i)  // per lane: {a, b, c, d} partial sums of that lane
-    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]),
+                            _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
   for (int i = 0; i < 2; ++i)
     z[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0x88),
                             _mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0xdd));
@@ -74,7 +76,7 @@ inline void tile(const uint8_t* a, int k, const int8_t* w, const int32_t* wsum, 
 
 constexpr int kPrefetchGroups = 4;
 
-// All m rows against the columns of groups [g0, g1) of NC columns, with MR rows a tile.
+// All m rows against the NC columns of group g, MR rows a tile (then single rows).
 template <int MR, int NC>
 inline void tiles(const uint8_t* a, int m, int k, const int8_t* w, const int32_t* wsum, int n, int g, int32_t* out) {
   const int j0 = g * NC;
@@ -87,8 +89,10 @@ inline void tiles(const uint8_t* a, int m, int k, const int8_t* w, const int32_t
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
   int i0 = 0;
-  for (; i0 + MR <= m; i0 += MR) tile<MR, NC>(a + static_cast<int64_t>(i0) * k, k, w, wsum, n, j0, out + static_cast<int64_t>(i0) * n, n);
-  for (; i0 < m; ++i0) tile<1, NC>(a + static_cast<int64_t>(i0) * k, k, w, wsum, n, j0, out + static_cast<int64_t>(i0) * n, n);
+  for (; i0 + MR <= m; i0 += MR)
+    tile<MR, NC>(a + static_cast<int64_t>(i0) * k, k, w, wsum, n, j0, out + static_cast<int64_t>(i0) * n, n);
+  for (; i0 < m; ++i0)
+    tile<1, NC>(a + static_cast<int64_t>(i0) * k, k, w, wsum, n, j0, out + static_cast<int64_t>(i0) * n, n);
 }
 
 template <int MR, int NC>

@@ -47,7 +47,8 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
     when the kernel does not apply (see the module docstring)."""
     m, k = a.shape
     if (not MIN_ROWS <= m <= MAX_ROWS or not cpu_fused_ops.ENABLED or a.device.type != "cpu"
-            or a.dtype != torch.int8 or a.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != k or wsum.dtype != torch.int32):
+            or a.dtype != torch.int8 or a.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != k
+            or wsum.dtype != torch.int32):
         return None
     lib = _LIBRARY.lib
     if lib is None:

@@ -73,6 +73,9 @@ class LazyLibrary:
         self.error: Optional[str] = None
 
     def get(self) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+        lib = self.lib
+        if lib is not None:  # built: no lock (called per layer and op)
+            return lib, None
         with self._lock:
             if self.lib is None and self.error is None:
                 try:

@@ -57,15 +57,13 @@ def _fn(name: str, *tensors: torch.Tensor):
     for t in tensors:
         if t.dtype != t0.dtype or t.stride(-1) != 1 or t.device.type != "cpu":
             return None
-    lib = _LIBRARY.lib
+    lib, err = _LIBRARY.get()
     if lib is None:
-        lib, err = _LIBRARY.get()
-        if lib is None:
-            global _logged_fallback
-            if not _logged_fallback:  # one line per process, as the attention backend's fallback
-                _logged_fallback = True
-                logger.info("cpu fused ops: PyTorch ops (the C kernels could not be built or loaded: %s)", err)
-            return None
+        global _logged_fallback
+        if not _logged_fallback:  # one line per process, as the attention backend's fallback
+            _logged_fallback = True
+            logger.info("cpu fused ops: PyTorch ops (the C kernels could not be built or loaded: %s)", err)
+        return None
     return getattr(lib, f"{name}_{sfx}")
 
 

@@ -50,11 +50,9 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
             or a.dtype != torch.int8 or a.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != k
             or wsum.dtype != torch.int32):
         return None
-    lib = _LIBRARY.lib
+    lib, _ = _LIBRARY.get()
     if lib is None:
-        lib, _ = _LIBRARY.get()
-        if lib is None:
-            return None
+        return None
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.int32)
     lib.int8_gemm(a.data_ptr(), a.stride(0), m, k, w.data_ptr(), wsum.data_ptr(), n, out.data_ptr())

@@ -115,7 +115,8 @@ class AsyncLLM:
     def start(self) -> "AsyncLLM":
         if self._thread is None:
             # The engine thread runs every forward pass from here on; this thread's idle OpenMP
-            # workers would only make the engine's sleep between parallel regions (see there).
+            # workers would only make the engine's sleep between parallel regions
+            # (worker/cpu_threads.py).
             if release_openmp_threads():
                 logger.debug("released the OpenMP threads of %s", threading.current_thread().name)
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)

@@ -107,8 +107,6 @@ void gemm(const uint8_t* a, int m, int k, const int8_t* w, const int32_t* wsum, 
 
 extern "C" {
 
-int pagedllm_int8_gemm_abi_version() { return 1; }
-
 // 1 where this build has the kernel (the compiler targeted AVX512-VNNI and AVX512-BW), else 0.
 int int8_gemm_available() {
 #ifdef PAGEDLLM_VNNI

@@ -49,6 +49,9 @@ def resolve_num_threads(num_threads: int | None) -> tuple[int, str]:
     return n, f"physical cores ({len(_allowed_cpus())} logical CPUs available)"
 
 
+_OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2
+
+
 def release_openmp_threads() -> bool:
     """Free the calling thread's OpenMP worker threads (``omp_pause_resource_all``, OpenMP 5.0).
 
@@ -76,5 +79,3 @@ def release_openmp_threads() -> bool:
                 return False
     return False
 
-
-_OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2

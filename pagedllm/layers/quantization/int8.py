@@ -154,9 +154,7 @@ class Int8LinearMethod(LinearMethodBase):
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
-        acc = None
-        if int8_gemm_cpu.MIN_ROWS <= xq.shape[0] <= int8_gemm_cpu.MAX_ROWS and xq.device.type == "cpu":
-            acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)
+        acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)  # a few CPU rows: VNNI
         if acc is None:
             acc = int8_mm(xq, layer.weight_q)
         if reduce_results:
@@ -192,8 +190,6 @@ def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> N
         del layer.weight
     layer.weight_q = nn.Parameter(int8_weight_layout(q), requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
-    if "weight_sum" in layer._buffers:
-        del layer._buffers["weight_sum"]
     layer.register_buffer("weight_sum", int8_gemm_cpu.weight_row_sums(q), persistent=False)
 
 

@@ -529,8 +529,9 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
           const int r0 = (h - w.h_begin) * head_rows;
           const __m512 vscale = _mm512_set1_ps(scale);
           for (int j0 = 0; j0 < npad; j0 += 16) {  // each 16 keys from L1 for all rows of the head
-            if (j0 + 16 < npad)
-              for (int j = j0 + 16; j < j0 + 32; ++j)
+            // K rows two groups ahead (one ahead measured 4-8 % slower: DRAM latency is not hidden)
+            if (j0 + 32 < npad)
+              for (int j = j0 + 32; j < std::min(npad, j0 + 48); ++j)
                 for (int c = 0; c < row_bytes<C>(D); c += 64)
                   __builtin_prefetch(reinterpret_cast<const char*>(kp[j]) + c, 0, 2);
             for (int j = j0; j < j0 + 16; ++j)  // this head's V rows, for P.V after the scores

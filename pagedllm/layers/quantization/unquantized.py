@@ -6,7 +6,11 @@ Inductor, does for linear layers): on an AVX-512 AMD EPYC this runs the model's 
 matmuls 1.2-2.4x faster than ``F.linear`` in float32 (MKL's sgemm) and 1.1-1.3x in bfloat16 (3.2x
 at 256 rows, a prefill chunk), with the same results within float32 rounding (bfloat16: equal). A layer's own copy of
 the weight is then released (the tied LM head keeps it: the embedding reads it).
-``PAGEDLLM_CPU_PACKED_LINEAR=0`` turns this off.
+Where it applies (AVX-512, and AVX512-BF16 for bfloat16; ``layers/float_gemm_cpu.py``), our own
+panel GEMM takes the place of oneDNN's: it splits decode-sized matmuls evenly over the threads,
+where oneDNN left one thread idle part of the time (SmolLM2's attention and MLP-down shapes at 48
+rows: 1.4-1.6x faster; benchmarks/README.md section 10).
+``PAGEDLLM_CPU_PACKED_LINEAR=0`` turns both off; ``PAGEDLLM_CPU_FLOAT_GEMM=0`` only ours.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import float_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase
 
 
@@ -38,6 +43,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         w = getattr(layer, "weight", None)
         if w is None or not _can_pack(w):
             return
+        if float_gemm_cpu.supported(w):
+            packed = float_gemm_cpu.pack(w.detach())
+            layer.register_buffer("gemm_weight", packed, persistent=False)
+            layer.out_features = w.shape[0]
+            if not _is_tied(layer):
+                w.data = torch.empty(0, dtype=w.dtype)
+            layer.packed_bytes = packed.numel() * packed.element_size()
+            return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
             probe = torch.ones(2, w.shape[1], dtype=w.dtype)
@@ -54,6 +67,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
             w.data = torch.empty(0, dtype=w.dtype)  # the packed copy replaces it
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        gemm_weight = getattr(layer, "gemm_weight", None)
+        if gemm_weight is not None and x.dtype == gemm_weight.dtype and x.device.type == "cpu":
+            y = float_gemm_cpu.linear(x.reshape(-1, x.shape[-1]), gemm_weight, bias, layer.out_features)
+            return y.view(*x.shape[:-1], layer.out_features)
         packed = getattr(layer, "packed_weight", None)
         if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")

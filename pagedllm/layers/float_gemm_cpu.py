@@ -1,0 +1,101 @@
+"""The float GEMM of ``float_gemm_cpu.cpp`` for CPU linear layers: ``y = x @ W.T + b`` in float32
+(AVX-512) or bfloat16 (AVX512-BF16), float32 accumulation, with ``W`` packed once after loading
+(``pack``) into 16-column panels that each thread shares out evenly.
+
+``layers/quantization/unquantized.py`` uses it where it applies (``supported``) and oneDNN's packed
+linear elsewhere. Why: at decode-sized batches oneDNN splits a few-hundred-column matmul unevenly
+over the threads; measured in benchmarks/README.md section 10. ``PAGEDLLM_CPU_FLOAT_GEMM=0`` turns it
+off (read once, at import).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+
+SOURCE = Path(__file__).with_name("float_gemm_cpu.cpp")
+ENABLED = os.environ.get("PAGEDLLM_CPU_FLOAT_GEMM", "1") != "0"
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_LEVEL = {torch.float32: 1, torch.bfloat16: 2}  # float_gemm_level() needed for the dtype
+PANEL = 16  # columns per packed panel
+
+
+def _build() -> ctypes.CDLL:
+    lib = build_library(SOURCE, BASE_FLAGS)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.float_gemm_level.restype = i32
+    level = lib.float_gemm_level()
+    if level < 1:
+        raise RuntimeError("this CPU (or compiler) has no AVX-512")
+    for sfx in ("f32", "bf16")[:level]:
+        getattr(lib, f"float_gemm_packed_elems_{sfx}").argtypes = [i32, i32]
+        getattr(lib, f"float_gemm_packed_elems_{sfx}").restype = i64
+        getattr(lib, f"float_gemm_pack_{sfx}").argtypes = [p, i32, i32, p]
+        getattr(lib, f"float_gemm_pack_{sfx}").restype = None
+        getattr(lib, f"float_gemm_{sfx}").argtypes = [p, i64, p, p, p, i64, i32, i32, i32]
+        getattr(lib, f"float_gemm_{sfx}").restype = None
+    return lib
+
+
+_LIBRARY = LazyLibrary(_build)
+
+
+def supported(w: torch.Tensor) -> bool:
+    """Whether ``pack(w)`` applies: a 2-d float32/bfloat16 CPU weight, the switch on, the library
+    built with that dtype's kernel, and at least 4 panels (64 columns) for each of torch's threads
+    (fewer: each thread's share gets too narrow to feed its register tile, and oneDNN, which also
+    splits rows, is kept)."""
+    if (not ENABLED or w.device.type != "cpu" or w.dtype not in _SUFFIX or w.dim() != 2 or w.numel() == 0
+            or w.shape[0] < 4 * PANEL * torch.get_num_threads()):
+        return False
+    lib, _ = _LIBRARY.get()
+    return lib is not None and lib.float_gemm_level() >= _LEVEL[w.dtype]
+
+
+def packed_elems(n: int, k: int, dtype: torch.dtype) -> int:
+    """Elements of the packed form of an [n, k] weight (bfloat16: k rounded up to pairs)."""
+    panels = -(-n // PANEL)
+    return panels * PANEL * (k if dtype == torch.float32 else 2 * -(-k // 2))
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """Weight [N, K] (float32 or bfloat16) -> its packed panels, a 1-d tensor of the same dtype
+    (``float_gemm_cpu.cpp`` gives the layout; ceil(N / 16) * 16 columns, zero past N). Call only
+    where ``supported(w)``."""
+    lib, _ = _LIBRARY.get()
+    sfx = _SUFFIX[w.dtype]
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(packed_elems(n, k, w.dtype), dtype=w.dtype)
+    if out.numel() != getattr(lib, f"float_gemm_packed_elems_{sfx}")(n, k):  # Python and C disagree on the layout
+        raise RuntimeError(f"float_gemm_cpu: packed size mismatch for [{n}, {k}] {w.dtype}")
+    getattr(lib, f"float_gemm_pack_{sfx}")(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """x [M, K] (rows may be strided) @ the packed [N, K] weight's transpose (+ bias [N]) -> a new
+    contiguous [M, N] tensor in x's dtype. x, packed and bias must share the dtype ``pack`` saw;
+    raises ValueError otherwise or when x's K does not match the packed size."""
+    m, k = x.shape
+    sfx = _SUFFIX.get(x.dtype)
+    if sfx is None or packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"float_gemm_cpu.linear: dtypes x {x.dtype}, packed {packed.dtype}, "
+                         f"bias {None if bias is None else bias.dtype} must match (float32 or bfloat16)")
+    if packed.numel() != packed_elems(n, k, x.dtype):
+        raise ValueError(f"float_gemm_cpu.linear: x has {k} features, not those of the packed [{n}, ?] weight")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype)
+    if m:
+        lib, _ = _LIBRARY.get()
+        getattr(lib, f"float_gemm_{sfx}")(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                          None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k)
+    return y

@@ -23,6 +23,7 @@ ENABLED = os.environ.get("PAGEDLLM_CPU_FLOAT_GEMM", "1") != "0"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LEVEL = {torch.float32: 1, torch.bfloat16: 2}  # float_gemm_level() needed for the dtype
 PANEL = 16  # columns per packed panel
+_GEMM: dict = {}  # dtype -> the library's GEMM for it, once built
 
 
 def _build() -> ctypes.CDLL:
@@ -39,6 +40,9 @@ def _build() -> ctypes.CDLL:
         getattr(lib, f"float_gemm_pack_{sfx}").restype = None
         getattr(lib, f"float_gemm_{sfx}").argtypes = [p, i64, p, p, p, i64, i32, i32, i32]
         getattr(lib, f"float_gemm_{sfx}").restype = None
+    for dtype, sfx in _SUFFIX.items():
+        if _LEVEL[dtype] <= level:
+            _GEMM[dtype] = getattr(lib, f"float_gemm_{sfx}")
     return lib
 
 
@@ -59,8 +63,7 @@ def supported(w: torch.Tensor) -> bool:
 
 def packed_elems(n: int, k: int, dtype: torch.dtype) -> int:
     """Elements of the packed form of an [n, k] weight (bfloat16: k rounded up to pairs)."""
-    panels = -(-n // PANEL)
-    return panels * PANEL * (k if dtype == torch.float32 else 2 * -(-k // 2))
+    return -(-n // PANEL) * PANEL * (k if dtype == torch.float32 else k + (k & 1))
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -81,21 +84,23 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ the packed [N, K] weight's transpose (+ bias [N]) -> a new
     contiguous [M, N] tensor in x's dtype. x, packed and bias must share the dtype ``pack`` saw;
-    raises ValueError otherwise or when x's K does not match the packed size."""
+    raises ValueError otherwise or when x's K does not match the packed size. Called per layer and
+    step: kept to a few attribute reads before the C call."""
+    dtype = x.dtype
+    fn = _GEMM.get(dtype)
+    if fn is None or packed.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        raise ValueError(f"float_gemm_cpu.linear: dtypes x {dtype}, packed {packed.dtype}, "
+                         f"bias {None if bias is None else bias.dtype} must match (float32 or bfloat16, "
+                         f"packed by pack())")
     m, k = x.shape
-    sfx = _SUFFIX.get(x.dtype)
-    if sfx is None or packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"float_gemm_cpu.linear: dtypes x {x.dtype}, packed {packed.dtype}, "
-                         f"bias {None if bias is None else bias.dtype} must match (float32 or bfloat16)")
-    if packed.numel() != packed_elems(n, k, x.dtype):
+    if packed.numel() != packed_elems(n, k, dtype):
         raise ValueError(f"float_gemm_cpu.linear: x has {k} features, not those of the packed [{n}, ?] weight")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if bias is not None:
+    if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype)
+    y = torch.empty(m, n, dtype=dtype)
     if m:
-        lib, _ = _LIBRARY.get()
-        getattr(lib, f"float_gemm_{sfx}")(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                          None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k)
+        fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+           n, m, n, k)
     return y

@@ -139,6 +139,55 @@ def test_small_batch_int8_gemm_is_exact(k, n, monkeypatch):
         assert g8.int8_gemm(torch.zeros(m, k, dtype=torch.int8), w, wsum) is None
 
 
+@pytest.mark.parametrize("k,n", [(576, 200), (70, 16), (1, 33), (130, 7)])
+def test_panel_int8_gemm_is_exact(k, n):
+    """The packed-panel VNNI GEMM equals the exact integer product over row tiles and their
+    remainders (1-30 rows; 6 a tile at 4 panels, 8, 12 or 24 at fewer), panel runs of 1-4 a thread,
+    a partial last panel (n % 16), k not a multiple of 4, strided rows and extreme values."""
+    g8 = _vnni_or_skip()
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    w[0] = 127
+    packed, wsum = g8.panel_pack(w), g8.weight_row_sums(w)
+    assert packed.numel() == -(-n // 16) * 64 * -(-k // 4)
+    for m in (1, 2, 5, 6, 7, 12, 13, 24, 25, 30):
+        base = torch.randint(-128, 128, (m, k + 9), dtype=torch.int8, generator=g)
+        base[0, :k] = -128
+        a = base[:, 3:3 + k]
+        out = g8.panel_gemm(a, packed, wsum, n)
+        assert out.dtype == torch.int32 and torch.equal(out, (a.long() @ w.long().t()).int()), m
+    with pytest.raises(ValueError):
+        g8.panel_gemm(torch.zeros(2, k + 4, dtype=torch.int8), packed, wsum, n)
+
+
+def test_int8_lm_head_runs_on_packed_panels(monkeypatch):
+    """The int8 LM head is packed for the panel GEMM (weight_q released, its bytes counted) and
+    gives the same logits, to the bit, as the same head left on torch._int_mm."""
+    g8 = _vnni_or_skip()
+    from pagedllm.layers.quantization import int8
+    from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    vocab, hidden = 64 * torch.get_num_threads() + 40, 48
+    w = torch.randn(vocab, hidden)
+
+    def head():
+        h = ParallelLMHead(vocab, hidden, torch.float32, quant_config=int8.Int8Config())
+        h.weight.data.copy_(w)
+        h.quant_method.process_weights_after_loading(h)
+        return h
+
+    packed = head()
+    monkeypatch.setattr(int8, "pack_lm_head", lambda layer: None)
+    plain = head()
+    assert hasattr(packed, "weight_packed") and packed.weight_q.numel() == 0
+    assert packed.packed_bytes == packed.weight_packed.numel() >= vocab * hidden
+    assert not hasattr(plain, "weight_packed") and plain.weight_q.shape == (hidden, vocab)
+    for m in (1, 3, 48):
+        x = torch.randn(m, hidden)
+        assert torch.equal(packed.quant_method.apply(packed, x), plain.quant_method.apply(plain, x)), m
+
+
 def test_int8_linear_same_bits_with_and_without_the_small_batch_kernel(monkeypatch):
     """A decode-sized int8 linear gives the same output through the VNNI kernel as through
     torch._int_mm, merged and row-parallel layers included (weight_sum is set at load)."""

@@ -56,14 +56,17 @@ def run(llm: LLM, prompts, max_tokens: int = 10):
 
 
 def generate_while_killing(llm: LLM, pid: int, max_tokens: int) -> tuple[bool, BaseException | None]:
-    """Generate 500-token-vocabulary prompts on ``llm`` in a thread and SIGKILL ``pid`` 1 s in,
-    while steps are running. Returns (whether the thread still ran after 60 s: a hang guard, not a
-    speed check; what generate raised)."""
+    """Generate 500-token-vocabulary prompts on ``llm`` in a thread, again and again (for up to
+    30 s, so that a fast engine is still running steps), and SIGKILL ``pid`` 1 s in. Returns
+    (whether the thread still ran after 60 s: a hang guard, not a speed check; what generate
+    raised)."""
     result: dict = {}
 
     def generate():
+        deadline = time.monotonic() + 30
         try:
-            run(llm, make_prompts(500), max_tokens=max_tokens)
+            while time.monotonic() < deadline:
+                run(llm, make_prompts(500), max_tokens=max_tokens)
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             result["error"] = e
 

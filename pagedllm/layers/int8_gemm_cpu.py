@@ -1,8 +1,14 @@
-"""The small-batch int8 GEMM of ``int8_gemm_cpu.cpp`` (AVX512-VNNI): exact int32 ``a @ w.T`` for
-steps of ``MIN_ROWS`` to ``MAX_ROWS`` tokens, where it beats ``torch._int_mm``; the int8 linear method
-(``layers/quantization/int8.py``) calls it and falls back to ``torch._int_mm`` where it returns
-None (another device, fewer or more rows, a CPU without AVX512-VNNI, no compiler, or
-``PAGEDLLM_CPU_FUSED_OPS=0``). Measured in benchmarks/README.md section 9.
+"""The int8 GEMMs of ``int8_gemm_cpu.cpp`` (AVX512-VNNI), exact int32 ``a @ w.T``:
+
+- ``int8_gemm``: steps of ``MIN_ROWS`` to ``MAX_ROWS`` tokens over the layer's own [n, k] weight,
+  where it beats ``torch._int_mm``; the int8 linear method (``layers/quantization/int8.py``) calls
+  it and falls back to ``torch._int_mm`` where it returns None (another device, fewer or more
+  rows, a CPU without AVX512-VNNI, no compiler, or ``PAGEDLLM_CPU_FUSED_OPS=0``). Measured in
+  benchmarks/README.md section 9.
+- ``panel_gemm``: any number of rows over a weight packed once into 16-column panels
+  (``panel_pack``); the int8 LM head runs on it (its rows are the step's sequences, never a
+  prefill's tokens): 2x ``torch._int_mm`` at 48 rows on SmolLM2's 49,152 x 576 head
+  (benchmarks/README.md section 10).
 """
 from __future__ import annotations
 
@@ -28,6 +34,12 @@ def _build() -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.int8_gemm.argtypes = [p, i64, i32, i32, p, p, i32, p]
     lib.int8_gemm.restype = None
+    lib.int8_panel_elems.argtypes = [i32, i32]
+    lib.int8_panel_elems.restype = i64
+    lib.int8_panel_pack.argtypes = [p, i32, i32, p]
+    lib.int8_panel_pack.restype = None
+    lib.int8_panel_gemm.argtypes = [p, i64, i32, i32, p, p, i32, p]
+    lib.int8_panel_gemm.restype = None
     if not lib.int8_gemm_available():
         raise RuntimeError("this CPU (or compiler) has no AVX512-VNNI")
     return lib
@@ -56,4 +68,42 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.int32)
     lib.int8_gemm(a.data_ptr(), a.stride(0), m, k, w.data_ptr(), wsum.data_ptr(), n, out.data_ptr())
+    return out
+
+
+def panel_supported(w: torch.Tensor) -> bool:
+    """Whether ``panel_pack(w)`` applies: an int8 [n, k] CPU weight, the switch on, the library
+    built (AVX512-VNNI), and at least 64 columns for each of torch's threads."""
+    if (not cpu_fused_ops.ENABLED or w.device.type != "cpu" or w.dtype != torch.int8 or w.dim() != 2
+            or w.shape[0] < 64 * torch.get_num_threads()):
+        return False
+    lib, _ = _LIBRARY.get()
+    return lib is not None
+
+
+def panel_pack(w: torch.Tensor) -> torch.Tensor:
+    """int8 weight [n, k] -> its 16-column panels for ``panel_gemm`` (a 1-d int8 tensor; layout in
+    ``int8_gemm_cpu.cpp``). Call only where ``panel_supported(w)``."""
+    lib, _ = _LIBRARY.get()
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(lib.int8_panel_elems(n, k), dtype=torch.int8)
+    lib.int8_panel_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def panel_gemm(a: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int) -> torch.Tensor:
+    """a int8 [m, k] (rows may be strided) @ the packed [n, k] weight's transpose -> int32 [m, n],
+    exact (the same integers as ``torch._int_mm``). Raises ValueError on a dtype or size mismatch."""
+    m, k = a.shape
+    if (a.dtype != torch.int8 or packed.dtype != torch.int8 or wsum.dtype != torch.int32 or wsum.numel() != n
+            or packed.numel() != -(-n // 16) * 64 * -(-k // 4)):
+        raise ValueError(f"int8_gemm_cpu.panel_gemm: a {a.dtype} [{m}, {k}], packed {packed.dtype} "
+                         f"({packed.numel()} bytes), wsum {wsum.dtype} [{wsum.numel()}] do not fit n={n}")
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    out = torch.empty(m, n, dtype=torch.int32)
+    if m:
+        lib, _ = _LIBRARY.get()
+        lib.int8_panel_gemm(a.data_ptr(), a.stride(0), m, k, packed.data_ptr(), wsum.data_ptr(), n, out.data_ptr())
     return out

@@ -119,6 +119,11 @@ class Int8LinearMethod(LinearMethodBase):
         self._float.create_weights(layer, input_size, output_size, bias, dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self._quantize(layer)
+        if self.act_group_size == 0:  # the grouped matmul reads weight_q
+            pack_lm_head(layer)
+
+    def _quantize(self, layer: nn.Module) -> None:
         if getattr(layer, "weight_q", None) is not None:
             return  # already int8 (e.g. set from a GGUF Q8_0 tensor by set_int8_weight)
         if getattr(layer, "q8_0_qs", None) is not None:  # GGUF Q8_0 blocks kept by the loader
@@ -154,9 +159,13 @@ class Int8LinearMethod(LinearMethodBase):
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
-        acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)  # a few CPU rows: VNNI
-        if acc is None:
-            acc = int8_mm(xq, layer.weight_q)
+        packed = getattr(layer, "weight_packed", None)
+        if packed is not None:  # the LM head on a CPU (set_int8_weight)
+            acc = int8_gemm_cpu.panel_gemm(xq, packed, layer.weight_sum, layer.weight_scale.numel())
+        else:
+            acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)  # a few CPU rows: VNNI
+            if acc is None:
+                acc = int8_mm(xq, layer.weight_q)
         if reduce_results:
             acc = tensor_model_parallel_all_reduce(acc)  # int32 sum: exact, order-free
         out = None
@@ -191,6 +200,26 @@ def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> N
     layer.weight_q = nn.Parameter(int8_weight_layout(q), requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
     layer.register_buffer("weight_sum", int8_gemm_cpu.weight_row_sums(q), persistent=False)
+
+
+def pack_lm_head(layer: nn.Module) -> None:
+    """The int8 LM head on a CPU with AVX512-VNNI: its weight packed for ``int8_gemm_cpu.panel_gemm``
+    (2x ``torch._int_mm`` at its shapes: its rows are the step's sequences, never a prefill's
+    tokens); the packed copy replaces ``weight_q``, so the head still takes n * k bytes. Other
+    layers, and heads it does not apply to, are left as they are."""
+    q = getattr(layer, "weight_q", None)
+    if q is None or q.numel() == 0 or not _is_lm_head(layer) or not int8_gemm_cpu.panel_supported(q.t()):
+        return
+    packed = int8_gemm_cpu.panel_pack(q.t())
+    layer.register_buffer("weight_packed", packed, persistent=False)
+    layer.weight_q = nn.Parameter(torch.empty(0, 0, dtype=torch.int8), requires_grad=False)
+    layer.packed_bytes = packed.numel()
+
+
+def _is_lm_head(layer: nn.Module) -> bool:
+    from pagedllm.layers.vocab_embedding import ParallelLMHead  # not at import time: it imports this package
+
+    return isinstance(layer, ParallelLMHead)
 
 
 class Int8Config(QuantizationConfig):

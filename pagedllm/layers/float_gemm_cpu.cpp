@@ -3,6 +3,7 @@
 // 16-column panels; each thread takes a contiguous, equal share of the panels, and its register
 // tile (MR rows x 16*NV columns, 24 accumulators) streams K from the packed panels with every row
 // of x broadcast from memory (the classic BLIS-style microkernel: Van Zee & van de Geijn, 2015).
+// The loops around the tile (panels per thread, row tiles, prefetch) are panel_gemm.h's.
 //
 // Why not oneDNN's packed linear: at decode-sized M (1-128 rows) and N of a few hundred columns,
 // oneDNN splits the work unevenly over 2 threads; this loop measured 1.4-1.6x faster there
@@ -21,30 +22,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "panel_gemm.h"
+
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int kPanel = 16;  // columns per packed panel (one zmm of float32)
-// Rows from which the next panels are prefetched. A SmolLM2 step's linears (30 layers + LM head,
-// 2 threads, ms, without -> with): float32 24 rows 20.7 -> 16.0, 48 rows 35.3 -> 30.0; bf16 24 rows
-// 11.5 -> 8.5, 48 rows 18.7 -> 15.8. Under it the loop streams the weights at memory speed already
-// (1 row: 49 GB/s) and extra prefetches measured 3-10 % slower.
-constexpr int kPrefetchMinRows = 12;
+using pagedllm_cpu::kPanel;
+using pagedllm_cpu::Prefetch;
 
 inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-// The next panels' weights into L2 while this tile computes: `lines` cache lines from `pf`, at most
-// `per_k` a k step. Without it each new run of panels starts on DRAM latency (weights are read
-// once a step, from memory, for every row tile after the first they come from L2).
-struct Prefetch {
-  const char* pf;
-  int lines, per_k;
-  inline void step(int& done) const {
-    for (int u = 0; u < per_k && done < lines; ++u, ++done) _mm_prefetch(pf + 64 * static_cast<int64_t>(done), _MM_HINT_T1);
-  }
-};
-
 // Accumulators <- bias (or 0); the last of NV vectors may be a partial panel (mask `tail`).
 template <typename T, int MR, int NV>
 inline void init_acc(__m512 (&acc)[MR][NV], const T* bias, __mmask16 tail) {
@@ -79,8 +67,10 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t pstride, c
   __m512 acc[MR][NV];
   init_acc<float, MR, NV>(acc, bias, tail);
   int done = 0;
+  const char* const pf_at = pf.pf;
+  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
   for (int k = 0; k < K; ++k) {
-    pf.step(done);
+    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
     __m512 b[NV];
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(w + v * pstride + kPanel * k);
     for (int i = 0; i < MR; ++i) {
@@ -99,8 +89,10 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pstr
   init_acc<uint16_t, MR, NV>(acc, bias, tail);
   const int pairs = K / 2;
   int done = 0;
+  const char* const pf_at = pf.pf;
+  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
   for (int kk = 0; kk < pairs; ++kk) {
-    pf.step(done);
+    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
     __m512i b[NV];
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(w + v * pstride + 2 * kPanel * kk);
     for (int i = 0; i < MR; ++i) {
@@ -122,40 +114,6 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pstr
 }
 #endif
 
-// All M rows against NV consecutive panels: tiles of MR rows (24 accumulators), then the rest; the
-// row tiles share out the prefetch of the next `pf_bytes` of weights at `pf`.
-template <typename T, int NV>
-void panels(const T* x, int64_t ldx, const T* w, int64_t pstride, const T* bias, T* y, int64_t ldy, int M, int K,
-            __mmask16 tail, const char* pf, int64_t pf_bytes) {
-  constexpr int MR = NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 24;
-  const int tiles = (M + MR - 1) / MR, steps = sizeof(T) == 4 ? K : (K + 1) / 2;
-  const int lines = M >= kPrefetchMinRows ? static_cast<int>((pf_bytes + 63) / 64) : 0;
-  const int per_tile = (lines + tiles - 1) / tiles;
-  auto prefetch = [&](int t) {
-    const int first = std::min(lines, t * per_tile), n = std::min(lines, first + per_tile) - first;
-    return Prefetch{pf + 64 * static_cast<int64_t>(first), n, (n + steps - 1) / std::max(steps, 1)};
-  };
-  int m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, NV>(x + m * ldx, ldx, w, pstride, bias, y + m * ldy, ldy, K, tail, prefetch(m / MR));
-  const Prefetch last = prefetch(m / MR);
-  x += m * ldx;
-  y += m * ldy;
-  switch (M - m) {
-#define PAGEDLLM_ROWS(R) \
-  case R:                \
-    if constexpr (R < MR) tile<R, NV>(x, ldx, w, pstride, bias, y, ldy, K, tail, last); \
-    break;
-    PAGEDLLM_ROWS(1) PAGEDLLM_ROWS(2) PAGEDLLM_ROWS(3) PAGEDLLM_ROWS(4) PAGEDLLM_ROWS(5) PAGEDLLM_ROWS(6)
-    PAGEDLLM_ROWS(7) PAGEDLLM_ROWS(8) PAGEDLLM_ROWS(9) PAGEDLLM_ROWS(10) PAGEDLLM_ROWS(11) PAGEDLLM_ROWS(12)
-    PAGEDLLM_ROWS(13) PAGEDLLM_ROWS(14) PAGEDLLM_ROWS(15) PAGEDLLM_ROWS(16) PAGEDLLM_ROWS(17)
-    PAGEDLLM_ROWS(18) PAGEDLLM_ROWS(19) PAGEDLLM_ROWS(20) PAGEDLLM_ROWS(21) PAGEDLLM_ROWS(22)
-    PAGEDLLM_ROWS(23)
-#undef PAGEDLLM_ROWS
-    default:
-      break;
-  }
-}
-
 // Elements of one packed panel.
 template <typename T>
 inline int64_t panel_elems(int K) {
@@ -164,32 +122,19 @@ inline int64_t panel_elems(int K) {
 
 template <typename T>
 void gemm(const T* x, int64_t ldx, const T* w_packed, const T* bias, T* y, int64_t ldy, int M, int N, int K) {
-  const int P = (N + kPanel - 1) / kPanel;
   const int64_t ps = panel_elems<T>(K);
-  const __mmask16 last_tail = N % kPanel ? static_cast<__mmask16>((1u << (N % kPanel)) - 1) : 0xffff;
+  const int steps = sizeof(T) == 4 ? K : (K + 1) / 2;  // k steps of a tile (bf16: pairs)
 #pragma omp parallel
-  {
-    // Thread t of nt: panels [P t / nt, P (t + 1) / nt), in runs of 4 (64 columns), then 3, 2 or 1.
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int p0 = static_cast<int>(int64_t{P} * t / nt), p1 = static_cast<int>(int64_t{P} * (t + 1) / nt);
-    for (int p = p0; p < p1;) {
-      const int nv = std::min(4, p1 - p);
-      const __mmask16 tail = p + nv == P ? last_tail : 0xffff;
-      const T* b = bias ? bias + kPanel * p : nullptr;
-      const T* wp = w_packed + p * ps;
-      T* yp = y + kPanel * p;
-      // This thread's next run of panels, contiguous after this one.
-      const char* pf = reinterpret_cast<const char*>(wp + nv * ps);
-      const int64_t pf_bytes = static_cast<int64_t>(std::min(4, p1 - p - nv)) * ps * sizeof(T);
-      switch (nv) {
-        case 4: panels<T, 4>(x, ldx, wp, ps, b, yp, ldy, M, K, tail, pf, pf_bytes); break;
-        case 3: panels<T, 3>(x, ldx, wp, ps, b, yp, ldy, M, K, tail, pf, pf_bytes); break;
-        case 2: panels<T, 2>(x, ldx, wp, ps, b, yp, ldy, M, K, tail, pf, pf_bytes); break;
-        default: panels<T, 1>(x, ldx, wp, ps, b, yp, ldy, M, K, tail, pf, pf_bytes); break;
-      }
-      p += nv;
-    }
-  }
+  pagedllm_cpu::for_each_panel_run(N, [&](auto nv, int p, __mmask16 tail, int next) {
+    constexpr int NV = decltype(nv)::value;
+    const T* b = bias ? bias + kPanel * p : nullptr;
+    const T* wp = w_packed + p * ps;
+    const char* pf = reinterpret_cast<const char*>(wp + NV * ps);  // the thread's next run, right after
+    pagedllm_cpu::for_each_row_tile<NV>(M, steps, pf, next * ps * static_cast<int64_t>(sizeof(T)),
+                                        [&](auto rows, int i0, const Prefetch& pr) {
+      tile<decltype(rows)::value, NV>(x + i0 * ldx, ldx, wp, ps, b, y + i0 * ldy + kPanel * p, ldy, K, tail, pr);
+    });
+  });
 }
 
 template <typename T>

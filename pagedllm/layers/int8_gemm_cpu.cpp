@@ -22,6 +22,8 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+#include "panel_gemm.h"
 #define PAGEDLLM_VNNI 1
 #endif
 
@@ -110,23 +112,21 @@ void gemm(const uint8_t* a, int m, int k, const int8_t* w, const int32_t* wsum, 
 // Packed layout, P = ceil(n / 16) panels of 16 columns, K4 = ceil(k / 4) groups of 4 k:
 //   [P][K4][16][4] int8, element (j, c) at (j / 16) * 64 * K4 + (c / 4) * 64 + (j % 16) * 4 + c % 4,
 //   zero past n and k. One 64-byte row of a panel is what vpdpbusd multiplies with 4 bytes of a
-//   row of a (broadcast): 16 columns, 4 k each. Each thread takes an equal, contiguous share of
-//   the panels; a register tile of MR rows x 16 * NV columns (24 int32 accumulators) runs over K4,
-//   as in float_gemm_cpu.cpp, and from kPanelPrefetchMinRows rows each row tile prefetches a share
-//   of the thread's next panels into L2.
-constexpr int kPanelPrefetchMinRows = 12;
-
+//   row of a (broadcast): 16 columns, 4 k each. The loops around the register tile (panels per
+//   thread, row tiles, prefetch of the next panels) are panel_gemm.h's, as for the float GEMM.
 inline int64_t panel_bytes(int k) { return int64_t{64} * ((k + 3) / 4); }
 
 template <int MR, int NV>
 inline void panel_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t ps, const int32_t* wsum,
-                       int32_t* out, int64_t ldo, int k4, __mmask16 tail, const char* pf, int pf_lines, int pf_per_k) {
+                       int32_t* out, int64_t ldo, int k4, __mmask16 tail, const pagedllm_cpu::Prefetch& pf) {
   __m512i acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_si512();
   int done = 0;
+  const char* const pf_at = pf.pf;
+  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
   for (int kk = 0; kk < k4; ++kk) {
-    for (int u = 0; u < pf_per_k && done < pf_lines; ++u, ++done) _mm_prefetch(pf + 64 * static_cast<int64_t>(done), _MM_HINT_T1);
+    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
     __m512i b[NV];
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(w + v * ps + 64 * static_cast<int64_t>(kk));
     for (int i = 0; i < MR; ++i) {
@@ -141,37 +141,6 @@ inline void panel_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t p
     // minus 128 * sum_k w[j, k]: the offset added to a
     const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, wsum + 16 * v), 7);
     for (int i = 0; i < MR; ++i) _mm512_mask_storeu_epi32(out + i * ldo + 16 * v, m, _mm512_sub_epi32(acc[i][v], corr));
-  }
-}
-
-template <int NV>
-void panel_rows(const uint8_t* a, int64_t lda, int m, const int8_t* w, int64_t ps, const int32_t* wsum, int32_t* out,
-                int64_t ldo, int k4, __mmask16 tail, const char* pf, int64_t pf_bytes) {
-  constexpr int MR = NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 24;
-  const int tiles = (m + MR - 1) / MR;
-  const int lines = m >= kPanelPrefetchMinRows ? static_cast<int>((pf_bytes + 63) / 64) : 0;
-  const int per_tile = (lines + tiles - 1) / tiles;
-  for (int t = 0; t < tiles; ++t) {
-    const int i0 = t * MR, rows = std::min(MR, m - i0);
-    const int first = std::min(lines, t * per_tile), n_pf = std::min(lines, first + per_tile) - first;
-    const char* pft = pf + 64 * static_cast<int64_t>(first);
-    const int per_k = (n_pf + k4 - 1) / std::max(k4, 1);
-    const uint8_t* at = a + i0 * lda;
-    int32_t* ot = out + i0 * ldo;
-    switch (rows) {
-#define PAGEDLLM_ROWS(R) \
-  case R:                \
-    if constexpr (R <= MR) panel_tile<R, NV>(at, lda, w, ps, wsum, ot, ldo, k4, tail, pft, n_pf, per_k); \
-    break;
-      PAGEDLLM_ROWS(1) PAGEDLLM_ROWS(2) PAGEDLLM_ROWS(3) PAGEDLLM_ROWS(4) PAGEDLLM_ROWS(5) PAGEDLLM_ROWS(6)
-      PAGEDLLM_ROWS(7) PAGEDLLM_ROWS(8) PAGEDLLM_ROWS(9) PAGEDLLM_ROWS(10) PAGEDLLM_ROWS(11) PAGEDLLM_ROWS(12)
-      PAGEDLLM_ROWS(13) PAGEDLLM_ROWS(14) PAGEDLLM_ROWS(15) PAGEDLLM_ROWS(16) PAGEDLLM_ROWS(17)
-      PAGEDLLM_ROWS(18) PAGEDLLM_ROWS(19) PAGEDLLM_ROWS(20) PAGEDLLM_ROWS(21) PAGEDLLM_ROWS(22)
-      PAGEDLLM_ROWS(23) PAGEDLLM_ROWS(24)
-#undef PAGEDLLM_ROWS
-      default:
-        break;
-    }
   }
 }
 #endif  // PAGEDLLM_VNNI
@@ -243,30 +212,17 @@ void int8_panel_gemm(const int8_t* a, int64_t lda, int m, int k, const int8_t* w
   std::vector<uint8_t> au(static_cast<size_t>(m) * lda_u, 0);  // a + 128, rows padded to 4 bytes
   for (int i = 0; i < m; ++i)
     for (int c = 0; c < k; ++c) au[i * lda_u + c] = static_cast<uint8_t>(a[i * lda + c] ^ 0x80);
-  const int P = (n + 15) / 16;
   const int64_t ps = panel_bytes(k);
-  const __mmask16 last_tail = n % 16 ? static_cast<__mmask16>((1u << (n % 16)) - 1) : 0xffff;
 #pragma omp parallel
-  {
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int p0 = static_cast<int>(int64_t{P} * t / nt), p1 = static_cast<int>(int64_t{P} * (t + 1) / nt);
-    for (int p = p0; p < p1;) {
-      const int nv = std::min(4, p1 - p);
-      const __mmask16 tail = p + nv == P ? last_tail : 0xffff;
-      const int8_t* w = wp + p * ps;
-      const char* pf = reinterpret_cast<const char*>(w + nv * ps);
-      const int64_t pf_bytes = static_cast<int64_t>(std::min(4, p1 - p - nv)) * ps;
-      const int32_t* ws = wsum + 16 * p;
-      int32_t* o = out + 16 * p;
-      switch (nv) {
-        case 4: panel_rows<4>(au.data(), lda_u, m, w, ps, ws, o, n, k4, tail, pf, pf_bytes); break;
-        case 3: panel_rows<3>(au.data(), lda_u, m, w, ps, ws, o, n, k4, tail, pf, pf_bytes); break;
-        case 2: panel_rows<2>(au.data(), lda_u, m, w, ps, ws, o, n, k4, tail, pf, pf_bytes); break;
-        default: panel_rows<1>(au.data(), lda_u, m, w, ps, ws, o, n, k4, tail, pf, pf_bytes); break;
-      }
-      p += nv;
-    }
-  }
+  pagedllm_cpu::for_each_panel_run(n, [&](auto nv, int p, __mmask16 tail, int next) {
+    constexpr int NV = decltype(nv)::value;
+    const int8_t* w = wp + p * ps;
+    const char* pf = reinterpret_cast<const char*>(w + NV * ps);  // the thread's next run, right after
+    pagedllm_cpu::for_each_row_tile<NV>(m, k4, pf, next * ps, [&](auto rows, int i0, const pagedllm_cpu::Prefetch& pr) {
+      panel_tile<decltype(rows)::value, NV>(au.data() + i0 * lda_u, lda_u, w, ps, wsum + 16 * p, out + i0 * n + 16 * p,
+                                            n, k4, tail, pr);
+    });
+  });
 #else
   (void)a, (void)lda, (void)m, (void)k, (void)wp, (void)wsum, (void)n, (void)out;
 #endif

@@ -203,3 +203,36 @@ def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_pa
     assert torch.equal(got, want)
     lines = [r.getMessage() for r in records if "cpu fused ops" in r.getMessage()]
     assert len(lines) == 1 and "could not be built" in lines[0] and "no-such-compiler" in lines[0]
+
+
+@pytest.mark.parametrize("path", ["c"], indirect=True)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (48, 49152), (5, 100003)])
+def test_argmax_rows_equals_torch_argmax(shape, path):
+    from pagedllm.layers import cpu_fused_ops
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    assert torch.equal(cpu_fused_ops.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(shape[0], shape[1] + 40)  # strided rows
+    view = wide[:, 20:20 + shape[1]]
+    assert torch.equal(cpu_fused_ops.argmax_rows(view), view.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("path", ["c"], indirect=True)
+def test_argmax_rows_ties_infinities_and_nans_as_torch(path):
+    """torch.argmax's rules: the first of equal maxima; a NaN beats every number, the first NaN
+    wins; a row of -inf gives 0. Positions on both sides of a 16-lane boundary and in the tail."""
+    from pagedllm.layers import cpu_fused_ops
+
+    x = torch.randn(8, 1000)
+    x[0, 10] = x[0, 500] = 100.0
+    x[1, :] = float("-inf")
+    x[2, 37] = x[2, 900] = float("nan")
+    x[2, 5] = 1e30
+    x[3, 999] = x[3, 3] = float("inf")
+    x[4, 998] = float("nan")  # in the scalar tail (1000 = 62 * 16 + 8)
+    x[5, :] = 0.0
+    x[6, 15] = x[6, 16] = 50.0
+    x[7, 994] = x[7, 999] = 50.0  # both in the tail
+    got = cpu_fused_ops.argmax_rows(x)
+    assert got.tolist() == [10, 0, 37, 3, 998, 0, 15, 994]
+    assert torch.equal(got, x.argmax(dim=-1))

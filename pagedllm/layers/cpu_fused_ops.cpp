@@ -174,6 +174,49 @@ void int8_epilogue(const int32_t* acc, int64_t m, int n, const float* sx, const 
   }
 }
 
+// out[i] <- the index of the first maximum of row i of x [rows, n] (row stride x_stride, n >= 1),
+// a NaN counting as larger than any number (the first NaN wins), as torch.argmax. Two passes: the
+// row's max (a vector reduction that also notes NaNs), then the first position holding it. ATen's
+// argmax over SmolLM2's [48, 49152] logits took 0.61 ms where its amax took 0.05.
+void argmax_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, int64_t* out) {
+#pragma omp parallel for schedule(static) if (rows * n >= kMinWork)
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * x_stride;
+    float m = -INFINITY;
+    bool nan = false;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 unord = 0;
+    for (; k + 16 <= n; k += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + k);
+      mx = _mm512_max_ps(v, mx);  // a NaN in v yields mx (the second operand): NaNs never win here
+      unord |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    m = _mm512_reduce_max_ps(mx);
+    nan = unord != 0;
+#endif
+    for (; k < n; ++k) {
+      m = std::max(m, xr[k]);  // (m < NaN) is false: NaNs never win here either
+      nan |= xr[k] != xr[k];
+    }
+    k = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; k + 16 <= n; k += 16) {  // the first lane that is m (or NaN), 16 at a time
+      const __m512 v = _mm512_loadu_ps(xr + k);
+      const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, mv, _CMP_EQ_OQ);
+      if (hit) {
+        k += __builtin_ctz(hit);
+        break;
+      }
+    }
+#endif
+    while (k < n && (nan ? xr[k] == xr[k] : xr[k] != m)) ++k;
+    out[i] = k;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -210,6 +253,9 @@ void quantize_rows_bf16(const uint16_t* x, int64_t xs, int64_t m, int k, int8_t*
 void int8_epilogue_f32(const int32_t* acc, int64_t m, int n, const float* sx, const float* sw, const float* bias,
                        float* out) {
   int8_epilogue(acc, m, n, sx, sw, bias, out);
+}
+void argmax_rows_f32(const float* x, int64_t xs, int64_t rows, int64_t n, int64_t* out) {
+  argmax_rows(x, xs, rows, n, out);
 }
 void int8_epilogue_bf16(const int32_t* acc, int64_t m, int n, const float* sx, const float* sw, const uint16_t* bias,
                         uint16_t* out) {

@@ -1,5 +1,6 @@
 """The elementwise kernels of ``cpu_fused_ops.cpp`` for CPU tensors: residual add + RMSNorm,
-SiLU(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of 2-6 ATen ops.
+SiLU(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of 2-6 ATen ops;
+and the sampler's row-wise argmax of float32 logits.
 
 Used by ``layers/layernorm.py``, ``layers/activation.py`` and ``layers/rotary_embedding.py`` when
 the tensors are float32 or bfloat16 on a CPU and the library builds (``layers/cpu_build.py``);
@@ -36,6 +37,7 @@ def _build() -> ctypes.CDLL:
         getattr(lib, f"int8_epilogue_{sfx}").argtypes = [p, i64, i32, p, p, p, p]
         for name in ("add_rms_norm", "silu_and_mul", "rotary", "quantize_rows", "int8_epilogue"):
             getattr(lib, f"{name}_{sfx}").restype = None
+    lib.argmax_rows_f32.argtypes, lib.argmax_rows_f32.restype = [p, i64, i64, i64, p], None
     return lib
 
 
@@ -145,4 +147,16 @@ def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: O
     if fn is None:
         return None
     fn(acc.data_ptr(), m, n, sx.data_ptr(), sw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for x [M, V] (V >= 1): int64 [M], the first maximum of each row (the
+    first NaN where a row has one), as torch.argmax. One C pass for float32 CPU rows with a
+    contiguous last dim, else torch.argmax."""
+    fn = _fn("argmax_rows", x) if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 else None
+    if fn is None:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out

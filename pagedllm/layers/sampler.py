@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from pagedllm.layers import cpu_fused_ops
 from pagedllm.layers.logits_processors import LOGITS_PROCESSORS, keep_grammar_rows_alive, needs_logits_processors
 from pagedllm.sampling_params import SamplingParams
 
@@ -104,7 +105,7 @@ class Sampler:
                 logits = keep_grammar_rows_alive(logits, raw, rows)
 
         greedy = [r.params.greedy for r in rows]
-        tokens = logits.argmax(dim=-1)
+        tokens = cpu_fused_ops.argmax_rows(logits)  # torch.argmax off the CPU
         if not all(greedy):
             dev = logits.device
             temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=dev)
@@ -121,7 +122,7 @@ class Sampler:
             for i, r in enumerate(rows):
                 if r.generator is not None:
                     q[i].exponential_(generator=r.generator)
-            sampled = (probs / q).argmax(dim=-1)
+            sampled = cpu_fused_ops.argmax_rows(probs / q)
             tokens = torch.where(torch.tensor(greedy, device=dev), tokens, sampled)
 
         token_list = tokens.tolist()

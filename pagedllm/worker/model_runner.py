@@ -13,6 +13,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.models.loader import load_model
+from pagedllm.worker import cpu_malloc
 from pagedllm.worker.input_batch import ModelInput
 
 logger = logging.getLogger("pagedllm")
@@ -22,6 +23,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
+        if torch.device(self.device).type == "cpu":
+            cpu_malloc.keep_freed_memory()  # activations reuse freed pages (worker/cpu_malloc.py)
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
         # A pipeline stage holds only its own layers (the others are parameter-less placeholders).

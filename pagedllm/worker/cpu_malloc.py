@@ -1,0 +1,43 @@
+"""glibc malloc settings for a process that runs the model on the CPU: keep freed memory.
+
+A step's activations are large short-lived tensors (a 2,048-token prefill of SmolLM2 in float32:
+25 MiB for each layer's gate_up output). glibc serves blocks above its mmap threshold with a fresh
+``mmap`` and returns freed memory at the top of the heap to the system once it passes the trim
+threshold; both thresholds adapt, but the next step's tensors still landed on new pages, each
+first touched through a page fault (about 2 us on a 2-core VM). Fixing the mmap threshold at
+256 MiB (32 MiB where glibc refuses more) and the trim threshold at 1 GiB lets freed activation memory be reused as it is, the way
+tcmalloc or jemalloc (which vLLM's CPU backend recommends preloading) keep it. Measured on
+SmolLM2, the offline w48 workload: 100-170 thousand fewer page faults a run, float32 1-2 % more
+output tok/s. The process then keeps its peak activation memory (what the KV-cache budget has
+already set aside for it) instead of handing it back between steps.
+
+Linux with glibc only; ``PAGEDLLM_CPU_MALLOC_TUNING=0`` leaves malloc as it is.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+TRIM_THRESHOLD = 1 << 30
+# glibc before 2.35 refuses an mmap threshold above 32 MiB (half its per-thread heap size)
+MMAP_THRESHOLDS = (256 << 20, 32 << 20)
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings once per process; True when glibc's ``mallopt`` accepted both."""
+    global _applied
+    if _applied:
+        return True
+    if os.environ.get("PAGEDLLM_CPU_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # musl or another libc without mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _applied = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and any(
+        mallopt(M_MMAP_THRESHOLD, t) == 1 for t in MMAP_THRESHOLDS)
+    return _applied

@@ -1,0 +1,62 @@
+"""worker/cpu_malloc.py: with the settings applied, a large tensor freed and allocated again reuses
+its pages (no new page faults); without them (the switch off) glibc maps fresh pages each time."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                                reason="glibc mallopt settings: Linux with glibc only")
+
+# 64 MiB: above glibc's largest adaptive mmap threshold (32 MiB), so plain glibc mmaps it every time.
+CHILD = r"""
+import resource, torch
+from pagedllm.worker import cpu_malloc
+applied = cpu_malloc.keep_freed_memory()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):  # warm-up: the first allocations grow the heap
+    x = torch.empty(16 << 20).fill_(1.0); del x
+f0 = faults()
+for _ in range(5):
+    x = torch.empty(16 << 20).fill_(1.0); del x
+print(applied, faults() - f0)
+"""
+
+
+def run_child(switch: str) -> tuple[bool, int]:
+    env = dict(os.environ, PAGEDLLM_CPU_MALLOC_TUNING=switch, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
+    applied, faults = out.stdout.split()
+    return applied == "True", int(faults)
+
+
+def test_freed_activation_memory_is_reused():
+    applied, faults = run_child("1")
+    assert applied
+    assert faults < 1000  # 5 x 16,384 pages without the settings
+
+
+def test_switch_off_leaves_glibc_defaults():
+    applied, faults = run_child("0")
+    assert not applied
+    assert faults >= 5 * 16384 * 0.9  # every 64 MiB allocation is a fresh mapping
+
+
+ENGINE_CHILD = r"""
+import sys
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker import cpu_malloc
+assert not cpu_malloc._applied
+llm = LLM(sys.argv[1], max_model_len=64, kv_cache_memory=1 << 20)
+llm.generate(["hello"], SamplingParams(max_tokens=2))
+print(cpu_malloc._applied)
+"""
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_cpu_engine_applies_the_settings_unless_switched_off(llama_dir, switch):
+    env = dict(os.environ, PAGEDLLM_CPU_MALLOC_TUNING=switch)
+    out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, llama_dir], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split()[-1] == ("True" if switch == "1" else "False")

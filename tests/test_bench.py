@@ -165,6 +165,9 @@ def test_profile(llama_dir, tmp_path):
         assert r["breakdown_s"][part] > 0, part
     assert r["top_ops"] and 0 <= r["outside_aten_fraction"] <= 1
     assert r["flops_per_step"] > 0 and r["floor"]["floor_s"] > 0
+    f = r["floor"]  # max(sum, sum) <= sum of per-phase maxima <= sum of all (1e-9: float rounding)
+    assert f["floor_s"] <= f["phases_floor_s"] * (1 + 1e-9)
+    assert f["phases_floor_s"] <= (f["compute_floor_s"] + f["memory_floor_s"]) * (1 + 1e-9)
     assert glob.glob(os.path.join(str(tmp_path), "profile-*-ops.txt"))
 
 

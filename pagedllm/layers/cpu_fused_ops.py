@@ -54,10 +54,10 @@ def _fn(name: str, *tensors: torch.Tensor):
     kept to a few attribute reads."""
     t0 = tensors[0]
     sfx = _SUFFIX.get(t0.dtype)
-    if sfx is None or not ENABLED or t0.device.type != "cpu":
+    if sfx is None or not ENABLED or not t0.is_cpu:  # is_cpu: 4x cheaper than device.type
         return None
     for t in tensors:
-        if t.dtype != t0.dtype or t.stride(-1) != 1 or t.device.type != "cpu":
+        if t.dtype != t0.dtype or t.stride(-1) != 1 or not t.is_cpu:
             return None
     lib, err = _LIBRARY.get()
     if lib is None:

@@ -13,6 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import (Int8Config, Int8LinearMethod, UnquantizedLinearMethod,
                                           get_quantization_config, process_weights_after_loading)
+from pagedllm.layers.quantization import int8
 from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_channel, quantize_per_token
 from pagedllm.layers.quantization.q8_0 import q8_0_to_int8_per_channel, set_q8_0_weight, split_q8_0
 from pagedllm.layers.vocab_embedding import ParallelLMHead
@@ -178,7 +179,7 @@ def test_int8_lm_head_runs_on_packed_panels(monkeypatch):
         return h
 
     packed = head()
-    monkeypatch.setattr(int8, "pack_lm_head", lambda layer: None)
+    monkeypatch.setattr(int8, "pack_weight", lambda layer: None)
     plain = head()
     assert hasattr(packed, "weight_packed") and packed.weight_q.numel() == 0
     assert packed.packed_bytes == packed.weight_packed.numel() >= vocab * hidden
@@ -186,6 +187,56 @@ def test_int8_lm_head_runs_on_packed_panels(monkeypatch):
     for m in (1, 3, 48):
         x = torch.randn(m, hidden)
         assert torch.equal(packed.quant_method.apply(packed, x), plain.quant_method.apply(plain, x)), m
+
+
+def test_panel_unpack_gives_the_weight_back():
+    g8 = _vnni_or_skip()
+    for n, k in ((16, 4), (200, 96), (1003, 343), (37, 5)):
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(g8.panel_unpack(g8.panel_pack(w), n, k), w), (n, k)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_int8_layers_same_bits_as_int_mm_at_every_row_count(monkeypatch, bias):
+    """Column- and row-parallel int8 layers packed for the panel GEMM (weight_q released, the
+    panels' bytes counted, weight_matrix unpacking the same int8 weight) give the same output, to
+    the bit, as the same layers left on torch._int_mm: on the panels up to PANEL_MAX_ROWS rows,
+    through the unpacked weight above it."""
+    g8 = _vnni_or_skip()
+    torch.manual_seed(0)
+    n = 64 * torch.get_num_threads() + 72  # 16-column panels with a partial last one
+    k = 99  # not a multiple of 4
+    w1, w2 = torch.randn(n, k), torch.randn(k, n)
+    b1, b2 = torch.randn(n), torch.randn(k)
+
+    def build():
+        col = make_linear(ColumnParallelLinear, k, n, bias=bias, group=0)
+        col.weight_loader(col.weight, w1)
+        row = make_linear(RowParallelLinear, n, k, bias=bias, group=0)
+        row.weight_loader(row.weight, w2)
+        if bias:
+            col.bias.weight_loader(col.bias, b1)
+            row.bias.weight_loader(row.bias, b2)
+        for layer in (col, row):
+            process_weights_after_loading(layer, layer.cfg)
+        return col, row
+
+    col, row = build()
+    with monkeypatch.context() as mp:
+        mp.setattr(int8, "pack_weight", lambda layer: None)
+        plain_col, plain_row = build()
+    assert hasattr(col, "weight_packed") and col.weight_q.numel() == 0 and col.packed_bytes == col.weight_packed.numel()
+    assert torch.equal(int8.weight_matrix(col), plain_col.weight_q)
+    assert not hasattr(row, "weight_packed")  # k = 99 columns: fewer than 64 a thread
+    calls = {"panel": 0, "unpacked": 0}
+    real_gemm, real_matrix = g8.panel_gemm, int8.weight_matrix
+    monkeypatch.setattr(g8, "panel_gemm", lambda *a: calls.__setitem__("panel", calls["panel"] + 1) or real_gemm(*a))
+    monkeypatch.setattr(int8, "weight_matrix", lambda l: calls.__setitem__("unpacked", calls["unpacked"] + 1) or real_matrix(l))
+    cap = int8.PANEL_MAX_ROWS
+    for m in (1, 3, cap, cap + 1, 200):
+        x = torch.randn(m, k)
+        assert torch.equal(row(col(x)), plain_row(plain_col(x))), m
+    assert calls == {"panel": 3, "unpacked": 2}
 
 
 def test_int8_linear_same_bits_with_and_without_the_small_batch_kernel(monkeypatch):
@@ -200,6 +251,7 @@ def test_int8_linear_same_bits_with_and_without_the_small_batch_kernel(monkeypat
     row = make_linear(RowParallelLinear, 200, 96, bias=False, group=0)
     row.weight_loader(row.weight, w2)
     layers = [col, row]
+    monkeypatch.setattr(int8, "pack_weight", lambda layer: None)  # the small kernel reads weight_q in place
     for layer in layers:
         process_weights_after_loading(layer, layer.cfg)
         assert torch.equal(layer.weight_sum, layer.weight_q.t().long().sum(1).int())
@@ -468,7 +520,7 @@ def test_gguf_q8_0_straight_into_int8(tmp_path, monkeypatch, quant_types):
                 continue  # some rows of another type: loaded through float rows
             q, scale = zip(*(q8_0_to_int8_per_channel(b.qweight, b.scales) for b in blocks))
             mod = layer.get_submodule(fused)
-            assert torch.equal(mod.weight_q.t(), torch.cat(q)) and torch.equal(mod.weight_scale, torch.cat(scale))
+            assert torch.equal(int8.weight_matrix(mod).t(), torch.cat(q)) and torch.equal(mod.weight_scale, torch.cat(scale))
             assert not hasattr(mod, "weight") and not hasattr(mod, "q8_0_qs")
             checked += 1
     assert checked == (7 if quant_types else 1)  # all but layer 0's qkv, whose q and k test_gguf pins to F32

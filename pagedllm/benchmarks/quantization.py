@@ -204,7 +204,7 @@ def run_matmul(args) -> dict:
     from pagedllm.config import resolve_model_path
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization import Int8Config, process_weights_after_loading
-    from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_token
+    from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_token, weight_matrix
 
     shapes = linear_shapes(AutoConfig.from_pretrained(resolve_model_path(args.model)))
     rows = []
@@ -217,7 +217,8 @@ def run_matmul(args) -> dict:
             xq, _ = quantize_per_token(x)
             t_fp32 = _time(lambda: F.linear(x, w))
             t_int8 = _time(lambda: layer(x))
-            t_mm = _time(lambda: int8_mm(xq, layer.weight_q))
+            wq = weight_matrix(layer)
+            t_mm = _time(lambda: int8_mm(xq, wq))
             t_q = _time(lambda: quantize_per_token(x))
             ops = 2 * m * k * n
             rows.append({"m": m, "layer": name, "k": k, "n": n, "fp32_ms": t_fp32 * 1e3, "int8_ms": t_int8 * 1e3,

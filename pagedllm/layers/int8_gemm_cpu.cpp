@@ -203,6 +203,25 @@ void int8_panel_pack(const int8_t* w, int n, int k, int8_t* out) {
 #endif
 }
 
+// The packed form back to w int8 [n, k] contiguous (the inverse of int8_panel_pack).
+void int8_panel_unpack(const int8_t* packed, int n, int k, int8_t* w) {
+#ifdef PAGEDLLM_VNNI
+  const int P = (n + 15) / 16;
+  const int64_t ps = panel_bytes(k);
+  const int k4_full = k / 4;  // whole groups of 4 k: one 4-byte copy each
+#pragma omp parallel for schedule(static)
+  for (int p = 0; p < P; ++p)
+    for (int j = p * 16; j < std::min(n, p * 16 + 16); ++j) {
+      int8_t* row = w + static_cast<int64_t>(j) * k;
+      const int8_t* src = packed + p * ps + (j % 16) * 4;
+      for (int kk = 0; kk < k4_full; ++kk) std::memcpy(row + 4 * kk, src + 64 * static_cast<int64_t>(kk), 4);
+      for (int c = 4 * k4_full; c < k; ++c) row[c] = src[(c / 4) * 64 + c % 4];
+    }
+#else
+  (void)packed, (void)n, (void)k, (void)w;
+#endif
+}
+
 // a int8 [m, k] (row stride lda) @ the packed weight's transpose -> out int32 [m, n] (exact).
 void int8_panel_gemm(const int8_t* a, int64_t lda, int m, int k, const int8_t* wp, const int32_t* wsum, int n,
                      int32_t* out) {

@@ -38,6 +38,8 @@ def _build() -> ctypes.CDLL:
     lib.int8_panel_elems.restype = i64
     lib.int8_panel_pack.argtypes = [p, i32, i32, p]
     lib.int8_panel_pack.restype = None
+    lib.int8_panel_unpack.argtypes = [p, i32, i32, p]
+    lib.int8_panel_unpack.restype = None
     lib.int8_panel_gemm.argtypes = [p, i64, i32, i32, p, p, i32, p]
     lib.int8_panel_gemm.restype = None
     if not lib.int8_gemm_available():
@@ -89,6 +91,16 @@ def panel_pack(w: torch.Tensor) -> torch.Tensor:
     w = w.contiguous()
     out = torch.empty(lib.int8_panel_elems(n, k), dtype=torch.int8)
     lib.int8_panel_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def panel_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 [n, k] weight (contiguous) back from its panels ``panel_pack(w)``: one pass over
+    n * k bytes, for steps with rows enough that ``torch._int_mm`` beats the panel loop. Call
+    only where ``panel_supported`` held for the packed weight."""
+    lib, _ = _LIBRARY.get()
+    out = torch.empty(n, k, dtype=torch.int8)
+    lib.int8_panel_unpack(packed.data_ptr(), n, k, out.data_ptr())
     return out
 
 

@@ -121,7 +121,7 @@ class Int8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self._quantize(layer)
         if self.act_group_size == 0:  # the grouped matmul reads weight_q
-            pack_lm_head(layer)
+            pack_weight(layer)
 
     def _quantize(self, layer: nn.Module) -> None:
         if getattr(layer, "weight_q", None) is not None:
@@ -160,8 +160,12 @@ class Int8LinearMethod(LinearMethodBase):
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
         packed = getattr(layer, "weight_packed", None)
-        if packed is not None:  # the LM head on a CPU (set_int8_weight)
-            acc = int8_gemm_cpu.panel_gemm(xq, packed, layer.weight_sum, layer.weight_scale.numel())
+        if packed is not None:  # a CPU with AVX512-VNNI (pack_weight)
+            rows_max = layer.panel_max_rows
+            if rows_max is None or xq.shape[0] <= rows_max:
+                acc = int8_gemm_cpu.panel_gemm(xq, packed, layer.weight_sum, layer.weight_scale.numel())
+            else:  # a prefill's many rows: oneDNN's GEMM is the faster there, on the unpacked weight
+                acc = int8_mm(xq, weight_matrix(layer))
         else:
             acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)  # a few CPU rows: VNNI
             if acc is None:
@@ -202,18 +206,44 @@ def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> N
     layer.register_buffer("weight_sum", int8_gemm_cpu.weight_row_sums(q), persistent=False)
 
 
-def pack_lm_head(layer: nn.Module) -> None:
-    """The int8 LM head on a CPU with AVX512-VNNI: its weight packed for ``int8_gemm_cpu.panel_gemm``
-    (2x ``torch._int_mm`` at its shapes: its rows are the step's sequences, never a prefill's
-    tokens); the packed copy replaces ``weight_q``, so the head still takes n * k bytes. Other
-    layers, and heads it does not apply to, are left as they are."""
+# Rows up to which a packed layer (not the LM head) runs on the panel GEMM; above it, a step
+# unpacks the weight for torch._int_mm. SmolLM2's layers, 2 threads, 30 weights in turn, us a
+# call, panel / _int_mm (+ unpack: qkv 33, o 20, gate_up 110, down 59):
+#   rows      qkv 960x576   o 576x576   gate_up 3072x576   down 576x1536
+#   48          97 / 91      32 / 28       114 / 187          89 / 113
+#   128        266 / 251     79 / 55       589 / 652         212 / 160
+#   256        586 / 514    153 / 98      1381 / 1281        395 / 297
+#   2048      4858 / 4120  2863 / 1782   11910 / 10016      3741 / 2268
+PANEL_MAX_ROWS = 128
+
+
+def pack_weight(layer: nn.Module) -> None:
+    """An int8 layer on a CPU with AVX512-VNNI: its weight packed once for
+    ``int8_gemm_cpu.panel_gemm``, the packed copy replacing ``weight_q`` (the layer still takes
+    n * k bytes). A decode step's rows are few, and there the panel GEMM beat ``torch._int_mm``
+    (SmolLM2, 48 rows: see PANEL_MAX_ROWS); a step of more rows than ``panel_max_rows`` unpacks
+    the weight (``weight_matrix``: one pass over n * k bytes, small against that many rows'
+    arithmetic) for ``torch._int_mm``. The LM head always runs on the panels (its rows are the
+    step's sequences; 2-2.9x ``torch._int_mm`` at 48-2,048 rows). Layers it does not apply to
+    (another device, no VNNI, fewer than 64 columns a thread) are left as they are."""
     q = getattr(layer, "weight_q", None)
-    if q is None or q.numel() == 0 or not _is_lm_head(layer) or not int8_gemm_cpu.panel_supported(q.t()):
+    if q is None or q.numel() == 0 or not int8_gemm_cpu.panel_supported(q.t()):
         return
     packed = int8_gemm_cpu.panel_pack(q.t())
     layer.register_buffer("weight_packed", packed, persistent=False)
+    layer.weight_shape = tuple(q.t().shape)  # [n, k]
+    layer.panel_max_rows = None if _is_lm_head(layer) else PANEL_MAX_ROWS
     layer.weight_q = nn.Parameter(torch.empty(0, 0, dtype=torch.int8), requires_grad=False)
     layer.packed_bytes = packed.numel()
+
+
+def weight_matrix(layer: nn.Module) -> torch.Tensor:
+    """The layer's int8 weight as the [k, n] operand of ``int8_mm`` (``int8_weight_layout``):
+    ``weight_q``, or unpacked from its panels where ``pack_weight`` packed it (a new tensor)."""
+    packed = getattr(layer, "weight_packed", None)
+    if packed is None:
+        return layer.weight_q
+    return int8_weight_layout(int8_gemm_cpu.panel_unpack(packed, *layer.weight_shape))
 
 
 def _is_lm_head(layer: nn.Module) -> bool:

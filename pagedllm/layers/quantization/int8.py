@@ -101,7 +101,9 @@ def int8_weight_layout(q: torch.Tensor) -> torch.Tensor:
 
 class Int8LinearMethod(LinearMethodBase):
     """Float weights are loaded as usual (``create_weights`` of the float method), then replaced
-    by ``weight_q`` (int8, [k, n] layout of ``int8_weight_layout``) and ``weight_scale`` (float32 [n]).
+    by ``weight_q`` (int8, [k, n] layout of ``int8_weight_layout``) and ``weight_scale`` (float32 [n]);
+    on a CPU with AVX512-VNNI ``weight_q`` then gives way to its packed panels (``pack_weight``;
+    ``weight_matrix`` returns the [k, n] weight either way).
 
     ``act_group_size`` g > 0 (and dividing k): each token's activations get one scale per group
     of g input features instead of one per row (finer scales around outlier channels); the layer

@@ -196,12 +196,34 @@ def test_panel_unpack_gives_the_weight_back():
         assert torch.equal(g8.panel_unpack(g8.panel_pack(w), n, k), w), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_same_bits_as_quantize_gemm_epilogue(dtype):
+    """The one-call W8A8 linear equals its three steps (per-row quantization, the panel GEMM, the
+    float epilogue) to the bit: strided rows, an all-zero row, with and without bias, row counts
+    across the register tiles."""
+    g8 = _vnni_or_skip()
+    from pagedllm.layers import cpu_fused_ops
+
+    gen = torch.Generator().manual_seed(7)
+    for n, k in ((64 * torch.get_num_threads() + 40, 99), (576, 1536)):
+        q, scale = quantize_per_channel(torch.randn(n, k, generator=gen))
+        packed, wsum = g8.panel_pack(q), g8.weight_row_sums(q)
+        for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+            for m in (1, 5, 13, 48):
+                x = (torch.randn(m, 2 * k, generator=gen) * 4).to(dtype)[:, 1:1 + k]
+                x[m // 2] = 0
+                got = g8.panel_linear(x, packed, wsum, scale, bias)
+                xq, sx = quantize_per_token(x)
+                want = cpu_fused_ops.int8_epilogue(g8.panel_gemm(xq, packed, wsum, n), sx, scale, bias, dtype)
+                assert got.dtype == dtype and torch.equal(got, want), (n, k, m, bias is None)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_int8_layers_same_bits_as_int_mm_at_every_row_count(monkeypatch, bias):
     """Column- and row-parallel int8 layers packed for the panel GEMM (weight_q released, the
     panels' bytes counted, weight_matrix unpacking the same int8 weight) give the same output, to
-    the bit, as the same layers left on torch._int_mm: on the panels up to PANEL_MAX_ROWS rows,
-    through the unpacked weight above it."""
+    the bit, as the same layers left on torch._int_mm: on the panels (the one-call linear) up to
+    PANEL_MAX_ROWS rows, through the unpacked weight above it."""
     g8 = _vnni_or_skip()
     torch.manual_seed(0)
     n = 64 * torch.get_num_threads() + 72  # 16-column panels with a partial last one
@@ -229,8 +251,8 @@ def test_packed_int8_layers_same_bits_as_int_mm_at_every_row_count(monkeypatch, 
     assert torch.equal(int8.weight_matrix(col), plain_col.weight_q)
     assert not hasattr(row, "weight_packed")  # k = 99 columns: fewer than 64 a thread
     calls = {"panel": 0, "unpacked": 0}
-    real_gemm, real_matrix = g8.panel_gemm, int8.weight_matrix
-    monkeypatch.setattr(g8, "panel_gemm", lambda *a: calls.__setitem__("panel", calls["panel"] + 1) or real_gemm(*a))
+    real_linear, real_matrix = g8.panel_linear, int8.weight_matrix
+    monkeypatch.setattr(g8, "panel_linear", lambda *a: calls.__setitem__("panel", calls["panel"] + 1) or real_linear(*a))
     monkeypatch.setattr(int8, "weight_matrix", lambda l: calls.__setitem__("unpacked", calls["unpacked"] + 1) or real_matrix(l))
     cap = int8.PANEL_MAX_ROWS
     for m in (1, 3, cap, cap + 1, 200):

@@ -14,6 +14,7 @@
 // throughout, hence bit-identical to torch._int_mm. No overflow: |partial sum| <= k * 255 * 127 <
 // 2^31 for k < 66,000. Plain C ABI (ctypes); a's rows may be strided.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -116,9 +117,11 @@ void gemm(const uint8_t* a, int m, int k, const int8_t* w, const int32_t* wsum, 
 //   thread, row tiles, prefetch of the next panels) are panel_gemm.h's, as for the float GEMM.
 inline int64_t panel_bytes(int k) { return int64_t{64} * ((k + 3) / 4); }
 
-template <int MR, int NV>
+// One register tile: rows [i0, i0 + MR) of a (offset bytes, lda apart) against NV panels from w;
+// store(i, v, sums, mask) receives row i's exact int32 sums for the 16 columns of panel v.
+template <int MR, int NV, typename Store>
 inline void panel_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t ps, const int32_t* wsum,
-                       int32_t* out, int64_t ldo, int k4, __mmask16 tail, const pagedllm_cpu::Prefetch& pf) {
+                       int k4, __mmask16 tail, const pagedllm_cpu::Prefetch& pf, Store&& store) {
   __m512i acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_si512();
@@ -140,7 +143,88 @@ inline void panel_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t p
     const __mmask16 m = v == NV - 1 ? tail : 0xffff;
     // minus 128 * sum_k w[j, k]: the offset added to a
     const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, wsum + 16 * v), 7);
-    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_epi32(out + i * ldo + 16 * v, m, _mm512_sub_epi32(acc[i][v], corr));
+    for (int i = 0; i < MR; ++i) store(i, v, _mm512_sub_epi32(acc[i][v], corr), m);
+  }
+}
+
+// au [m, lda_u] (a + 128, rows padded) against the packed weight, store as in panel_tile, with
+// row i0 + i of each tile passed as (i0 + i). Inside a parallel region.
+template <typename Store>
+inline void panel_loops(const uint8_t* au, int64_t lda_u, int m, int k4, const int8_t* wp, int64_t ps,
+                        const int32_t* wsum, int n, Store&& store) {
+  pagedllm_cpu::for_each_panel_run(n, [&](auto nv, int p, __mmask16 tail, int next) {
+    constexpr int NV = decltype(nv)::value;
+    const int8_t* w = wp + p * ps;
+    const char* pf = reinterpret_cast<const char*>(w + NV * ps);  // the thread's next run, right after
+    pagedllm_cpu::for_each_row_tile<NV>(m, k4, pf, next * ps, [&](auto rows, int i0, const pagedllm_cpu::Prefetch& pr) {
+      panel_tile<decltype(rows)::value, NV>(au + i0 * lda_u, lda_u, w, ps, wsum + 16 * p, k4, tail, pr,
+                                            [&](int i, int v, __m512i sums, __mmask16 mask) {
+                                              store(i0 + i, 16 * (p + v), sums, mask);
+                                            });
+    });
+  });
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// 16 floats to T at p (mask: the valid lanes); bf16 rounded to nearest even, a NaN kept quiet:
+// the rounding of pagedllm_cpu::float_to_bf16, 16 lanes at a time.
+inline void store16(float* p, __m512 f, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, f); }
+inline void store16(uint16_t* p, __m512 f, __mmask16 mask) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+
+inline __m512 load16f(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16f(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// The whole W8A8 linear on the panels, for rows of x in T (float or bf16): each row quantized
+// (amax, scale, int8 values offset by 128) straight into the GEMM's input buffer, the int32 sums
+// turned into T in the tile (rnd(float(sum) * sx[i] * sw[j] (+ bias[j]))). The same operations,
+// in the same order, as quantize_rows + int8_panel_gemm + int8_epilogue (cpu_fused_ops.cpp), so the
+// same bits; this file is built with -ffp-contract=off, so no product is fused into an add.
+template <typename T>
+void panel_linear(const T* x, int64_t ldx, int m, int k, const int8_t* wp, const int32_t* wsum, const float* sw,
+                  const T* bias, int n, T* out) {
+  const int k4 = (k + 3) / 4;
+  const int64_t lda_u = 4 * int64_t{k4};
+  std::vector<uint8_t> au(static_cast<size_t>(m) * lda_u, 0);
+  std::vector<float> sx(m);
+  const int64_t ps = panel_bytes(k);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int i = 0; i < m; ++i) {
+      const T* xr = x + i * ldx;
+      float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+      for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(to_float(xr[c])));
+      amax = std::max(amax, 1e-12f);
+      const float inv = (1.0f / amax) * 127.0f;
+      uint8_t* ar = au.data() + i * lda_u;
+      for (int c = 0; c < k; ++c)
+        ar[c] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(to_float(xr[c]) * inv)) ^ 0x80);
+      sx[i] = amax / 127.0f;
+    }  // implicit barrier: every row quantized before any tile reads it
+    panel_loops(au.data(), lda_u, m, k4, wp, ps, wsum, n, [&](int i, int j0, __m512i sums, __mmask16 mask) {
+      __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(sx[i])),
+                               _mm512_maskz_loadu_ps(mask, sw + j0));
+      if (bias) f = _mm512_add_ps(f, load16f(bias + j0, mask));
+      store16(out + static_cast<int64_t>(i) * n + j0, f, mask);
+    });
   }
 }
 #endif  // PAGEDLLM_VNNI
@@ -233,17 +317,31 @@ void int8_panel_gemm(const int8_t* a, int64_t lda, int m, int k, const int8_t* w
     for (int c = 0; c < k; ++c) au[i * lda_u + c] = static_cast<uint8_t>(a[i * lda + c] ^ 0x80);
   const int64_t ps = panel_bytes(k);
 #pragma omp parallel
-  pagedllm_cpu::for_each_panel_run(n, [&](auto nv, int p, __mmask16 tail, int next) {
-    constexpr int NV = decltype(nv)::value;
-    const int8_t* w = wp + p * ps;
-    const char* pf = reinterpret_cast<const char*>(w + NV * ps);  // the thread's next run, right after
-    pagedllm_cpu::for_each_row_tile<NV>(m, k4, pf, next * ps, [&](auto rows, int i0, const pagedllm_cpu::Prefetch& pr) {
-      panel_tile<decltype(rows)::value, NV>(au.data() + i0 * lda_u, lda_u, w, ps, wsum + 16 * p, out + i0 * n + 16 * p,
-                                            n, k4, tail, pr);
-    });
+  panel_loops(au.data(), lda_u, m, k4, wp, ps, wsum, n, [&](int i, int j0, __m512i sums, __mmask16 mask) {
+    _mm512_mask_storeu_epi32(out + static_cast<int64_t>(i) * n + j0, mask, sums);
   });
 #else
   (void)a, (void)lda, (void)m, (void)k, (void)wp, (void)wsum, (void)n, (void)out;
+#endif
+}
+
+// The W8A8 linear on the packed weight, x [m, k] (row stride ldx) in float32 or bf16 -> out [m, n]
+// in the same dtype: quantize_rows + int8_panel_gemm + int8_epilogue in one call, the same bits.
+// sw: the weight's float32 scales [n]; bias [n] in x's dtype, or null.
+void int8_panel_linear_f32(const float* x, int64_t ldx, int m, int k, const int8_t* wp, const int32_t* wsum,
+                           const float* sw, const float* bias, int n, float* out) {
+#ifdef PAGEDLLM_VNNI
+  panel_linear(x, ldx, m, k, wp, wsum, sw, bias, n, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)wsum, (void)sw, (void)bias, (void)n, (void)out;
+#endif
+}
+void int8_panel_linear_bf16(const uint16_t* x, int64_t ldx, int m, int k, const int8_t* wp, const int32_t* wsum,
+                            const float* sw, const uint16_t* bias, int n, uint16_t* out) {
+#ifdef PAGEDLLM_VNNI
+  panel_linear(x, ldx, m, k, wp, wsum, sw, bias, n, out);
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)wsum, (void)sw, (void)bias, (void)n, (void)out;
 #endif
 }
 

@@ -29,8 +29,12 @@ SOURCE = Path(__file__).with_name("int8_gemm_cpu.cpp")
 MIN_ROWS, MAX_ROWS = 2, 5
 
 
+# No fused multiply-adds: panel_linear's epilogue rounds each product as int8_epilogue does.
+FLAGS = BASE_FLAGS + ["-ffp-contract=off"]
+
+
 def _build() -> ctypes.CDLL:
-    lib = build_library(SOURCE, BASE_FLAGS)
+    lib = build_library(SOURCE, FLAGS)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.int8_gemm.argtypes = [p, i64, i32, i32, p, p, i32, p]
     lib.int8_gemm.restype = None
@@ -42,6 +46,8 @@ def _build() -> ctypes.CDLL:
     lib.int8_panel_unpack.restype = None
     lib.int8_panel_gemm.argtypes = [p, i64, i32, i32, p, p, i32, p]
     lib.int8_panel_gemm.restype = None
+    for fn in (lib.int8_panel_linear_f32, lib.int8_panel_linear_bf16):
+        fn.argtypes, fn.restype = [p, i64, i32, i32, p, p, p, p, i32, p], None
     if not lib.int8_gemm_available():
         raise RuntimeError("this CPU (or compiler) has no AVX512-VNNI")
     return lib
@@ -118,4 +124,31 @@ def panel_gemm(a: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int
     if m:
         lib, _ = _LIBRARY.get()
         lib.int8_panel_gemm(a.data_ptr(), a.stride(0), m, k, packed.data_ptr(), wsum.data_ptr(), n, out.data_ptr())
+    return out
+
+
+_LINEAR = {torch.float32: "int8_panel_linear_f32", torch.bfloat16: "int8_panel_linear_bf16"}
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The W8A8 linear on a packed weight in one call: x [m, k] float32 or bf16 (rows may be
+    strided), quantized per row inside -> [m, n] in x's dtype, the same bits as
+    ``quantize_rows`` + ``panel_gemm`` + ``int8_epilogue``. ``scale``: the weight's float32 [n];
+    ``bias``: [n] in x's dtype or None. None where it does not apply (then run those three)."""
+    name = _LINEAR.get(x.dtype)
+    n = wsum.numel()
+    if (name is None or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or scale.dtype != torch.float32
+            or not scale.is_contiguous() or scale.numel() != n
+            or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != n))):
+        return None
+    m, k = x.shape
+    if packed.numel() != -(-n // 16) * 64 * -(-k // 4):
+        raise ValueError(f"int8_gemm_cpu.panel_linear: packed weight of {packed.numel()} bytes does not fit "
+                         f"[{n}, {k}]")
+    lib, _ = _LIBRARY.get()
+    out = torch.empty(m, n, dtype=x.dtype)
+    if m:
+        getattr(lib, name)(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), wsum.data_ptr(), scale.data_ptr(),
+                           0 if bias is None else bias.data_ptr(), n, out.data_ptr())
     return out

@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce, tensor_model_parallel_all_reduce_max
+from pagedllm.distributed.parallel_state import (get_tp_size, tensor_model_parallel_all_reduce,
+                                                 tensor_model_parallel_all_reduce_max)
 from pagedllm.layers import cpu_fused_ops, int8_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -60,7 +61,7 @@ def quantize_per_token(x: torch.Tensor, reduce_amax: bool = False) -> tuple[torc
     10x slower at k = 1536). ``x * (127 / amax)`` lies in [-127, 127] up to rounding, so no clamp
     is needed. ``reduce_amax`` takes the max over tensor-parallel ranks. Error per element <= scale / 2.
     """
-    if not reduce_amax and x.device.type == "cpu":  # one C pass, same bits (layers/cpu_fused_ops.py)
+    if x.device.type == "cpu" and (not reduce_amax or get_tp_size() == 1):  # one C pass, same bits (cpu_fused_ops)
         fused = cpu_fused_ops.quantize_rows(x)
         if fused is not None:
             return fused
@@ -160,8 +161,14 @@ class Int8LinearMethod(LinearMethodBase):
             if bias is not None:
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-        xq, sx = quantize_per_token(x.reshape(-1, shape[-1]), reduce_amax=parallel_input)
         packed = getattr(layer, "weight_packed", None)
+        x2 = x.reshape(-1, shape[-1])
+        if (packed is not None and not reduce_results and (layer.panel_max_rows is None or x2.shape[0] <= layer.panel_max_rows)
+                and (not parallel_input or get_tp_size() == 1)):  # the whole linear in one C call, the same bits
+            out = int8_gemm_cpu.panel_linear(x2, packed, layer.weight_sum, layer.weight_scale, bias)
+            if out is not None:
+                return out.reshape(*shape[:-1], out.shape[-1])
+        xq, sx = quantize_per_token(x2, reduce_amax=parallel_input)
         if packed is not None:  # a CPU with AVX512-VNNI (pack_weight)
             rows_max = layer.panel_max_rows
             if rows_max is None or xq.shape[0] <= rows_max:

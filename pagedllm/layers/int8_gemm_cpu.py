@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.layers import cpu_fused_ops
+from pagedllm.layers import cpu_fused_ops, float_gemm_cpu
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("int8_gemm_cpu.cpp")
@@ -79,11 +79,16 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
     return out
 
 
+def _panel_elems(n: int, k: int) -> int:
+    """Bytes of an [n, k] weight's panels (int8_panel_elems in the .cpp: 16 columns x 4 k a row)."""
+    return -(-n // 16) * 64 * -(-k // 4)
+
+
 def panel_supported(w: torch.Tensor) -> bool:
     """Whether ``panel_pack(w)`` applies: an int8 [n, k] CPU weight, the switch on, the library
     built (AVX512-VNNI), and at least 64 columns for each of torch's threads."""
     if (not cpu_fused_ops.ENABLED or w.device.type != "cpu" or w.dtype != torch.int8 or w.dim() != 2
-            or w.shape[0] < 64 * torch.get_num_threads()):
+            or not float_gemm_cpu.fills_threads(w.shape[0])):
         return False
     lib, _ = _LIBRARY.get()
     return lib is not None
@@ -115,7 +120,7 @@ def panel_gemm(a: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, n: int
     exact (the same integers as ``torch._int_mm``). Raises ValueError on a dtype or size mismatch."""
     m, k = a.shape
     if (a.dtype != torch.int8 or packed.dtype != torch.int8 or wsum.dtype != torch.int32 or wsum.numel() != n
-            or packed.numel() != -(-n // 16) * 64 * -(-k // 4)):
+            or packed.numel() != _panel_elems(n, k)):
         raise ValueError(f"int8_gemm_cpu.panel_gemm: a {a.dtype} [{m}, {k}], packed {packed.dtype} "
                          f"({packed.numel()} bytes), wsum {wsum.dtype} [{wsum.numel()}] do not fit n={n}")
     if a.stride(1) != 1:
@@ -143,7 +148,7 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scal
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != n))):
         return None
     m, k = x.shape
-    if packed.numel() != -(-n // 16) * 64 * -(-k // 4):
+    if packed.numel() != _panel_elems(n, k):
         raise ValueError(f"int8_gemm_cpu.panel_linear: packed weight of {packed.numel()} bytes does not fit "
                          f"[{n}, {k}]")
     lib, _ = _LIBRARY.get()

@@ -1,9 +1,10 @@
-// Float GEMM of the linear layers on AVX-512 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32
-// or bfloat16 (AVX512-BF16 vdpbf16ps), float32 accumulation. W is packed once after loading into
-// 16-column panels; each thread takes a contiguous, equal share of the panels, and its register
-// tile (MR rows x 16*NV columns, 24 accumulators) streams K from the packed panels with every row
-// of x broadcast from memory (the classic BLIS-style microkernel: Van Zee & van de Geijn, 2015).
-// The loops around the tile (panels per thread, row tiles, prefetch) are panel_gemm.h's.
+// Float GEMM of the linear layers on AVX-512 and AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+// float32, or bfloat16 (AVX512-BF16 vdpbf16ps), float32 accumulation. W is packed once after
+// loading into 16-column panels; each thread takes a contiguous, equal share of the panels, and its
+// register tile (AVX-512: MR rows x 16*NV columns, 24 accumulators; AVX2: 6 rows x 16 columns, 12)
+// streams K from the packed panels with every row of x broadcast from memory (the classic
+// BLIS-style microkernel: Van Zee & van de Geijn, 2015). The loops around the tile (panels per
+// thread, row tiles, prefetch) are panel_gemm.h's.
 //
 // Why not oneDNN's packed linear: at decode-sized M (1-128 rows) and N of a few hundred columns,
 // oneDNN splits the work unevenly over 2 threads; this loop measured 1.4-1.6x faster there
@@ -26,9 +27,14 @@
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAGEDLLM_FLOAT_GEMM 1
 using pagedllm_cpu::kPanel;
+using pagedllm_cpu::PanelMask;
 using pagedllm_cpu::Prefetch;
+#endif
+
+#if defined(__AVX512F__)
 
 inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -113,7 +119,46 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pstr
   store_acc<uint16_t, MR, NV>(acc, y, ldy, tail);
 }
 #endif
+#elif defined(PAGEDLLM_FLOAT_GEMM)
+// AVX2, float32: y[MR, 16] = x[MR, K] @ one panel + bias; a partial panel (bits of `tail`) goes
+// through a 16-column scratch row (loads and stores past N would leave the tensors).
+template <int MR, int NV>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t pstride, const float* bias, float* y,
+                 int64_t ldy, int K, PanelMask tail, const Prefetch& pf) {
+  static_assert(NV == 1, "AVX2 tiles take one panel");
+  (void)pstride;
+  const int cols = __builtin_popcount(tail);
+  float b16[kPanel] = {};
+  if (bias != nullptr) std::memcpy(b16, bias, sizeof(float) * cols);
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = _mm256_loadu_ps(b16), acc[i][1] = _mm256_loadu_ps(b16 + 8);
+  int done = 0;
+  const char* const pf_at = pf.pf;
+  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
+  for (int k = 0; k < K; ++k) {
+    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
+    const __m256 b0 = _mm256_loadu_ps(w + kPanel * k), b1 = _mm256_loadu_ps(w + kPanel * k + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (cols == kPanel) {
+      _mm256_storeu_ps(y + i * ldy, acc[i][0]);
+      _mm256_storeu_ps(y + i * ldy + 8, acc[i][1]);
+    } else {
+      float row[kPanel];
+      _mm256_storeu_ps(row, acc[i][0]);
+      _mm256_storeu_ps(row + 8, acc[i][1]);
+      std::memcpy(y + i * ldy, row, sizeof(float) * cols);
+    }
+  }
+}
+#endif  // __AVX512F__ / AVX2
 
+#if defined(PAGEDLLM_FLOAT_GEMM)
 // Elements of one packed panel.
 template <typename T>
 inline int64_t panel_elems(int K) {
@@ -125,7 +170,7 @@ void gemm(const T* x, int64_t ldx, const T* w_packed, const T* bias, T* y, int64
   const int64_t ps = panel_elems<T>(K);
   const int steps = sizeof(T) == 4 ? K : (K + 1) / 2;  // k steps of a tile (bf16: pairs)
 #pragma omp parallel
-  pagedllm_cpu::for_each_panel_run(N, [&](auto nv, int p, __mmask16 tail, int next) {
+  pagedllm_cpu::for_each_panel_run(N, [&](auto nv, int p, PanelMask tail, int next) {
     constexpr int NV = decltype(nv)::value;
     const T* b = bias ? bias + kPanel * p : nullptr;
     const T* wp = w_packed + p * ps;
@@ -153,24 +198,25 @@ void pack(const T* w, int N, int K, T* out) {
       }
     }
 }
-#endif  // __AVX512F__
+#endif  // PAGEDLLM_FLOAT_GEMM
 
 }  // namespace
 
 extern "C" {
 
-// 1 where this build has the float32 kernel, 2 where it also has the bfloat16 one, else 0.
+// 1 where this build has the float32 kernel (AVX-512 or AVX2 + FMA), 2 where it also has the
+// bfloat16 one (AVX512-BF16), else 0.
 int float_gemm_level() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return 2;
-#elif defined(__AVX512F__)
+#elif defined(PAGEDLLM_FLOAT_GEMM)
   return 1;
 #else
   return 0;
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_FLOAT_GEMM)
 int64_t float_gemm_packed_elems_f32(int N, int K) { return panel_elems<float>(K) * ((N + kPanel - 1) / kPanel); }
 int64_t float_gemm_packed_elems_bf16(int N, int K) { return panel_elems<uint16_t>(K) * ((N + kPanel - 1) / kPanel); }
 void float_gemm_pack_f32(const float* w, int N, int K, float* out) { pack(w, N, K, out); }

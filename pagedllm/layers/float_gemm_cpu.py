@@ -1,5 +1,5 @@
 """The float GEMM of ``float_gemm_cpu.cpp`` for CPU linear layers: ``y = x @ W.T + b`` in float32
-(AVX-512) or bfloat16 (AVX512-BF16), float32 accumulation, with ``W`` packed once after loading
+(AVX-512, or AVX2 with FMA) or bfloat16 (AVX512-BF16), float32 accumulation, with ``W`` packed once after loading
 (``pack``) into 16-column panels that each thread shares out evenly.
 
 ``layers/quantization/unquantized.py`` uses it where it applies (``supported``) and oneDNN's packed
@@ -32,7 +32,7 @@ def _build() -> ctypes.CDLL:
     lib.float_gemm_level.restype = i32
     level = lib.float_gemm_level()
     if level < 1:
-        raise RuntimeError("this CPU (or compiler) has no AVX-512")
+        raise RuntimeError("this CPU (or compiler) has neither AVX-512 nor AVX2 with FMA")
     for sfx in ("f32", "bf16")[:level]:
         getattr(lib, f"float_gemm_packed_elems_{sfx}").argtypes = [i32, i32]
         getattr(lib, f"float_gemm_packed_elems_{sfx}").restype = i64

@@ -1,11 +1,12 @@
 // The loop structure shared by the packed-panel GEMMs (float_gemm_cpu.cpp: float32/bf16;
 // int8_gemm_cpu.cpp: int8 VNNI): the weight in panels of 16 output columns, each thread an equal,
-// contiguous share of the panels, taken in runs of up to 4 (64 columns); each run against all rows
-// of x in register tiles of MR rows (MR * NV = 24 accumulators). From kPrefetchMinRows rows the row
-// tiles share out the prefetch of the thread's next run into L2. The kernels supply the tile.
+// contiguous share of the panels, taken in runs of up to kRunPanels (AVX-512: 4, 64 columns); each
+// run against all rows of x in register tiles of MR rows (AVX-512: MR * NV = 24 zmm accumulators;
+// AVX2: one panel, 6 rows x 2 ymm = 12). From kPrefetchMinRows rows the row tiles share out the
+// prefetch of the thread's next run into L2. The kernels supply the tile.
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include <omp.h>
 
@@ -15,18 +16,31 @@
 
 namespace pagedllm_cpu {
 
-constexpr int kPanel = 16;  // output columns per packed panel (one zmm of float32 or int32)
+constexpr int kPanel = 16;  // output columns per packed panel (one zmm of float32 or int32, two ymm)
+// Valid columns of a run's last panel, bit c for column c (the AVX-512 tiles use it as a __mmask16).
+using PanelMask = uint16_t;
 // Rows from which the next panels are prefetched. A SmolLM2 step's float linears (30 layers + LM
 // head, 2 threads, ms, without -> with): float32 24 rows 20.7 -> 16.0, 48 rows 35.3 -> 30.0; bf16
 // 24 rows 11.5 -> 8.5, 48 rows 18.7 -> 15.8. Under it the loop streams the weights at memory speed
 // already (1 row: 49 GB/s) and extra prefetches measured 3-10 % slower.
 constexpr int kPrefetchMinRows = 12;
 
+#if defined(__AVX512F__)
+constexpr int kRunPanels = 4;
 // Rows of a register tile of NV panels: 24 accumulators.
 template <int NV>
 constexpr int tile_rows() {
   return NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 24;
 }
+#else
+// AVX2 has 16 ymm registers: one panel (2 ymm) a tile, 6 rows (12 accumulators, 2 for the panel's
+// k row, 1 broadcast: BLIS's 6 x 16 Haswell kernel).
+constexpr int kRunPanels = 1;
+template <int NV>
+constexpr int tile_rows() {
+  return 6;
+}
+#endif
 
 // The next panels' weights into L2 while a tile computes: `lines` cache lines from `pf`, at most
 // `per_k` a k step. Without it each new run of panels starts on DRAM latency (weights are read
@@ -76,22 +90,26 @@ inline void for_each_row_tile(int M, int steps, const char* pf, int64_t pf_bytes
 template <typename Run>
 inline void for_each_panel_run(int N, Run&& run) {
   const int P = (N + kPanel - 1) / kPanel;
-  const __mmask16 last_tail = N % kPanel ? static_cast<__mmask16>((1u << (N % kPanel)) - 1) : 0xffff;
+  const PanelMask last_tail = N % kPanel ? static_cast<PanelMask>((1u << (N % kPanel)) - 1) : 0xffff;
   const int nt = omp_get_num_threads(), t = omp_get_thread_num();
   const int p0 = static_cast<int>(int64_t{P} * t / nt), p1 = static_cast<int>(int64_t{P} * (t + 1) / nt);
   for (int p = p0; p < p1;) {
-    const int nv = std::min(4, p1 - p);
-    const __mmask16 tail = p + nv == P ? last_tail : 0xffff;
-    const int next = std::min(4, p1 - p - nv);
+    const int nv = std::min(int{kRunPanels}, p1 - p);
+    const PanelMask tail = p + nv == P ? last_tail : 0xffff;
+    const int next = std::min(int{kRunPanels}, p1 - p - nv);
+#if defined(__AVX512F__)
     switch (nv) {
       case 4: run(Int<4>{}, p, tail, next); break;
       case 3: run(Int<3>{}, p, tail, next); break;
       case 2: run(Int<2>{}, p, tail, next); break;
       default: run(Int<1>{}, p, tail, next); break;
     }
+#else
+    run(Int<1>{}, p, tail, next);
+#endif
     p += nv;
   }
 }
 
 }  // namespace pagedllm_cpu
-#endif  // __AVX512F__
+#endif  // __AVX512F__ || __AVX2__ && __FMA__

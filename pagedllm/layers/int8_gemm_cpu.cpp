@@ -13,6 +13,9 @@
 // (wsum[j] = sum_k w[j, k], computed once at load) is subtracted at the end: integer arithmetic
 // throughout, hence bit-identical to torch._int_mm. No overflow: |partial sum| <= k * 255 * 127 <
 // 2^31 for k < 66,000. Plain C ABI (ctypes); a's rows may be strided.
+//
+// AVX2 (no VNNI): the panel GEMM only, with the same packed layout and the same exact integers
+// (further down); torch._int_mm ran at 2 GOP/s on such a CPU, a reference loop.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,9 +30,23 @@
 #include "cpu_math.h"
 #include "panel_gemm.h"
 #define PAGEDLLM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "cpu_math.h"
+#include "panel_gemm.h"
+#define PAGEDLLM_INT8_AVX2 1
+#endif
+#if defined(PAGEDLLM_VNNI) || defined(PAGEDLLM_INT8_AVX2)
+#define PAGEDLLM_INT8_PANELS 1
 #endif
 
 namespace {
+
+#ifdef PAGEDLLM_INT8_PANELS
+// Bytes of one packed panel (the layout: above the VNNI panel GEMM): 16 columns x 4 k a 64-byte row.
+inline int64_t panel_bytes(int k) { return int64_t{64} * ((k + 3) / 4); }
+#endif
 
 #ifdef PAGEDLLM_VNNI
 // {sum(v[0]), ..., sum(v[15])} of int32 lanes: a transposing add tree (45 shuffles/adds).
@@ -116,7 +133,6 @@ void gemm(const uint8_t* a, int m, int k, const int8_t* w, const int32_t* wsum, 
 //   zero past n and k. One 64-byte row of a panel is what vpdpbusd multiplies with 4 bytes of a
 //   row of a (broadcast): 16 columns, 4 k each. The loops around the register tile (panels per
 //   thread, row tiles, prefetch of the next panels) are panel_gemm.h's, as for the float GEMM.
-inline int64_t panel_bytes(int k) { return int64_t{64} * ((k + 3) / 4); }
 
 // One register tile: rows [i0, i0 + MR) of a (offset bytes, lda apart) against NV panels from w;
 // store(i, v, sums, mask) receives row i's exact int32 sums for the 16 columns of panel v.
@@ -205,11 +221,121 @@ void panel_linear(const T* x, int64_t ldx, int m, int k, const int8_t* wp, const
 }
 #endif  // PAGEDLLM_VNNI
 
+#ifdef PAGEDLLM_INT8_AVX2
+// ---- The panel GEMM on AVX2, the same packed layout. ----
+// vpmaddubsw multiplies unsigned bytes by signed bytes and adds pairs into int16 with saturation.
+// As in llama.cpp's AVX2 dot products, |a| (an unsigned byte: -128 gives 128) times sign(a) * w
+// (vpsignb) gives the same products, a pair sums to at most 2 * 128 * 127 = 32,512 < 2^15 (never
+// saturates), and vpmaddwd by ones adds the pairs into int32 lanes: exact. It needs w in
+// [-127, 127] (vpsignb cannot negate -128), which is all the int8 method writes (int8.py: QMAX).
+// No offset, so no wsum correction.
+// A 64-byte panel row is two ymm: columns 0-7 and 8-15, 4 k each.
+using pagedllm_cpu::PanelMask;
+using pagedllm_cpu::Prefetch;
+
+// Rows [0, MR) of a (lda apart), MR <= 3 (6 accumulators, 2 panel halves, ones and 4 temporaries
+// in 16 ymm), against the panel at w: store(i, sums of columns 0-7, of 8-15).
+template <int MR, typename Store>
+inline void panel_tile3(const int8_t* a, int64_t lda, const int8_t* w, int k4, const Prefetch& pf, Store&& store) {
+  static_assert(MR >= 1 && MR <= 3, "3 rows at most");
+  __m256i acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  int done = 0;
+  const char* const pf_at = pf.pf;
+  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
+  for (int kk = 0; kk < k4; ++kk) {
+    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * static_cast<int64_t>(kk)));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * static_cast<int64_t>(kk) + 32));
+    for (int i = 0; i < MR; ++i) {
+      int32_t quad;  // a[i, 4kk .. 4kk + 3]
+      std::memcpy(&quad, a + i * lda + 4 * kk, sizeof(quad));
+      const __m256i av = _mm256_set1_epi32(quad), au = _mm256_abs_epi8(av);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(b0, av)), ones));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(b1, av)), ones));
+    }
+  }
+  for (int i = 0; i < MR; ++i) store(i, acc[i][0], acc[i][1]);
+}
+
+// A tile of panel_gemm.h's MR (<= 6) rows as tiles of at most 3 (the second reads the panel from
+// L1/L2; the first takes the prefetch).
+template <int MR, typename Store>
+inline void panel_tile(const int8_t* a, int64_t lda, const int8_t* w, int k4, const Prefetch& pf, Store&& store) {
+  constexpr int R0 = MR < 3 ? MR : 3;
+  panel_tile3<R0>(a, lda, w, k4, pf, store);
+  if constexpr (MR > R0)
+    panel_tile3<MR - R0>(a + R0 * lda, lda, w, k4, Prefetch{nullptr, 0, 0},
+                         [&](int i, __m256i lo, __m256i hi) { store(R0 + i, lo, hi); });
+}
+
+// a [m, lda] (int8, rows padded with zeros to 4k4 bytes) against the packed weight:
+// store(row, first column, sums of its 16 columns as two ymm, valid columns). In a parallel region.
+template <typename Store>
+inline void panel_loops(const int8_t* a, int64_t lda, int m, int k4, const int8_t* wp, int64_t ps, int n,
+                        Store&& store) {
+  pagedllm_cpu::for_each_panel_run(n, [&](auto, int p, PanelMask tail, int next) {
+    const int8_t* w = wp + p * ps;
+    const int cols = __builtin_popcount(tail);
+    pagedllm_cpu::for_each_row_tile<1>(m, k4, reinterpret_cast<const char*>(w + ps), next * ps,
+                                       [&](auto rows, int i0, const Prefetch& pr) {
+      panel_tile<decltype(rows)::value>(a + i0 * lda, lda, w, k4, pr, [&](int i, __m256i lo, __m256i hi) {
+        alignas(32) int32_t sums[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), hi);
+        store(i0 + i, 16 * p, sums, cols);
+      });
+    });
+  });
+}
+
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t x) { return pagedllm_cpu::bf16_to_float(x); }
+inline void put(float* p, float f) { *p = f; }
+inline void put(uint16_t* p, float f) { *p = pagedllm_cpu::float_to_bf16(f); }
+
+// The W8A8 linear as the VNNI panel_linear (the same bits as quantize_rows + int8_panel_gemm +
+// int8_epilogue): rows quantized to int8 (no offset) into the GEMM's input, the epilogue per tile.
+template <typename T>
+void panel_linear(const T* x, int64_t ldx, int m, int k, const int8_t* wp, const float* sw, const T* bias, int n,
+                  T* out) {
+  const int k4 = (k + 3) / 4;
+  const int64_t lda = 4 * int64_t{k4};
+  std::vector<int8_t> aq(static_cast<size_t>(m) * lda, 0);
+  std::vector<float> sx(m);
+  const int64_t ps = panel_bytes(k);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int i = 0; i < m; ++i) sx[i] = pagedllm_cpu::quantize_row(x + i * ldx, k, aq.data() + i * lda, 0);
+    panel_loops(aq.data(), lda, m, k4, wp, ps, n, [&](int i, int j0, const int32_t* sums, int cols) {
+      T* o = out + static_cast<int64_t>(i) * n + j0;
+      const float s = sx[i];
+      for (int c = 0; c < cols; ++c)  // int8_epilogue's expression and order
+        put(&o[c], bias ? static_cast<float>(sums[c]) * s * sw[j0 + c] + to_f(bias[j0 + c])
+                        : static_cast<float>(sums[c]) * s * sw[j0 + c]);
+    });
+  }
+}
+#endif  // PAGEDLLM_INT8_AVX2
+
 }  // namespace
 
 extern "C" {
 
-// 1 where this build has the kernel (the compiler targeted AVX512-VNNI and AVX512-BW), else 0.
+// 2 where this build has the panel GEMM on AVX512-VNNI, 1 where on AVX2, else 0.
+int int8_panel_level() {
+#if defined(PAGEDLLM_VNNI)
+  return 2;
+#elif defined(PAGEDLLM_INT8_PANELS)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 where this build has the small-batch kernel (the compiler targeted AVX512-VNNI and AVX512-BW), else 0.
 int int8_gemm_available() {
 #ifdef PAGEDLLM_VNNI
   return 1;
@@ -240,7 +366,7 @@ void int8_gemm(const int8_t* a, int64_t lda, int m, int k, const int8_t* w, cons
 
 // Elements of the packed form of an int8 [n, k] weight (see the panel GEMM above).
 int64_t int8_panel_elems(int n, int k) {
-#ifdef PAGEDLLM_VNNI
+#ifdef PAGEDLLM_INT8_PANELS
   return panel_bytes(k) * ((n + 15) / 16);
 #else
   (void)n, (void)k;
@@ -250,7 +376,7 @@ int64_t int8_panel_elems(int n, int k) {
 
 // w int8 [n, k] contiguous -> out, int8_panel_elems(n, k) bytes.
 void int8_panel_pack(const int8_t* w, int n, int k, int8_t* out) {
-#ifdef PAGEDLLM_VNNI
+#ifdef PAGEDLLM_INT8_PANELS
   const int P = (n + 15) / 16;
   const int64_t ps = panel_bytes(k);
   std::memset(out, 0, static_cast<size_t>(ps * P));
@@ -265,7 +391,7 @@ void int8_panel_pack(const int8_t* w, int n, int k, int8_t* out) {
 
 // The packed form back to w int8 [n, k] contiguous (the inverse of int8_panel_pack).
 void int8_panel_unpack(const int8_t* packed, int n, int k, int8_t* w) {
-#ifdef PAGEDLLM_VNNI
+#ifdef PAGEDLLM_INT8_PANELS
   const int P = (n + 15) / 16;
   const int64_t ps = panel_bytes(k);
   const int k4_full = k / 4;  // whole groups of 4 k: one 4-byte copy each
@@ -296,6 +422,17 @@ void int8_panel_gemm(const int8_t* a, int64_t lda, int m, int k, const int8_t* w
   panel_loops(au.data(), lda_u, m, k4, wp, ps, wsum, n, [&](int i, int j0, __m512i sums, __mmask16 mask) {
     _mm512_mask_storeu_epi32(out + static_cast<int64_t>(i) * n + j0, mask, sums);
   });
+#elif defined(PAGEDLLM_INT8_AVX2)
+  (void)wsum;
+  const int k4 = (k + 3) / 4;
+  const int64_t lda_p = 4 * int64_t{k4};
+  std::vector<int8_t> ap(static_cast<size_t>(m) * lda_p, 0);  // a, rows padded to 4 bytes
+  for (int i = 0; i < m; ++i) std::memcpy(&ap[i * lda_p], a + i * lda, k);
+  const int64_t ps = panel_bytes(k);
+#pragma omp parallel
+  panel_loops(ap.data(), lda_p, m, k4, wp, ps, n, [&](int i, int j0, const int32_t* sums, int cols) {
+    std::memcpy(out + static_cast<int64_t>(i) * n + j0, sums, sizeof(int32_t) * cols);
+  });
 #else
   (void)a, (void)lda, (void)m, (void)k, (void)wp, (void)wsum, (void)n, (void)out;
 #endif
@@ -306,16 +443,22 @@ void int8_panel_gemm(const int8_t* a, int64_t lda, int m, int k, const int8_t* w
 // sw: the weight's float32 scales [n]; bias [n] in x's dtype, or null.
 void int8_panel_linear_f32(const float* x, int64_t ldx, int m, int k, const int8_t* wp, const int32_t* wsum,
                            const float* sw, const float* bias, int n, float* out) {
-#ifdef PAGEDLLM_VNNI
+#if defined(PAGEDLLM_VNNI)
   panel_linear(x, ldx, m, k, wp, wsum, sw, bias, n, out);
+#elif defined(PAGEDLLM_INT8_AVX2)
+  (void)wsum;
+  panel_linear(x, ldx, m, k, wp, sw, bias, n, out);
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)wsum, (void)sw, (void)bias, (void)n, (void)out;
 #endif
 }
 void int8_panel_linear_bf16(const uint16_t* x, int64_t ldx, int m, int k, const int8_t* wp, const int32_t* wsum,
                             const float* sw, const uint16_t* bias, int n, uint16_t* out) {
-#ifdef PAGEDLLM_VNNI
+#if defined(PAGEDLLM_VNNI)
   panel_linear(x, ldx, m, k, wp, wsum, sw, bias, n, out);
+#elif defined(PAGEDLLM_INT8_AVX2)
+  (void)wsum;
+  panel_linear(x, ldx, m, k, wp, sw, bias, n, out);
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)wsum, (void)sw, (void)bias, (void)n, (void)out;
 #endif

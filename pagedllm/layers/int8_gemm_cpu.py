@@ -1,4 +1,5 @@
-"""The int8 GEMMs of ``int8_gemm_cpu.cpp`` (AVX512-VNNI), exact int32 ``a @ w.T``:
+"""The int8 GEMMs of ``int8_gemm_cpu.cpp`` (AVX512-VNNI; the panel GEMM on AVX2 too), exact int32
+``a @ w.T``:
 
 - ``int8_gemm``: steps of ``MIN_ROWS`` to ``MAX_ROWS`` tokens over the layer's own [n, k] weight,
   where it beats ``torch._int_mm``; the int8 linear method (``layers/quantization/int8.py``) calls
@@ -8,7 +9,9 @@
 - ``panel_gemm``: any number of rows over a weight packed once into 16-column panels
   (``panel_pack``); the int8 LM head runs on it (its rows are the step's sequences, never a
   prefill's tokens): 2x ``torch._int_mm`` at 48 rows on SmolLM2's 49,152 x 576 head
-  (benchmarks/README.md section 10).
+  (benchmarks/README.md section 10). On an AVX2 CPU without VNNI it is the only int8 GEMM that
+  runs at speed (``torch._int_mm`` measured 2 GOP/s there, a reference loop; the panels 30x
+  that), so every step of a packed layer stays on it (``int_mm_is_slow``).
 """
 from __future__ import annotations
 
@@ -48,8 +51,9 @@ def _build() -> ctypes.CDLL:
     lib.int8_panel_gemm.restype = None
     for fn in (lib.int8_panel_linear_f32, lib.int8_panel_linear_bf16):
         fn.argtypes, fn.restype = [p, i64, i32, i32, p, p, p, p, i32, p], None
-    if not lib.int8_gemm_available():
-        raise RuntimeError("this CPU (or compiler) has no AVX512-VNNI")
+    lib.int8_panel_level.restype = i32
+    if lib.int8_panel_level() < 1:
+        raise RuntimeError("this CPU (or compiler) has neither AVX512-VNNI nor AVX2")
     return lib
 
 
@@ -71,7 +75,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
             or wsum.dtype != torch.int32):
         return None
     lib, _ = _LIBRARY.get()
-    if lib is None:
+    if lib is None or not lib.int8_gemm_available():
         return None
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.int32)
@@ -86,12 +90,20 @@ def _panel_elems(n: int, k: int) -> int:
 
 def panel_supported(w: torch.Tensor) -> bool:
     """Whether ``panel_pack(w)`` applies: an int8 [n, k] CPU weight, the switch on, the library
-    built (AVX512-VNNI), and at least 64 columns for each of torch's threads."""
+    built (AVX512-VNNI or AVX2), and at least 64 columns for each of torch's threads. The weight
+    must lie in [-127, 127] (the AVX2 kernel cannot negate -128; the int8 method never writes it)."""
     if (not cpu_fused_ops.ENABLED or w.device.type != "cpu" or w.dtype != torch.int8 or w.dim() != 2
             or not float_gemm_cpu.fills_threads(w.shape[0])):
         return False
     lib, _ = _LIBRARY.get()
     return lib is not None
+
+
+def int_mm_is_slow() -> bool:
+    """True where the panels run on AVX2 without VNNI: there ``torch._int_mm`` is a reference loop
+    (2 GOP/s on a 2-core EPYC, against 60 for the panels at 48 rows), so no step leaves the panels."""
+    lib, _ = _LIBRARY.get()
+    return lib is not None and lib.int8_panel_level() == 1
 
 
 def panel_pack(w: torch.Tensor) -> torch.Tensor:

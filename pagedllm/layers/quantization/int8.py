@@ -103,7 +103,7 @@ def int8_weight_layout(q: torch.Tensor) -> torch.Tensor:
 class Int8LinearMethod(LinearMethodBase):
     """Float weights are loaded as usual (``create_weights`` of the float method), then replaced
     by ``weight_q`` (int8, [k, n] layout of ``int8_weight_layout``) and ``weight_scale`` (float32 [n]);
-    on a CPU with AVX512-VNNI ``weight_q`` then gives way to its packed panels (``pack_weight``;
+    on a CPU with AVX512-VNNI or AVX2 ``weight_q`` then gives way to its packed panels (``pack_weight``;
     ``weight_matrix`` returns the [k, n] weight either way).
 
     ``act_group_size`` g > 0 (and dividing k): each token's activations get one scale per group
@@ -161,7 +161,7 @@ class Int8LinearMethod(LinearMethodBase):
             if bias is not None:
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-        packed = getattr(layer, "weight_packed", None)  # a CPU with AVX512-VNNI (pack_weight)
+        packed = getattr(layer, "weight_packed", None)  # a CPU with AVX512-VNNI or AVX2 (pack_weight)
         x2 = x.reshape(-1, shape[-1])
         on_panels = packed is not None and (layer.panel_max_rows is None or x2.shape[0] <= layer.panel_max_rows)
         if on_panels and not reduce_results and (not parallel_input or get_tp_size() == 1):
@@ -227,21 +227,22 @@ PANEL_MAX_ROWS = 128
 
 
 def pack_weight(layer: nn.Module) -> None:
-    """An int8 layer on a CPU with AVX512-VNNI: its weight packed once for
+    """An int8 layer on a CPU with AVX512-VNNI or AVX2: its weight packed once for
     ``int8_gemm_cpu.panel_gemm``, the packed copy replacing ``weight_q`` (the layer still takes
     n * k bytes). A decode step's rows are few, and there the panel GEMM beat ``torch._int_mm``
     (SmolLM2, 48 rows: see PANEL_MAX_ROWS); a step of more rows than ``panel_max_rows`` unpacks
     the weight (``weight_matrix``: one pass over n * k bytes, small against that many rows'
     arithmetic) for ``torch._int_mm``. The LM head always runs on the panels (its rows are the
-    step's sequences; 2-2.9x ``torch._int_mm`` at 48-2,048 rows). Layers it does not apply to
-    (another device, no VNNI, fewer than 64 columns a thread) are left as they are."""
+    step's sequences; 2-2.9x ``torch._int_mm`` at 48-2,048 rows), and so does every layer on an
+    AVX2 CPU without VNNI (``int8_gemm_cpu.int_mm_is_slow``). Layers it does not apply to (another
+    device, neither VNNI nor AVX2, fewer than 64 columns a thread) are left as they are."""
     q = getattr(layer, "weight_q", None)
     if q is None or q.numel() == 0 or not int8_gemm_cpu.panel_supported(q.t()):
         return
     packed = int8_gemm_cpu.panel_pack(q.t())
     layer.register_buffer("weight_packed", packed, persistent=False)
     layer.weight_shape = tuple(q.t().shape)  # [n, k]
-    layer.panel_max_rows = None if _is_lm_head(layer) else PANEL_MAX_ROWS
+    layer.panel_max_rows = None if _is_lm_head(layer) or int8_gemm_cpu.int_mm_is_slow() else PANEL_MAX_ROWS
     layer.weight_q = nn.Parameter(torch.empty(0, 0, dtype=torch.int8), requires_grad=False)
     layer.packed_bytes = packed.numel()
 

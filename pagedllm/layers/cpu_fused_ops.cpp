@@ -193,6 +193,17 @@ void argmax_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, int6
     }
     m = _mm512_reduce_max_ps(mx);
     nan = unord != 0;
+#elif defined(__AVX2__)
+    __m256 mx = _mm256_set1_ps(-INFINITY), unord = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + k);
+      mx = _mm256_max_ps(v, mx);  // as above: a NaN in v yields mx
+      unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    nan = _mm256_movemask_ps(unord) != 0;
 #endif
     for (; k < n; ++k) {
       m = std::max(m, xr[k]);  // (m < NaN) is false: NaNs never win here either
@@ -204,6 +215,16 @@ void argmax_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, int6
     for (; k + 16 <= n; k += 16) {  // the first lane that is m (or NaN), 16 at a time
       const __m512 v = _mm512_loadu_ps(xr + k);
       const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, mv, _CMP_EQ_OQ);
+      if (hit) {
+        k += __builtin_ctz(hit);
+        break;
+      }
+    }
+#elif defined(__AVX2__)
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; k + 8 <= n; k += 8) {  // the first lane that is m (or NaN), 8 at a time
+      const __m256 v = _mm256_loadu_ps(xr + k);
+      const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, mv, _CMP_EQ_OQ));
       if (hit) {
         k += __builtin_ctz(hit);
         break;

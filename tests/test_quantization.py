@@ -118,7 +118,7 @@ def _panels_or_skip():
 def _vnni_or_skip():
     """The int8 library with its small-batch kernel too (AVX512-VNNI only), or a skip."""
     g8 = _panels_or_skip()
-    if not g8._LIBRARY.get()[0].int8_gemm_available():
+    if not g8._LIBRARY.get()[0].small_batch:
         pytest.skip("small-batch int8 kernel unavailable: this CPU (or compiler) has no AVX512-VNNI")
     return g8
 

@@ -20,15 +20,13 @@
 
 namespace {
 
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) { return pagedllm_cpu::bf16_to_float(x); }
-inline void put(float* p, float f) { *p = f; }
-inline void put(uint16_t* p, float f) { *p = pagedllm_cpu::float_to_bf16(f); }
+using pagedllm_cpu::as_float;
+using pagedllm_cpu::put;
 template <typename T>
 inline float rnd(float f) {  // f rounded to T and back: the rounding of a stored intermediate
   T t;
   put(&t, f);
-  return to_f(t);
+  return as_float(t);
 }
 
 // exp(x), x clamped to [-87.3, 88.3] (exp(88.3) = 2.2e38: silu's 1 + exp(-g) stays finite).
@@ -75,12 +73,12 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
     float buf[8192];  // the row in float (hidden <= 8192, checked by the caller)
     if (rr) {
       for (int c = 0; c < hidden; ++c) {
-        const float v = rnd<T>(to_f(rr[c]) + to_f(xr[c]));
+        const float v = rnd<T>(as_float(rr[c]) + as_float(xr[c]));
         put(&rr[c], v);
         buf[c] = v;
       }
     } else {
-      for (int c = 0; c < hidden; ++c) buf[c] = to_f(xr[c]);
+      for (int c = 0; c < hidden; ++c) buf[c] = as_float(xr[c]);
     }
     float acc[16] = {};
     int c = 0;
@@ -93,7 +91,7 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
     for (int u = 0; u < 16; ++u) ss += acc[u];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
 #pragma omp simd
-    for (int c2 = 0; c2 < hidden; ++c2) put(&orow[c2], to_f(w[c2]) * rnd<T>(buf[c2] * inv));
+    for (int c2 = 0; c2 < hidden; ++c2) put(&orow[c2], as_float(w[c2]) * rnd<T>(buf[c2] * inv));
   }
 }
 
@@ -110,10 +108,10 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int inter)
     float gf[C], s[C];
     for (int c0 = 0; c0 < inter; c0 += C) {
       const int m = std::min(C, inter - c0);
-      for (int c = 0; c < m; ++c) gf[c] = to_f(g[c0 + c]);
+      for (int c = 0; c < m; ++c) gf[c] = as_float(g[c0 + c]);
       for (int c = m; c < C; ++c) gf[c] = 0.0f;
       silu64(gf, s);
-      for (int c = 0; c < m; ++c) put(&o[c0 + c], rnd<T>(s[c]) * to_f(u[c0 + c]));
+      for (int c = 0; c < m; ++c) put(&o[c0 + c], rnd<T>(s[c]) * as_float(u[c0 + c]));
     }
   }
 }
@@ -130,11 +128,11 @@ void rotary(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads,
     for (int h = 0; h < heads; ++h) {
       T* xr = x + i * tok_stride + h * head_stride;
       float tmp[1024];  // the head's row before rotation (d <= 1024, checked by the caller)
-      for (int c = 0; c < d; ++c) tmp[c] = to_f(xr[c]);
+      for (int c = 0; c < d; ++c) tmp[c] = as_float(xr[c]);
 #pragma omp simd
       for (int c = 0; c < d; ++c) {
         const float rolled = tmp[c < half ? c + half : c - half];
-        put(&xr[c], rnd<T>(tmp[c] * to_f(cs[c])) + rnd<T>(rolled * to_f(sn[c])));
+        put(&xr[c], rnd<T>(tmp[c] * as_float(cs[c])) + rnd<T>(rolled * as_float(sn[c])));
       }
     }
   }
@@ -164,7 +162,7 @@ void int8_epilogue(const int32_t* acc, int64_t m, int n, const float* sx, const 
     const float s = sx[i];
     if (bias) {
 #pragma omp simd
-      for (int j = j0; j < j1; ++j) put(&o[j], static_cast<float>(a[j]) * s * sw[j] + to_f(bias[j]));
+      for (int j = j0; j < j1; ++j) put(&o[j], static_cast<float>(a[j]) * s * sw[j] + as_float(bias[j]));
     } else {
 #pragma omp simd
       for (int j = j0; j < j1; ++j) put(&o[j], static_cast<float>(a[j]) * s * sw[j]);

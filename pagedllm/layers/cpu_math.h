@@ -30,6 +30,9 @@ inline uint16_t float_to_bf16(float f) {
 
 inline float as_float(float x) { return x; }
 inline float as_float(uint16_t x) { return bf16_to_float(x); }
+// *p <- f in p's type (bf16: rounded as float_to_bf16).
+inline void put(float* p, float f) { *p = f; }
+inline void put(uint16_t* p, float f) { *p = float_to_bf16(f); }
 
 // Per-token int8 quantization of one row x[0, k) (layers/quantization/int8.py, bit for bit):
 // amax = max(max|x|, 1e-12), q[c] = round_half_even(x[c] * ((1 / amax) * 127)) (PyTorch's

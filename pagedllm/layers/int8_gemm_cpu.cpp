@@ -290,11 +290,6 @@ inline void panel_loops(const int8_t* a, int64_t lda, int m, int k4, const int8_
   });
 }
 
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) { return pagedllm_cpu::bf16_to_float(x); }
-inline void put(float* p, float f) { *p = f; }
-inline void put(uint16_t* p, float f) { *p = pagedllm_cpu::float_to_bf16(f); }
-
 // The W8A8 linear as the VNNI panel_linear (the same bits as quantize_rows + int8_panel_gemm +
 // int8_epilogue): rows quantized to int8 (no offset) into the GEMM's input, the epilogue per tile.
 template <typename T>
@@ -313,8 +308,8 @@ void panel_linear(const T* x, int64_t ldx, int m, int k, const int8_t* wp, const
       T* o = out + static_cast<int64_t>(i) * n + j0;
       const float s = sx[i];
       for (int c = 0; c < cols; ++c)  // int8_epilogue's expression and order
-        put(&o[c], bias ? static_cast<float>(sums[c]) * s * sw[j0 + c] + to_f(bias[j0 + c])
-                        : static_cast<float>(sums[c]) * s * sw[j0 + c]);
+        pagedllm_cpu::put(&o[c], bias ? static_cast<float>(sums[c]) * s * sw[j0 + c] + pagedllm_cpu::as_float(bias[j0 + c])
+                                      : static_cast<float>(sums[c]) * s * sw[j0 + c]);
     });
   }
 }

@@ -54,6 +54,7 @@ def _build() -> ctypes.CDLL:
     lib.int8_panel_level.restype = i32
     if lib.int8_panel_level() < 1:
         raise RuntimeError("this CPU (or compiler) has neither AVX512-VNNI nor AVX2")
+    lib.small_batch = bool(lib.int8_gemm_available())  # read once: int8_gemm asks per call
     return lib
 
 
@@ -75,7 +76,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
             or wsum.dtype != torch.int32):
         return None
     lib, _ = _LIBRARY.get()
-    if lib is None or not lib.int8_gemm_available():
+    if lib is None or not lib.small_batch:
         return None
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.int32)

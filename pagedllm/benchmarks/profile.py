@@ -3,7 +3,9 @@
 ``--batch-size`` requests with ``--context-len``-token prompts are prefilled, then every step is a
 pure decode step of the whole batch. Over ``--steps`` decode steps the bench reports:
 
-1. the wall time of a step without any instrumentation;
+1. the wall time of a step without any instrumentation (on a CPU with the layer runner, all
+   decoder layers in one C call, where it applies; then also with the Python layer loop, which the
+   breakdown below times);
 2. a breakdown from timing hooks (``time.perf_counter`` around each part; CPU ops are
    synchronous, on CUDA the hooks synchronize): engine parts (schedule, prepare_inputs, sampler,
    update, detokenize/outputs) and, inside the forward pass, each linear layer, paged attention
@@ -240,9 +242,9 @@ def run(args: argparse.Namespace) -> dict:
 
     model, load_format = resolve_model(args.model, args.load_format, args.output_dir)
     warm = 2
-    # Three measured phases, never finishing inside them; the margin covers the requests whose
+    # Four measured phases, never finishing inside them; the margin covers the requests whose
     # (chunked) prefill ended in an earlier step and that are a few tokens ahead.
-    max_tokens = 1 + warm + 3 * args.steps + 16
+    max_tokens = 1 + warm + 4 * args.steps + 16
     max_len = args.context_len + max_tokens + 1
     tokens_needed = args.batch_size * (-(-max_len // args.block_size) + 1) * args.block_size
     # Size the KV cache from the model shape: enough for the whole batch, no preemption.
@@ -284,6 +286,12 @@ def run(args: argparse.Namespace) -> dict:
             return (time.perf_counter() - t) / n
 
         plain = decode_steps(args.steps)
+        # The hooks below time the Python layer loop's modules: the CPU layer runner (all layers in
+        # one C call) has none, so from here on the loop runs; its own step time is reported too.
+        model_obj = engine.executor.runner.model
+        ran_runner = bool(model_obj.__dict__.get("_cpu_layer_runner"))
+        model_obj.use_cpu_layer_runner = False
+        loop = decode_steps(args.steps) if ran_runner else plain
         instrument(engine, timers)
         timers.enabled = True
         hooked = decode_steps(args.steps)
@@ -330,7 +338,7 @@ def run(args: argparse.Namespace) -> dict:
         **run_metadata(), "bench": "profile", "model": model, "load_format": load_format,
         "batch_size": args.batch_size, "context_len": args.context_len, "steps": args.steps,
         "final_outputs_only": getattr(engine, "final_outputs_only", None),
-        "step_s": plain, "step_s_instrumented": hooked, "step_s_torch_profiler": profiled,
+        "step_s": plain, "step_s_layer_loop": loop, "cpu_layer_runner": ran_runner, "step_s_instrumented": hooked, "step_s_torch_profiler": profiled,
         "decode_tokens_per_s": args.batch_size / plain,
         "breakdown_s": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "breakdown_fraction": {k: v / total_parts for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
@@ -341,7 +349,9 @@ def run(args: argparse.Namespace) -> dict:
         "machine_peaks": peaks, "floor": floor,
     }
     print(f"decode step, batch {args.batch_size}, context ~{context}: {plain * 1000:.1f} ms "
-          f"({args.batch_size / plain:.1f} tok/s); instrumented {hooked * 1000:.1f} ms")
+          f"({args.batch_size / plain:.1f} tok/s)"
+          + (f"; Python layer loop {loop * 1000:.1f} ms (the breakdown's)" if ran_runner else "")
+          + f"; instrumented {hooked * 1000:.1f} ms")
     for k, v in result["breakdown_s"].items():
         print(f"  {k:44s} {v * 1000:8.2f} ms  {100 * v / total_parts:5.1f}%")
     if aten_self is not None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedllm.config import get_rope_parameters
 from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
+from pagedllm.layers import cpu_layer_runner
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import RMSNorm
@@ -179,9 +180,13 @@ class LlamaForCausalLM(nn.Module):
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         # once per step, shared by the layers (a model with its own RoPE variant rotates per layer)
         cos_sin = self.rotary_emb.cos_sin(positions) if isinstance(self.rotary_emb, RotaryEmbedding) else None
-        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
-                                   kv_caches[self.start_layer:self.end_layer]):
-            x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta, cos_sin)
+        ran = cpu_layer_runner.run_layers(self, x, residual, cos_sin, kv_caches, meta)  # CPU: one C call
+        if ran is not None:
+            x, residual = ran
+        else:
+            for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
+                                       kv_caches[self.start_layer:self.end_layer]):
+                x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta, cos_sin)
         if isinstance(self.norm, PPMissingLayer):
             return x, residual
         if residual is None:

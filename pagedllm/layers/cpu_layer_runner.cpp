@@ -1,0 +1,106 @@
+// The decoder layers of a Llama-family model, all of them in one call on the CPU: the same kernels,
+// in the same order and on the same buffers' values as the Python layer loop (models/llama.py:
+// LlamaDecoderLayer.forward_fused), so the output is bit-identical; what goes is the Python between
+// them (~0.7 ms a layer on a 2-core host: module calls, checks, a new tensor per op). It plays, for
+// a CPU step, the part a CUDA graph plays on a GPU.
+//
+// The kernels live in their own libraries (cpu_fused_ops.cpp, float_gemm_cpu.cpp,
+// attention/paged_attention_cpu.cpp); Python hands their addresses in (RunnerKernels), so this
+// file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
+// bytes each. Plain C ABI (ctypes); the structs mirror cpu_layer_runner.py's ctypes.Structures.
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+
+typedef void (*NormFn)(const void* x, int64_t x_stride, void* residual, const void* w, void* out, int64_t rows,
+                       int hidden, float eps);
+typedef void (*GemmFn)(const void* x, int64_t ldx, const void* w_packed, const void* bias, void* y, int64_t ldy,
+                       int m, int n, int k);
+typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
+                         const void* cos_sin);
+typedef void (*SiluMulFn)(const void* x, int64_t x_stride, void* out, int64_t rows, int inter);
+typedef void (*KvWriteFn)(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
+                          int64_t n, int num_kv_heads, int d, void* k_cache, void* v_cache);
+typedef void (*AttentionFn)(const void* q, const void* k_cache, const void* v_cache, void* out,
+                            const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
+                            const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
+                            int head_dim, int block_size, float scale, int window, float soft_cap,
+                            int max_query_len);
+
+struct RunnerKernels {
+  NormFn add_rms_norm;
+  GemmFn gemm;
+  RotaryFn rotary;
+  SiluMulFn silu_and_mul;
+  KvWriteFn kv_write;
+  AttentionFn attention;
+};
+
+// The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim.
+struct RunnerDims {
+  int64_t elem_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+  float scale;
+};
+
+// One layer's weights (packed for GemmFn), biases (null: none), norm weights and KV cache halves.
+struct RunnerLayer {
+  const void *in_norm, *post_norm;
+  const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+  void *k_cache, *v_cache;
+  float in_eps, post_eps;
+};
+
+// One step: N tokens. x [N, hidden]: the first layer's input; residual [N, hidden]: the residual
+// stream, updated in place (has_residual 0: the first layer's input is the stream itself, as
+// forward_fused with residual None; then residual == x). x_out [N, hidden] <- the last layer's MLP
+// output (also the o_proj output of each layer, free by then). The attention metadata as
+// AttentionMetadata holds it; the scratch buffers are per-step, contiguous.
+struct RunnerStep {
+  int64_t num_tokens;
+  const void* x;
+  void* residual;
+  void* x_out;
+  int64_t has_residual;
+  const void* cos_sin;  // [N, 2, 1, head_dim]
+  const int64_t* slot_mapping;
+  const int32_t *block_tables, *seq_lens, *query_start_loc;
+  int64_t bt_stride, num_seqs;
+  void *h, *qkv, *q, *attn, *gate_up, *act;  // [N, hidden], [N, q + 2 kv], [N, q], [N, q], [N, 2 I], [N, I]
+};
+
+void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
+                        const RunnerStep* s) {
+  const int64_t n = s->num_tokens, es = d->elem_size, hidden = d->hidden, hd = d->head_dim;
+  const int64_t q_size = d->num_heads * hd, kv_size = d->num_kv_heads * hd, qkv_cols = q_size + 2 * kv_size;
+  const int64_t inter = d->intermediate;
+  char* const qkv = static_cast<char*>(s->qkv);
+  char* const k_new = qkv + q_size * es;
+  char* const v_new = qkv + (q_size + kv_size) * es;
+  const void* x = s->x;
+  for (int l = 0; l < num_layers; ++l) {
+    const RunnerLayer& w = layers[l];
+    // input_layernorm: with the residual add, except for a first layer without a residual stream
+    const bool add = l > 0 || s->has_residual;
+    k->add_rms_norm(x, hidden, add ? s->residual : nullptr, w.in_norm, s->h, n, hidden, w.in_eps);
+    // self_attn: qkv_proj, RoPE on q and k in place, K/V into the cache, attention, o_proj
+    k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
+    k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, s->cos_sin);
+    k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, s->cos_sin);
+    k->kv_write(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, w.k_cache, w.v_cache);
+    for (int64_t t = 0; t < n; ++t)  // q contiguous, as the kernel reads it
+      std::memcpy(static_cast<char*>(s->q) + t * q_size * es, qkv + t * qkv_cols * es, q_size * es);
+    k->attention(s->q, w.k_cache, w.v_cache, s->attn, s->block_tables, s->bt_stride, s->seq_lens,
+                 s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
+                 d->block_size, d->scale, 0, 0.0f, 0);
+    k->gemm(s->attn, q_size, w.o_w, w.o_b, s->x_out, hidden, n, hidden, q_size);
+    // post_attention_layernorm (residual += o), then the MLP: down(silu(gate) * up)
+    k->add_rms_norm(s->x_out, hidden, s->residual, w.post_norm, s->h, n, hidden, w.post_eps);
+    k->gemm(s->h, hidden, w.gate_up_w, w.gate_up_b, s->gate_up, 2 * inter, n, 2 * inter, hidden);
+    k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
+    k->gemm(s->act, inter, w.down_w, w.down_b, s->x_out, hidden, n, hidden, inter);
+    x = s->x_out;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,232 @@
+"""All decoder layers of a Llama-family model in one C call per step on the CPU
+(``cpu_layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
+the packed float GEMM, RoPE, the KV write, paged attention, SiLU * up), in the same order on the same
+values, so the output is bit-identical; without the ~0.7 ms of Python a layer costs between them
+(module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a 2-core host). It
+is the CPU's counterpart of a CUDA graph: a step's layers replayed with no interpreter in between.
+
+It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
+CPU, ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (no q/k norm, plain RoPE),
+every linear packed for ``float_gemm_cpu`` (so not quantized), the CPU paged-attention backend over
+a cache in the model's dtype, one tensor- and pipeline-parallel rank. Elsewhere, and in any step it
+does not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is
+logged once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
+``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.layers import cpu_fused_ops, float_gemm_cpu
+from pagedllm.layers.attention import cpu_kernel
+from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+
+SOURCE = Path(__file__).with_name("cpu_layer_runner.cpp")
+ENABLED = os.environ.get("PAGEDLLM_CPU_LAYER_RUNNER", "1") != "0"
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+logger = logging.getLogger("pagedllm")
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "silu_and_mul", "kv_write", "attention")]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("elem_size", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate", "block_size")] + [("scale", _f32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
+                                        "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + \
+               [("in_eps", _f32), ("post_eps", _f32)]
+
+
+_SCRATCH = ("h", "qkv", "q", "attn", "gate_up", "act")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _i64), ("x", _p), ("residual", _p), ("x_out", _p), ("has_residual", _i64),
+                ("cos_sin", _p), ("slot_mapping", _p), ("block_tables", _p), ("seq_lens", _p),
+                ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH]
+
+
+def _build() -> ctypes.CDLL:
+    lib = build_library(SOURCE, BASE_FLAGS)
+    lib.run_decoder_layers.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Dims), ctypes.POINTER(_Layer),
+                                       ctypes.c_int, ctypes.POINTER(_Step)]
+    lib.run_decoder_layers.restype = None
+    return lib
+
+
+_LIBRARY = LazyLibrary(_build)
+
+
+def _addr(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class CpuLayerRunner:
+    """The runner for one model; ``build`` says whether it applies. ``run`` does one step."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: _Kernels, dims: _Dims) -> None:
+        self.model, self.dtype, self.lib = model, dtype, lib
+        self.kernels, self.dims = kernels, dims
+        self.layers: Optional[ctypes.Array] = None
+        self.cache_ptrs: tuple = ()
+        attn = model.layers[0].self_attn
+        self.q_size = attn.num_heads * attn.head_dim
+        self.kv_size = attn.num_kv_heads * attn.head_dim
+
+    @classmethod
+    def build(cls, model: Any) -> tuple[Optional["CpuLayerRunner"], str]:
+        """(runner, "") for a model it covers, else (None, why not)."""
+        from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+        from pagedllm.layers.rotary_embedding import RotaryEmbedding
+        if not ENABLED:
+            return None, "PAGEDLLM_CPU_LAYER_RUNNER=0"
+        layers = list(model.layers)
+        if not layers or getattr(model, "start_layer", 0) != 0 or getattr(model, "end_layer", len(layers)) != len(layers):
+            return None, "pipeline parallelism"
+        rot = model.rotary_emb
+        if (not isinstance(rot, RotaryEmbedding) or type(rot).apply_ is not RotaryEmbedding.apply_
+                or type(rot).forward is not RotaryEmbedding.forward):
+            return None, f"RoPE variant {type(rot).__name__}"
+        first = layers[0]
+        dtype = first.input_layernorm.weight.dtype
+        if dtype not in _SUFFIX:
+            return None, f"dtype {dtype}"
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(layer).forward_fused is not LlamaDecoderLayer.forward_fused
+                    or type(attn).forward is not LlamaAttention.forward or type(mlp).forward is not LlamaMLP.forward
+                    or attn.rotary_emb is not rot):
+                return None, f"{type(layer).__name__} is not the plain Llama decoder layer"
+            if attn.q_norm is not None:
+                return None, "q/k norms"
+            if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
+                return None, f"attention backend {type(attn.backend).__name__}"
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                w = getattr(lin, "gemm_weight", None)
+                if w is None or w.dtype != dtype or getattr(lin, "tp_size", 1) != 1:
+                    return None, (f"a {type(lin).__name__} is not a {dtype} linear packed for float_gemm_cpu "
+                                  f"on one rank")
+            params = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            params += [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                       if lin.bias is not None]
+            if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
+                return None, "RMSNorm weights or biases not contiguous in the model's dtype"
+        if first.input_layernorm.weight.shape[0] > cpu_fused_ops.MAX_HIDDEN or first.self_attn.head_dim % 2:
+            return None, "hidden size or head_dim outside the fused kernels' range"
+        sfx = _SUFFIX[dtype]
+        libs = {}
+        for name, lazy in (("runner", _LIBRARY), ("fused", cpu_fused_ops._LIBRARY),
+                           ("gemm", float_gemm_cpu._LIBRARY), ("attention", cpu_kernel._LIBRARY)):
+            lib, err = lazy.get()
+            if lib is None:
+                return None, f"the {name} library is unavailable ({err})"
+            libs[name] = lib
+        if float_gemm_cpu._GEMM.get(dtype) is None or not cpu_fused_ops.ENABLED:
+            return None, f"no {dtype} GEMM or fused ops"
+        kernels = _Kernels(add_rms_norm=_addr(libs["fused"], f"add_rms_norm_{sfx}"),
+                           gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"),
+                           rotary=_addr(libs["fused"], f"rotary_{sfx}"),
+                           silu_and_mul=_addr(libs["fused"], f"silu_and_mul_{sfx}"),
+                           kv_write=_addr(libs["attention"], f"kv_write_{sfx}"),
+                           attention=_addr(libs["attention"], f"paged_attention_{sfx}"))
+        attn = first.self_attn
+        dims = _Dims(elem_size=torch.empty(0, dtype=dtype).element_size(),
+                     hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
+                     num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                     intermediate=first.mlp.down_proj.input_size, block_size=0, scale=attn.scale)
+        return cls(model, dtype, libs["runner"], kernels, dims), ""
+
+    def _layer_structs(self, kv_caches: list) -> Optional[ctypes.Array]:
+        """The layers' pointers for these KV caches (rebuilt when the caches change), or None when a
+        cache is not the layout the kernels take."""
+        ptrs = tuple(c.data_ptr() if c is not None else 0 for c in kv_caches)
+        if ptrs == self.cache_ptrs and self.layers is not None:
+            return self.layers
+        structs = (_Layer * len(self.model.layers))()
+        for s, layer, cache in zip(structs, self.model.layers, kv_caches):
+            if (cache is None or cache.dtype != self.dtype or not cache.is_contiguous() or cache.dim() != 5
+                    or cache.shape[0] != 2 or cache.shape[-2:] != (self.dims.num_kv_heads, self.dims.head_dim)):
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            half = cache.stride(0) * cache.element_size()
+            s.in_norm, s.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
+            s.in_eps, s.post_eps = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
+            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                              ("down", mlp.down_proj)):
+                setattr(s, f"{name}_w", _ptr(lin.gemm_weight))
+                setattr(s, f"{name}_b", _ptr(lin.bias))
+            s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
+        self.layers, self.cache_ptrs = structs, ptrs
+        return structs
+
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],
+            kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """All layers on x [N, hidden] (and the residual stream [N, hidden], or None before the
+        first layer) -> (the last layer's MLP output, the residual stream), as the Python loop
+        returns them; None, nothing touched, when this step is not one it covers."""
+        if (meta.block_tables is None or cos_sin is None or x.dtype != self.dtype or not x.is_cpu or x.dim() != 2
+                or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())):
+            return None
+        layers = self._layer_structs(kv_caches)
+        if layers is None:
+            return None
+        n, hidden = x.shape
+        d = self.dims
+        d.block_size = meta.block_size
+        cols = {"h": hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
+                "gate_up": 2 * d.intermediate, "act": d.intermediate}
+        # One workspace for the step's scratch rows (each part rounded up to 16 elements).
+        sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
+        work = torch.empty(sum(sizes), dtype=self.dtype)
+        x_out = torch.empty(n, hidden, dtype=self.dtype)
+        bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
+        cs = cos_sin.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        if (bt.dtype != torch.int32 or sl.dtype != torch.int32 or qsl.dtype != torch.int32
+                or slots.dtype != torch.int64 or not bt.is_contiguous() or cs.dtype != self.dtype):
+            return None
+        step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
+                     x_out=x_out.data_ptr(), has_residual=int(residual is not None), cos_sin=cs.data_ptr(),
+                     slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
+                     query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
+        base, es = work.data_ptr(), work.element_size()
+        for k, size in zip(_SCRATCH, sizes):
+            setattr(step, k, base)
+            base += size * es
+        self.lib.run_decoder_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers),
+                                    ctypes.byref(step))
+        return x_out, (x if residual is None else residual)
+
+
+def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],
+               kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``model``'s decoder layers through its runner (built and checked on first use; why not,
+    logged once), or None: the caller runs its Python loop."""
+    if not getattr(model, "use_cpu_layer_runner", True) or not x.is_cpu:
+        return None
+    runner = model.__dict__.get("_cpu_layer_runner")
+    if runner is None:
+        runner, why = CpuLayerRunner.build(model)
+        model.__dict__["_cpu_layer_runner"] = runner or False
+        logger.info("cpu layer runner: %s", "on (all decoder layers in one C call a step)" if runner
+                    else f"off ({why})")
+    if not runner:
+        return None
+    return runner.run(x, residual, cos_sin, kv_caches, meta)

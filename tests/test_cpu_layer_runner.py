@@ -1,0 +1,108 @@
+"""The CPU layer runner (layers/cpu_layer_runner.py: all decoder layers in one C call a step)
+against the Python layer loop it replaces: bit-identical logprobs in batches that mix decodes with
+chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
+transformers, every block back in the pool; and the models and steps it must leave to the loop."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import assert_pool_empty, build_checkpoint
+from test_correctness import greedy, make_prompts, reference
+from pagedllm import LLM
+from pagedllm.layers import cpu_layer_runner, float_gemm_cpu
+from pagedllm.layers.attention import cpu_kernel
+from pagedllm.layers.cpu_layer_runner import CpuLayerRunner
+from pagedllm.logger import init_logger
+
+# Wide enough that every linear packs for float_gemm_cpu (>= 4 panels a thread, up to 4 threads).
+WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def _runner_or_skip() -> None:
+    for lazy in (cpu_layer_runner._LIBRARY, float_gemm_cpu._LIBRARY, cpu_kernel._LIBRARY):
+        lib, err = lazy.get()
+        if lib is None:
+            pytest.skip(f"a CPU kernel library cannot be built here: {err}")
+    if float_gemm_cpu._GEMM.get(torch.float32) is None:
+        pytest.skip("no float32 packed GEMM on this CPU (needs AVX-512 or AVX2 with FMA)")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def wide_dir(request, tmp_path_factory):
+    """Llama, and Qwen2 (biases on q/k/v: the GEMM's bias pointer)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE)
+
+
+def _model(llm):
+    return llm.llm_engine.executor.runner.model
+
+
+def _run(llm, prompts, on: bool, **kw):
+    _model(llm).use_cpu_layer_runner = on
+    outs = llm.generate(prompts, greedy(logprobs=2, **kw), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_runner_equals_layer_loop_bit_for_bit(wide_dir, block_size):
+    _runner_or_skip()
+    prompts = make_prompts(500)
+    # 64-token steps: prompts split into chunks that share steps with other requests' decodes
+    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=16 << 20, block_size=block_size, max_num_batched_tokens=64,
+              max_num_seqs=8, enable_prefix_caching=False)
+    loop = _run(llm, prompts, False)
+    runner = _run(llm, prompts, True)
+    assert isinstance(_model(llm).__dict__.get("_cpu_layer_runner"), CpuLayerRunner)
+    assert runner == loop  # tokens and logprobs, exactly
+    assert [t for t, _ in runner] == [t for t, _ in reference(wide_dir, prompts)]  # transformers' greedy
+    assert_pool_empty(llm)
+
+
+def test_runner_over_cached_prefixes(wide_dir):
+    """Second pass: every prompt's full blocks come from the prefix cache, so each prefill chunk
+    attends over a cached prefix; the first pass (cold) runs the loop, the second the runner."""
+    _runner_or_skip()
+    prompts = make_prompts(500, lens=[40, 96, 150, 231])
+    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=16 << 20, block_size=16, enable_prefix_caching=True)
+    cold = _run(llm, prompts, False)
+    warm = _run(llm, prompts, True)
+    assert warm == cold
+    assert_pool_empty(llm)
+
+
+def test_runner_left_to_the_loop(qwen3_dir, wide_dir, caplog, tmp_path, monkeypatch):
+    """What it does not cover runs the Python loop, with the reason logged once: q/k norms
+    (Qwen3), a model too narrow to pack its linears (hidden 64), and a step without KV caches or
+    in another dtype."""
+    _runner_or_skip()
+    monkeypatch.setattr(init_logger(), "propagate", True)  # let caplog see pagedllm's lines
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(qwen3_dir, dtype="float32", kv_cache_memory=4 << 20)
+        out = llm.generate([[5, 6, 7]], greedy(n=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert _model(llm).__dict__.get("_cpu_layer_runner") is False
+    assert [m for m in caplog.messages if m.startswith("cpu layer runner")] == ["cpu layer runner: off (q/k norms)"]
+
+    llm = LLM(build_checkpoint(str(tmp_path / "narrow")), dtype="float32", kv_cache_memory=4 << 20)
+    assert llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)[0].outputs[0].token_ids
+    runner, why = CpuLayerRunner.build(_model(llm))
+    o_proj = _model(llm).layers[0].self_attn.o_proj  # 64 columns: too few panels to pack on 2+ threads
+    assert getattr(o_proj, "gemm_weight", None) is None
+    assert runner is None and why.endswith("is not a torch.float32 linear packed for float_gemm_cpu on one rank")
+
+    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=4 << 20)
+    llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)
+    runner = _model(llm).__dict__["_cpu_layer_runner"]
+    assert isinstance(runner, CpuLayerRunner)
+    x = torch.randn(3, WIDE["hidden_size"])
+
+    class NoCache:  # the KV-cache-less profiling pass
+        block_tables = None
+
+    assert runner.run(x, None, None, [None] * WIDE["num_hidden_layers"], NoCache()) is None
+    assert runner.run(x.to(torch.bfloat16), None, None, [], NoCache()) is None

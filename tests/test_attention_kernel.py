@@ -161,6 +161,16 @@ def test_kernel_long_contexts():
     _compare(seqs[:3], 32, 1, 8, d=128, dtype=torch.float32, seed=6, window=512)
 
 
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 100)])
+def test_kernel_whole_sequence_decodes_over_many_chunks(dtype, window):
+    """Enough decodes that each work item takes all KV heads of a sequence (>= 4 per thread), with
+    contexts of up to 1,500 tokens: many of the vector path's chunks (on AVX2 each read first into
+    L2, 80 keys a chunk at SmolLM2's shape), with prefills in the same batch."""
+    rng = random.Random(21)
+    seqs = [(rng.randrange(0, 1500), 1) for _ in range(4 * torch.get_num_threads() + 4)] + [(700, 37), (0, 90)]
+    _compare(seqs, 16, 3, 3, d=64, dtype=dtype, seed=21, window=window, tol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (24, 30.0)])
 def test_kernel_bf16(window, soft_cap):
     """bf16 q and cache, fp32 accumulation. The reference runs SDPA in bf16 and both round the output

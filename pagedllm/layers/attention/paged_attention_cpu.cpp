@@ -22,8 +22,9 @@
 // Two implementations of the same computation: with AVX-512 (or AVX2 + FMA) and head_dim % 16 == 0,
 // paged_attention_vec (chunks of 512 keys, 16 scores per transposing add tree, bf16 dot products
 // on AVX512-BF16, K/V prefetched into L2 ahead of use: the loop is memory-bound, and prefetching
-// into L2 measured 1.4x faster than into L1 or none); elsewhere the portable paged_attention (one
-// block at a time). tests/test_attention_kernel.py runs both against the torch reference. On AVX2
+// into L2 measured 1.4x faster than into L1 or none; on AVX2 each chunk's rows are first read
+// once with bare loads, see touch_rows); elsewhere the portable paged_attention (one block at a
+// time). tests/test_attention_kernel.py runs both against the torch reference. On AVX2
 // the vector path's 16 lanes are two ymm (F16); with the cache in L2 it computes a SmolLM2 decode
 // layer at batch 48 in 0.51 ms where the portable loops take 1.2 (from DRAM: 56-60 against 62-65
 // ms for 30 layers, memory-bound).
@@ -313,6 +314,30 @@ inline float mask_max16(float* sr, int npad, int vis_lo, int vis_hi) {
 #endif  // __AVX512F__ / AVX2
 #if defined(PAGEDLLM_AVX512) || defined(PAGEDLLM_AVX2)
 #define PAGEDLLM_VEC 1
+#endif
+
+#ifdef PAGEDLLM_AVX2
+// The vector path reads a chunk's K and V (the item's KV heads of n token rows) first with one
+// load per cache line and nothing else (touch_rows), then computes on them from L2: kTouchBytes of K + V
+// a chunk. On the AVX2-only EPYC measured, the loop's loads and prefetches drew 9-10 GB/s from DRAM
+// (prefetching or not made no difference), a bare read of the same rows 15-16, and touching first
+// took a 48-sequence SmolLM2 decode (30 layers, context 300) from 65-71 to 40-47 ms. AVX-512 keeps
+// its prefetching loop as measured on its own host.
+constexpr int kTouchBytes = 128 << 10;
+template <typename C>
+inline void touch_rows(const C* k_cache, const C* v_cache, const int64_t* off, int n, int64_t h0, int seg_bytes) {
+  __m256i sink = _mm256_setzero_si256();
+  for (int j = 0; j < n; ++j) {
+    const char* kr = reinterpret_cast<const char*>(k_cache + off[j] + h0);
+    const char* vr = reinterpret_cast<const char*>(v_cache + off[j] + h0);
+    for (int c = 0; c < seg_bytes; c += 64)
+      sink = _mm256_or_si256(sink, _mm256_or_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c)),
+                                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c))));
+  }
+  asm volatile("" : : "x"(sink));  // the loads stay: their result is "used"
+}
+#else
+constexpr int kTouchBytes = 0;  // off
 #endif
 
 // One online-softmax step for a query row: scores sr[0, n) (-inf where masked) whose max is bmax
@@ -665,8 +690,12 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       const int lo = window > 0 ? std::max(0, first_pos - window + 1) : 0;
       const int32_t* table = block_tables + static_cast<int64_t>(w.seq) * bt_stride;
 
-      for (int c0 = lo; c0 <= last_pos; c0 += KC) {
-        const int n = std::min(KC, last_pos + 1 - c0);
+      // Bytes of one token row this item reads (its KV heads); with touching, keys a chunk so that
+      // the chunk's K and V fit in kTouchBytes.
+      const int seg_bytes = (w.h_end - w.h_begin) * row_bytes<C>(D);
+      const int kc = kTouchBytes > 0 ? std::max(16, std::min(KC, (kTouchBytes / (2 * seg_bytes)) & ~15)) : KC;
+      for (int c0 = lo; c0 <= last_pos; c0 += kc) {
+        const int n = std::min(kc, last_pos + 1 - c0);
         const int npad = (n + 15) & ~15;
         for (int j = 0, blk = c0 / bs, in = c0 % bs; j < n; ++j) {  // walk the block table
           off[j] = static_cast<int64_t>(table[blk]) * blk_stride + in * tok_stride;
@@ -677,6 +706,9 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
           }
           if (++in == bs) in = 0, ++blk;
         }
+#ifdef PAGEDLLM_AVX2
+        touch_rows(k_cache, v_cache, off.data(), n, static_cast<int64_t>(w.h_begin) * D, seg_bytes);
+#endif
         for (int j = n; j < npad; ++j) {  // padding keys repeat the last (masked)
           off[j] = off[n - 1];
           if constexpr (kInt8<C>) sc_off[j] = sc_off[n - 1];

@@ -42,8 +42,14 @@ def _model(llm):
 
 
 def _run(llm, prompts, on: bool, **kw):
-    _model(llm).use_cpu_layer_runner = on
+    model = _model(llm)
+    model.use_cpu_layer_runner = on
+    runner = model.__dict__.get("_cpu_layer_runner")
+    before = runner.steps_run if runner else 0
     outs = llm.generate(prompts, greedy(logprobs=2, **kw), use_tqdm=False)
+    runner = model.__dict__.get("_cpu_layer_runner")
+    ran = (runner.steps_run if runner else 0) - before
+    assert (ran > 0) == on, f"runner {'on' if on else 'off'} but it ran {ran} steps"
     return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
             for o in outs]
 
@@ -57,9 +63,21 @@ def test_runner_equals_layer_loop_bit_for_bit(wide_dir, block_size):
               max_num_seqs=8, enable_prefix_caching=False)
     loop = _run(llm, prompts, False)
     runner = _run(llm, prompts, True)
-    assert isinstance(_model(llm).__dict__.get("_cpu_layer_runner"), CpuLayerRunner)
     assert runner == loop  # tokens and logprobs, exactly
     assert [t for t, _ in runner] == [t for t, _ in reference(wide_dir, prompts)]  # transformers' greedy
+    assert_pool_empty(llm)
+
+
+def test_runner_with_int8_kv_cache(wide_dir):
+    """An int8 KV cache: the runner quantizes with the kernels' int8 write and reads with their
+    int8-cache attention, as the loop does."""
+    _runner_or_skip()
+    prompts = make_prompts(500)
+    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=16 << 20, kv_cache_dtype="int8", max_num_batched_tokens=64,
+              max_num_seqs=8, enable_prefix_caching=False)
+    loop = _run(llm, prompts, False)
+    runner = _run(llm, prompts, True)
+    assert runner == loop
     assert_pool_empty(llm)
 
 

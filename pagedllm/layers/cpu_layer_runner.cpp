@@ -22,6 +22,9 @@ typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64
 typedef void (*SiluMulFn)(const void* x, int64_t x_stride, void* out, int64_t rows, int inter);
 typedef void (*KvWriteFn)(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                           int64_t n, int num_kv_heads, int d, void* k_cache, void* v_cache);
+// The int8 cache's write: quantizes each (token, KV head) row; block_size locates the scales.
+typedef void (*KvWriteInt8Fn)(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
+                              int64_t n, int num_kv_heads, int d, int block_size, void* k_cache, void* v_cache);
 typedef void (*AttentionFn)(const void* q, const void* k_cache, const void* v_cache, void* out,
                             const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
                             const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
@@ -33,7 +36,8 @@ struct RunnerKernels {
   GemmFn gemm;
   RotaryFn rotary;
   SiluMulFn silu_and_mul;
-  KvWriteFn kv_write;
+  KvWriteFn kv_write;          // a cache in the model's dtype, or
+  KvWriteInt8Fn kv_write_int8;  // an int8 cache (then `attention` is the kernel's int8-cache variant)
   AttentionFn attention;
 };
 
@@ -87,7 +91,11 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
     k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
     k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, s->cos_sin);
     k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, s->cos_sin);
-    k->kv_write(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, w.k_cache, w.v_cache);
+    if (k->kv_write_int8 != nullptr)
+      k->kv_write_int8(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, d->block_size,
+                       w.k_cache, w.v_cache);
+    else
+      k->kv_write(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, w.k_cache, w.v_cache);
     for (int64_t t = 0; t < n; ++t)  // q contiguous, as the kernel reads it
       std::memcpy(static_cast<char*>(s->q) + t * q_size * es, qkv + t * qkv_cols * es, q_size * es);
     k->attention(s->q, w.k_cache, w.v_cache, s->attn, s->block_tables, s->bt_stride, s->seq_lens,

@@ -8,7 +8,7 @@ is the CPU's counterpart of a CUDA graph: a step's layers replayed with no inter
 It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
 CPU, ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (no q/k norm, plain RoPE),
 every linear packed for ``float_gemm_cpu`` (so not quantized), the CPU paged-attention backend over
-a cache in the model's dtype, one tensor- and pipeline-parallel rank. Elsewhere, and in any step it
+a cache in the model's dtype or int8, one tensor- and pipeline-parallel rank. Elsewhere, and in any step it
 does not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is
 logged once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.layers import cpu_fused_ops, float_gemm_cpu
-from pagedllm.layers.attention import cpu_kernel
+from pagedllm.layers.attention import cpu_kernel, kv_quant
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("cpu_layer_runner.cpp")
@@ -36,7 +36,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "silu_and_mul", "kv_write", "attention")]
+    _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "silu_and_mul", "kv_write", "kv_write_int8",
+                                        "attention")]
 
 
 class _Dims(ctypes.Structure):
@@ -81,9 +82,11 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class CpuLayerRunner:
     """The runner for one model; ``build`` says whether it applies. ``run`` does one step."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: _Kernels, dims: _Dims) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: dict, dims: _Dims) -> None:
         self.model, self.dtype, self.lib = model, dtype, lib
-        self.kernels, self.dims = kernels, dims
+        self.kernel_sets, self.dims = kernels, dims  # cache dtype ("auto" | "int8") -> _Kernels
+        self.kernels: Optional[_Kernels] = None
+        self.steps_run = 0  # steps it ran (the rest went to the Python loop)
         self.layers: Optional[ctypes.Array] = None
         self.cache_ptrs: tuple = ()
         attn = model.layers[0].self_attn
@@ -140,12 +143,13 @@ class CpuLayerRunner:
             libs[name] = lib
         if float_gemm_cpu._GEMM.get(dtype) is None or not cpu_fused_ops.ENABLED:
             return None, f"no {dtype} GEMM or fused ops"
-        kernels = _Kernels(add_rms_norm=_addr(libs["fused"], f"add_rms_norm_{sfx}"),
-                           gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"),
-                           rotary=_addr(libs["fused"], f"rotary_{sfx}"),
-                           silu_and_mul=_addr(libs["fused"], f"silu_and_mul_{sfx}"),
-                           kv_write=_addr(libs["attention"], f"kv_write_{sfx}"),
-                           attention=_addr(libs["attention"], f"paged_attention_{sfx}"))
+        common = dict(add_rms_norm=_addr(libs["fused"], f"add_rms_norm_{sfx}"),
+                      gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"), rotary=_addr(libs["fused"], f"rotary_{sfx}"),
+                      silu_and_mul=_addr(libs["fused"], f"silu_and_mul_{sfx}"))
+        kernels = {"auto": _Kernels(**common, kv_write=_addr(libs["attention"], f"kv_write_{sfx}"), kv_write_int8=None,
+                                    attention=_addr(libs["attention"], f"paged_attention_{sfx}")),
+                   "int8": _Kernels(**common, kv_write=None, kv_write_int8=_addr(libs["attention"], f"kv_write_int8_{sfx}"),
+                                    attention=_addr(libs["attention"], f"paged_attention_{sfx}_i8"))}
         attn = first.self_attn
         dims = _Dims(elem_size=torch.empty(0, dtype=dtype).element_size(),
                      hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
@@ -160,8 +164,11 @@ class CpuLayerRunner:
         if ptrs == self.cache_ptrs and self.layers is not None:
             return self.layers
         structs = (_Layer * len(self.model.layers))()
+        cache_dtype = kv_caches[0].dtype if kv_caches and kv_caches[0] is not None else None
+        if cache_dtype not in (self.dtype, torch.int8):
+            return None
         for s, layer, cache in zip(structs, self.model.layers, kv_caches):
-            if (cache is None or cache.dtype != self.dtype or not cache.is_contiguous() or cache.dim() != 5
+            if (cache is None or cache.dtype != cache_dtype or not cache.is_contiguous() or cache.dim() != 5
                     or cache.shape[0] != 2 or cache.shape[-2:] != (self.dims.num_kv_heads, self.dims.head_dim)):
                 return None
             attn, mlp = layer.self_attn, layer.mlp
@@ -174,6 +181,9 @@ class CpuLayerRunner:
                 setattr(s, f"{name}_b", _ptr(lin.bias))
             s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
         self.layers, self.cache_ptrs = structs, ptrs
+        self.kernels = self.kernel_sets["int8" if cache_dtype == torch.int8 else "auto"]
+        rows = kv_caches[0].shape[2]
+        self.cache_block_size = kv_quant.block_size_of(rows, self.dims.head_dim) if cache_dtype == torch.int8 else rows
         return structs
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],
@@ -185,11 +195,11 @@ class CpuLayerRunner:
                 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())):
             return None
         layers = self._layer_structs(kv_caches)
-        if layers is None:
+        if layers is None or meta.block_size != self.cache_block_size:
             return None
         n, hidden = x.shape
         d = self.dims
-        d.block_size = meta.block_size
+        d.block_size = meta.block_size  # an int8 cache's scales sit after each block's rows
         cols = {"h": hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
                 "gate_up": 2 * d.intermediate, "act": d.intermediate}
         # One workspace for the step's scratch rows (each part rounded up to 16 elements).
@@ -212,6 +222,7 @@ class CpuLayerRunner:
             base += size * es
         self.lib.run_decoder_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers),
                                     ctypes.byref(step))
+        self.steps_run += 1
         return x_out, (x if residual is None else residual)
 
 

@@ -164,6 +164,9 @@ class CpuLayerRunner:
         if ptrs == self.cache_ptrs and self.layers is not None:
             return self.layers
         structs = (_Layer * len(self.model.layers))()
+        # The tensors the structs point into, held here: a weight replaced on the model later must
+        # not leave a pointer to freed memory (the caches' pointers are checked every step).
+        held = list(kv_caches)
         cache_dtype = kv_caches[0].dtype if kv_caches and kv_caches[0] is not None else None
         if cache_dtype not in (self.dtype, torch.int8):
             return None
@@ -173,14 +176,16 @@ class CpuLayerRunner:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             half = cache.stride(0) * cache.element_size()
+            held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             s.in_norm, s.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
             s.in_eps, s.post_eps = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                               ("down", mlp.down_proj)):
+                held += [lin.gemm_weight, lin.bias]
                 setattr(s, f"{name}_w", _ptr(lin.gemm_weight))
                 setattr(s, f"{name}_b", _ptr(lin.bias))
             s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
-        self.layers, self.cache_ptrs = structs, ptrs
+        self.layers, self.cache_ptrs, self.held = structs, ptrs, held
         self.kernels = self.kernel_sets["int8" if cache_dtype == torch.int8 else "auto"]
         rows = kv_caches[0].shape[2]
         self.cache_block_size = kv_quant.block_size_of(rows, self.dims.head_dim) if cache_dtype == torch.int8 else rows

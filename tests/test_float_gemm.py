@@ -46,6 +46,21 @@ def test_equals_float64_reference(dtype, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [767, 768, 1000, 2048])
+def test_prefill_sized_steps(dtype, m):
+    """Prefill-sized row counts (on AVX2 from 768 rows x is taken 192 rows at a time, each block
+    against all of a thread's panels): the same bounds, a last block of 40 rows at 1,000, and the
+    same bits as the rows computed 48 at a time (each element is one tile's sum in k order)."""
+    torch.manual_seed(m)
+    n, k = 200, 96
+    w, b, x = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype), torch.randn(m, k).to(dtype)
+    packed = float_gemm_cpu.pack(w)
+    y = float_gemm_cpu.linear(x, packed, b, n)
+    _check(y, x, w, b)
+    assert torch.equal(y, torch.cat([float_gemm_cpu.linear(x[i:i + 48], packed, b, n) for i in range(0, m, 48)]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_threads_share_out_panels(dtype):
     """1, 2 and 3 threads split 9 panels (runs of 4, 3, 2 and 1) and give the same bits: each
     output element is one thread's sum in the same order."""

@@ -96,8 +96,9 @@ class CpuLayerRunner:
     @classmethod
     def build(cls, model: Any) -> tuple[Optional["CpuLayerRunner"], str]:
         """(runner, "") for a model it covers, else (None, why not)."""
-        from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+        from pagedllm.layers.layernorm import RMSNorm
         from pagedllm.layers.rotary_embedding import RotaryEmbedding
+        from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
         if not ENABLED:
             return None, "PAGEDLLM_CPU_LAYER_RUNNER=0"
         layers = list(model.layers)
@@ -119,6 +120,9 @@ class CpuLayerRunner:
                 return None, f"{type(layer).__name__} is not the plain Llama decoder layer"
             if attn.q_norm is not None:
                 return None, "q/k norms"
+            if any(type(n).forward is not RMSNorm.forward or not isinstance(n, RMSNorm)
+                   for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+                return None, f"norm {type(layer.input_layernorm).__name__}"
             if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
                 return None, f"attention backend {type(attn.backend).__name__}"
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):

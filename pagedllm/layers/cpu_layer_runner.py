@@ -29,7 +29,7 @@ from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("cpu_layer_runner.cpp")
 ENABLED = os.environ.get("PAGEDLLM_CPU_LAYER_RUNNER", "1") != "0"
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_SUFFIX = cpu_fused_ops._SUFFIX  # dtype -> the kernels' name suffix (the same in every library)
 logger = logging.getLogger("pagedllm")
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -135,7 +135,9 @@ class CpuLayerRunner:
                        if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
                 return None, "RMSNorm weights or biases not contiguous in the model's dtype"
-        if first.input_layernorm.weight.shape[0] > cpu_fused_ops.MAX_HIDDEN or first.self_attn.head_dim % 2:
+        head_dim = first.self_attn.head_dim
+        if (first.input_layernorm.weight.shape[0] > cpu_fused_ops.MAX_HIDDEN or head_dim % 2
+                or head_dim > cpu_fused_ops.MAX_HEAD_DIM):
             return None, "hidden size or head_dim outside the fused kernels' range"
         sfx = _SUFFIX[dtype]
         libs = {}
@@ -192,7 +194,8 @@ class CpuLayerRunner:
         self.layers, self.cache_ptrs, self.held = structs, ptrs, held
         self.kernels = self.kernel_sets["int8" if cache_dtype == torch.int8 else "auto"]
         rows = kv_caches[0].shape[2]
-        self.cache_block_size = kv_quant.block_size_of(rows, self.dims.head_dim) if cache_dtype == torch.int8 else rows
+        # an int8 cache's scales sit after each block's rows: its kernels take the block size
+        self.dims.block_size = kv_quant.block_size_of(rows, self.dims.head_dim) if cache_dtype == torch.int8 else rows
         return structs
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],
@@ -204,23 +207,22 @@ class CpuLayerRunner:
                 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())):
             return None
         layers = self._layer_structs(kv_caches)
-        if layers is None or meta.block_size != self.cache_block_size:
+        if layers is None or meta.block_size != self.dims.block_size:
             return None
-        n, hidden = x.shape
-        d = self.dims
-        d.block_size = meta.block_size  # an int8 cache's scales sit after each block's rows
-        cols = {"h": hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
-                "gate_up": 2 * d.intermediate, "act": d.intermediate}
-        # One workspace for the step's scratch rows (each part rounded up to 16 elements).
-        sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
-        work = torch.empty(sum(sizes), dtype=self.dtype)
-        x_out = torch.empty(n, hidden, dtype=self.dtype)
         bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
         cs = cos_sin.contiguous()
         slots = meta.slot_mapping.contiguous()
         if (bt.dtype != torch.int32 or sl.dtype != torch.int32 or qsl.dtype != torch.int32
                 or slots.dtype != torch.int64 or not bt.is_contiguous() or cs.dtype != self.dtype):
             return None
+        n, hidden = x.shape
+        d = self.dims
+        cols = {"h": hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
+                "gate_up": 2 * d.intermediate, "act": d.intermediate}
+        # One workspace for the step's scratch rows (each part rounded up to 16 elements).
+        sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
+        work = torch.empty(sum(sizes), dtype=self.dtype)
+        x_out = torch.empty(n, hidden, dtype=self.dtype)
         step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
                      x_out=x_out.data_ptr(), has_residual=int(residual is not None), cos_sin=cs.data_ptr(),
                      slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),

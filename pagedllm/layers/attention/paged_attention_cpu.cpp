@@ -788,6 +788,17 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
 }
 #endif  // PAGEDLLM_VEC
 
+// The cache rows a step writes are cold (a decode step's one row per sequence, scattered): plain
+// stores wait on each line's read-for-ownership, a few rows at a time. Prefetching the lines
+// `kWriteAhead` tokens ahead with write intent keeps many in flight, and from 4,096 elements both
+// threads write: SmolLM2's 48 decode tokens over 30 layers took 5.0 ms a step, now 1.1-1.4 (as
+// non-temporal stores did).
+constexpr int64_t kWriteAhead = 4;
+inline void prefetch_for_write(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 1, 3);
+}
+
 // Quantize this step's K and V rows into an int8 cache (symmetric per (token, KV head) row:
 // scale = max|x| / 127, value = round-half-even(x * (127 / max|x|)); an all-zero row stores 0s
 // and scale 0). The same float32 operations as the torch reference (layers/attention/kv_quant.py),
@@ -798,8 +809,17 @@ void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, c
                    int64_t n, int num_kv_heads, int d, int block_size, int8_t* k_cache, int8_t* v_cache) {
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * d;
   const int64_t blk_stride = tok_stride * block_rows<int8_t>(block_size, d);
-#pragma omp parallel for schedule(static) if (n * num_kv_heads >= 256)
+#pragma omp parallel for schedule(static) if (n * num_kv_heads * d >= 4096)
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kWriteAhead < n) {
+      const int64_t ahead = slot_mapping[t + kWriteAhead];
+      const int64_t a_off = ahead / block_size * blk_stride, a_in = ahead % block_size;
+      for (int8_t* cache : {k_cache, v_cache}) {
+        prefetch_for_write(cache + a_off + a_in * tok_stride, tok_stride);
+        prefetch_for_write(cache + scale_offset(a_off, block_size, static_cast<int>(a_in), num_kv_heads, 0, d),
+                           4 * num_kv_heads);
+      }
+    }
     std::vector<float> x(d);
     const int64_t blk_off = slot_mapping[t] / block_size * blk_stride;
     const int in = static_cast<int>(slot_mapping[t] % block_size);
@@ -827,8 +847,12 @@ template <typename T>
 void kv_write(const T* k, int64_t k_stride, const T* v, int64_t v_stride, const int64_t* slot_mapping, int64_t n,
               int num_kv_heads, int d, T* k_cache, T* v_cache) {
   const int64_t row = static_cast<int64_t>(num_kv_heads) * d;
-#pragma omp parallel for schedule(static) if (n * row >= 65536)
+#pragma omp parallel for schedule(static) if (n * row >= 4096)
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kWriteAhead < n) {
+      prefetch_for_write(k_cache + slot_mapping[t + kWriteAhead] * row, sizeof(T) * row);
+      prefetch_for_write(v_cache + slot_mapping[t + kWriteAhead] * row, sizeof(T) * row);
+    }
     std::memcpy(k_cache + slot_mapping[t] * row, k + t * k_stride, sizeof(T) * row);
     std::memcpy(v_cache + slot_mapping[t] * row, v + t * v_stride, sizeof(T) * row);
   }

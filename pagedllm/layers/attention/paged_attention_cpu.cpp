@@ -263,9 +263,7 @@ inline void pv_slice(const float* p, int p_stride, const T* const* v, int n, flo
   __m256 a[R][CW];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CW; ++c) a[r][c] = _mm256_loadu_ps(acc + r * d + c0 + 8 * c);
-  for (int j = 0; j < n; ++j) {
-    if (c0 == 0 && j + 24 < n)
-      for (int c = 0; c < row_bytes<T>(d); c += 64) __builtin_prefetch(reinterpret_cast<const char*>(v[j + 24]) + c, 0, 2);
+  for (int j = 0; j < n; ++j) {  // no prefetch: the chunk's rows were read into L2 (touch_rows)
     __m256 vc[CW];
     for (int c = 0; c < CW; ++c) vc[c] = load8(v[j] + c0 + 8 * c);
     for (int r = 0; r < R; ++r) {
@@ -718,14 +716,17 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
           const int r0 = (h - w.h_begin) * head_rows;
           const F16 vscale = set1_16(scale);
           for (int j0 = 0; j0 < npad; j0 += 16) {  // each 16 keys from L1 for all rows of the head
-            // K rows two groups ahead (one ahead measured 4-8 % slower: DRAM latency is not hidden)
-            if (j0 + 32 < npad)
+            // K rows two groups ahead (one ahead measured 4-8 % slower: DRAM latency is not hidden);
+            // not where the chunk was touched (AVX2): its rows are in L2, and these prefetches cost
+            // 8-10 % of the kernel's time there with the cache hot.
+            if (kTouchBytes == 0 && j0 + 32 < npad)
               for (int j = j0 + 32; j < std::min(npad, j0 + 48); ++j)
                 for (int c = 0; c < row_bytes<C>(D); c += 64)
                   __builtin_prefetch(reinterpret_cast<const char*>(kp[j]) + c, 0, 2);
-            for (int j = j0; j < j0 + 16; ++j)  // this head's V rows, for P.V after the scores
-              for (int c = 0; c < row_bytes<C>(D); c += 64)
-                __builtin_prefetch(reinterpret_cast<const char*>(vp[j]) + c, 0, 2);
+            if (kTouchBytes == 0)
+              for (int j = j0; j < j0 + 16; ++j)  // this head's V rows, for P.V after the scores
+                for (int c = 0; c < row_bytes<C>(D); c += 64)
+                  __builtin_prefetch(reinterpret_cast<const char*>(vp[j]) + c, 0, 2);
             if constexpr (kInt8<C>) {
               for (int j = 0; j < 16; ++j) {  // scale lines were prefetched by the table walk
                 int8_row_to(kp[j0 + j], &kw[static_cast<size_t>(j) * D], D);

@@ -81,6 +81,30 @@ def test_runner_with_int8_kv_cache(wide_dir):
     assert_pool_empty(llm)
 
 
+def test_runner_phase_timings(wide_dir):
+    """The runner's optional timings (bench profile's breakdown): every phase of every layer gets
+    time, together no more than the steps' wall time, and timing changes no output."""
+    import time
+
+    _runner_or_skip()
+    prompts = make_prompts(200)
+    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=64, max_num_seqs=8,
+              enable_prefix_caching=False)
+    plain = _run(llm, prompts, True)
+    runner = _model(llm).__dict__["_cpu_layer_runner"]
+    assert runner.phase_seconds() == {}  # off unless asked
+    runner.timing_on()
+    t0 = time.perf_counter()
+    timed = _run(llm, prompts, True)
+    wall = time.perf_counter() - t0
+    assert timed == plain
+    phases = runner.phase_seconds()
+    assert list(phases) == list(cpu_layer_runner.PHASES)
+    assert all(v > 0 for v in phases.values()), phases
+    assert sum(phases.values()) < wall
+    assert_pool_empty(llm)
+
+
 def test_runner_over_cached_prefixes(wide_dir):
     """Second pass: every prompt's full blocks come from the prefix cache, so each prefill chunk
     attends over a cached prefix; the first pass (cold) runs the loop, the second the runner."""

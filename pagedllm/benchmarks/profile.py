@@ -5,7 +5,8 @@ pure decode step of the whole batch. Over ``--steps`` decode steps the bench rep
 
 1. the wall time of a step without any instrumentation (on a CPU with the layer runner, all
    decoder layers in one C call, where it applies; then also with the Python layer loop, which the
-   breakdown below times);
+   breakdown below times); with the runner, also its layers' phases (qkv_proj, attention, ...) as
+   the runner times them between its kernel calls, and the rest of its step;
 2. a breakdown from timing hooks (``time.perf_counter`` around each part; CPU ops are
    synchronous, on CUDA the hooks synchronize): engine parts (schedule, prepare_inputs, sampler,
    update, detokenize/outputs) and, inside the forward pass, each linear layer, paged attention
@@ -287,9 +288,19 @@ def run(args: argparse.Namespace) -> dict:
 
         plain = decode_steps(args.steps)
         # The hooks below time the Python layer loop's modules: the CPU layer runner (all layers in
-        # one C call) has none, so from here on the loop runs; its own step time is reported too.
+        # one C call) has none, so from here on the loop runs; its own step time is reported too,
+        # and its layers' phases as the runner itself timed them (clock reads between its calls).
         model_obj = engine.executor.runner.model
-        ran_runner = bool(model_obj.__dict__.get("_cpu_layer_runner"))
+        layer_runner = model_obj.__dict__.get("_cpu_layer_runner")
+        ran_runner = bool(layer_runner)
+        runner_parts, runner_timed = {}, None
+        if ran_runner:
+            layer_runner.timing_on()
+            runner_timed = decode_steps(args.steps)
+            runner_parts = {k: v / args.steps for k, v in layer_runner.phase_seconds().items()}
+            runner_parts["outside the layers (embedding, LM head, sampler, engine)"] = max(
+                0.0, runner_timed - sum(runner_parts.values()))
+            layer_runner.timings = None
         model_obj.use_cpu_layer_runner = False
         loop = decode_steps(args.steps) if ran_runner else plain
         instrument(engine, timers)
@@ -339,6 +350,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size, "context_len": args.context_len, "steps": args.steps,
         "final_outputs_only": getattr(engine, "final_outputs_only", None),
         "step_s": plain, "step_s_layer_loop": loop, "cpu_layer_runner": ran_runner, "step_s_instrumented": hooked, "step_s_torch_profiler": profiled,
+        "step_s_runner_timed": runner_timed, "runner_breakdown_s": dict(sorted(runner_parts.items(), key=lambda kv: -kv[1])),
         "decode_tokens_per_s": args.batch_size / plain,
         "breakdown_s": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "breakdown_fraction": {k: v / total_parts for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
@@ -354,6 +366,10 @@ def run(args: argparse.Namespace) -> dict:
           + f"; instrumented {hooked * 1000:.1f} ms")
     for k, v in result["breakdown_s"].items():
         print(f"  {k:44s} {v * 1000:8.2f} ms  {100 * v / total_parts:5.1f}%")
+    if runner_parts:
+        print(f"the layer runner's own step, timed by phase: {runner_timed * 1000:.1f} ms")
+        for k, v in result["runner_breakdown_s"].items():
+            print(f"  {k:56s} {v * 1000:8.2f} ms  {100 * v / runner_timed:5.1f}%")
     if aten_self is not None:
         print(f"  time outside ATen ops (Python/framework): {100 * result['outside_aten_fraction']:.1f}% "
               f"of a profiled step")

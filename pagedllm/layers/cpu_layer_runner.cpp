@@ -8,6 +8,7 @@
 // attention/paged_attention_cpu.cpp); Python hands their addresses in (RunnerKernels), so this
 // file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
 // bytes each. Plain C ABI (ctypes); the structs mirror cpu_layer_runner.py's ctypes.Structures.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -71,6 +72,9 @@ struct RunnerStep {
   const int32_t *block_tables, *seq_lens, *query_start_loc;
   int64_t bt_stride, num_seqs;
   void *h, *qkv, *q, *attn, *gate_up, *act;  // [N, hidden], [N, q + 2 kv], [N, q], [N, q], [N, 2 I], [N, I]
+  // null, or the seconds of each phase of a layer (cpu_layer_runner.PHASES, in the order of the
+  // calls below) added up over the layers: bench profile's breakdown of a runner step.
+  double* timings;
 };
 
 void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
@@ -82,31 +86,50 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
   char* const k_new = qkv + q_size * es;
   char* const v_new = qkv + (q_size + kv_size) * es;
   const void* x = s->x;
+  double* const tm = s->timings;
+  auto now = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  double t0 = tm != nullptr ? now() : 0.0;
+  auto phase_done = [&](int i) {  // the time since the last mark to phase i
+    if (tm == nullptr) return;
+    const double t = now();
+    tm[i] += t - t0;
+    t0 = t;
+  };
   for (int l = 0; l < num_layers; ++l) {
     const RunnerLayer& w = layers[l];
     // input_layernorm: with the residual add, except for a first layer without a residual stream
     const bool add = l > 0 || s->has_residual;
     k->add_rms_norm(x, hidden, add ? s->residual : nullptr, w.in_norm, s->h, n, hidden, w.in_eps);
+    phase_done(0);
     // self_attn: qkv_proj, RoPE on q and k in place, K/V into the cache, attention, o_proj
     k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
+    phase_done(1);
     k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, s->cos_sin);
     k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, s->cos_sin);
+    phase_done(2);
     if (k->kv_write_int8 != nullptr)
       k->kv_write_int8(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, d->block_size,
                        w.k_cache, w.v_cache);
     else
       k->kv_write(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, w.k_cache, w.v_cache);
+    phase_done(3);
     for (int64_t t = 0; t < n; ++t)  // q contiguous, as the kernel reads it
       std::memcpy(static_cast<char*>(s->q) + t * q_size * es, qkv + t * qkv_cols * es, q_size * es);
     k->attention(s->q, w.k_cache, w.v_cache, s->attn, s->block_tables, s->bt_stride, s->seq_lens,
                  s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
                  d->block_size, d->scale, 0, 0.0f, 0);
+    phase_done(4);
     k->gemm(s->attn, q_size, w.o_w, w.o_b, s->x_out, hidden, n, hidden, q_size);
+    phase_done(5);
     // post_attention_layernorm (residual += o), then the MLP: down(silu(gate) * up)
     k->add_rms_norm(s->x_out, hidden, s->residual, w.post_norm, s->h, n, hidden, w.post_eps);
+    phase_done(6);
     k->gemm(s->h, hidden, w.gate_up_w, w.gate_up_b, s->gate_up, 2 * inter, n, 2 * inter, hidden);
+    phase_done(7);
     k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
+    phase_done(8);
     k->gemm(s->act, inter, w.down_w, w.down_b, s->x_out, hidden, n, hidden, inter);
+    phase_done(9);
     x = s->x_out;
   }
 }

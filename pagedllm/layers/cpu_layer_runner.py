@@ -52,12 +52,17 @@ class _Layer(ctypes.Structure):
 
 
 _SCRATCH = ("h", "qkv", "q", "attn", "gate_up", "act")
+# A layer's phases, in the order the runner calls them: its optional timings (bench profile) are
+# seconds per phase, summed over the layers.
+PHASES = ("input_layernorm", "qkv_proj", "rotary", "kv_write", "attention (+ q copy)", "o_proj",
+          "post_attention_layernorm", "gate_up_proj", "silu_and_mul", "down_proj")
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("x", _p), ("residual", _p), ("x_out", _p), ("has_residual", _i64),
                 ("cos_sin", _p), ("slot_mapping", _p), ("block_tables", _p), ("seq_lens", _p),
-                ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH]
+                ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH] + \
+               [("timings", _p)]
 
 
 def _build() -> ctypes.CDLL:
@@ -87,6 +92,8 @@ class CpuLayerRunner:
         self.kernel_sets, self.dims = kernels, dims  # cache dtype ("auto" | "int8") -> _Kernels
         self.kernels: Optional[_Kernels] = None
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
+        # None, or seconds per PHASES entry summed over layers and steps (set by timing_on)
+        self.timings: Optional[ctypes.Array] = None
         self.layers: Optional[ctypes.Array] = None
         self.cache_ptrs: tuple = ()
         attn = model.layers[0].self_attn
@@ -227,6 +234,8 @@ class CpuLayerRunner:
                      x_out=x_out.data_ptr(), has_residual=int(residual is not None), cos_sin=cs.data_ptr(),
                      slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
                      query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
+        if self.timings is not None:
+            step.timings = ctypes.addressof(self.timings)
         base, es = work.data_ptr(), work.element_size()
         for k, size in zip(_SCRATCH, sizes):
             setattr(step, k, base)
@@ -235,6 +244,16 @@ class CpuLayerRunner:
                                     ctypes.byref(step))
         self.steps_run += 1
         return x_out, (x if residual is None else residual)
+
+
+    def timing_on(self) -> None:
+        """From now on each step adds its phases' wall time (seconds, summed over the layers) to
+        ``phase_seconds()``; two clock reads a phase."""
+        self.timings = (ctypes.c_double * len(PHASES))()
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds per phase (PHASES) since ``timing_on``, summed over layers and steps."""
+        return dict(zip(PHASES, self.timings)) if self.timings is not None else {}
 
 
 def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],

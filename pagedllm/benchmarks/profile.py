@@ -243,9 +243,10 @@ def run(args: argparse.Namespace) -> dict:
 
     model, load_format = resolve_model(args.model, args.load_format, args.output_dir)
     warm = 2
-    # Four measured phases, never finishing inside them; the margin covers the requests whose
-    # (chunked) prefill ended in an earlier step and that are a few tokens ahead.
-    max_tokens = 1 + warm + 4 * args.steps + 16
+    # Up to five measured phases (plain, the runner timed by phase, the Python loop, hooks, torch's
+    # profiler), never finishing inside them; the margin covers the requests whose (chunked)
+    # prefill ended in an earlier step and that are a few tokens ahead.
+    max_tokens = 1 + warm + 5 * args.steps + 16
     max_len = args.context_len + max_tokens + 1
     tokens_needed = args.batch_size * (-(-max_len // args.block_size) + 1) * args.block_size
     # Size the KV cache from the model shape: enough for the whole batch, no preemption.

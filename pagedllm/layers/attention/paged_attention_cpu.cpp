@@ -63,6 +63,15 @@ inline float scale_at(const int8_t* cache, int64_t off) {
   std::memcpy(&s, cache + off, sizeof(float));
   return s;
 }
+// Where an int8 cache's slot lives: its block's offset (blk_stride apart) and its row in the block.
+struct Int8Slot {
+  int64_t block_off;
+  int in;
+};
+inline Int8Slot int8_slot(int64_t slot, int block_size, int64_t blk_stride) {
+  return {slot / block_size * blk_stride, static_cast<int>(slot % block_size)};
+}
+
 // Byte offset of the scale of (token `in` of the block at `block_off`, KV head h).
 inline int64_t scale_offset(int64_t block_off, int bs, int in, int num_kv_heads, int h, int d) {
   return block_off + static_cast<int64_t>(bs) * num_kv_heads * d + (static_cast<int64_t>(in) * num_kv_heads + h) * 4;
@@ -823,17 +832,14 @@ void kv_write_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, c
 #pragma omp parallel for schedule(static) if (n * num_kv_heads * d >= 4096)
   for (int64_t t = 0; t < n; ++t) {
     if (t + kWriteAhead < n) {
-      const int64_t ahead = slot_mapping[t + kWriteAhead];
-      const int64_t a_off = ahead / block_size * blk_stride, a_in = ahead % block_size;
+      const Int8Slot a = int8_slot(slot_mapping[t + kWriteAhead], block_size, blk_stride);
       for (int8_t* cache : {k_cache, v_cache}) {
-        prefetch_for_write(cache + a_off + a_in * tok_stride, tok_stride);
-        prefetch_for_write(cache + scale_offset(a_off, block_size, static_cast<int>(a_in), num_kv_heads, 0, d),
-                           4 * num_kv_heads);
+        prefetch_for_write(cache + a.block_off + a.in * tok_stride, tok_stride);
+        prefetch_for_write(cache + scale_offset(a.block_off, block_size, a.in, num_kv_heads, 0, d), 4 * num_kv_heads);
       }
     }
     std::vector<float> x(d);
-    const int64_t blk_off = slot_mapping[t] / block_size * blk_stride;
-    const int in = static_cast<int>(slot_mapping[t] % block_size);
+    const auto [blk_off, in] = int8_slot(slot_mapping[t], block_size, blk_stride);
     for (int kv = 0; kv < 2; ++kv) {
       const T* src = kv == 0 ? k + t * k_stride : v + t * v_stride;
       int8_t* cache = kv == 0 ? k_cache : v_cache;
@@ -878,8 +884,7 @@ void kv_read_int8(const int8_t* cache, const int64_t* slot_mapping, int64_t n, i
   const int64_t blk_stride = tok_stride * block_rows<int8_t>(block_size, d);
 #pragma omp parallel for schedule(static) if (n * num_kv_heads >= 256)
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t blk_off = slot_mapping[t] / block_size * blk_stride;
-    const int in = static_cast<int>(slot_mapping[t] % block_size);
+    const auto [blk_off, in] = int8_slot(slot_mapping[t], block_size, blk_stride);
     std::vector<float> x(d);
     for (int h = 0; h < num_kv_heads; ++h) {
       dequant_row(cache + blk_off + in * tok_stride + h * d,

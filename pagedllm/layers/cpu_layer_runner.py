@@ -96,6 +96,7 @@ class CpuLayerRunner:
         self.timings: Optional[ctypes.Array] = None
         self.layers: Optional[ctypes.Array] = None
         self.cache_ptrs: tuple = ()
+        self.held: list = []  # the tensors self.layers points into
         attn = model.layers[0].self_attn
         self.q_size = attn.num_heads * attn.head_dim
         self.kv_size = attn.num_kv_heads * attn.head_dim
@@ -244,7 +245,6 @@ class CpuLayerRunner:
                                     ctypes.byref(step))
         self.steps_run += 1
         return x_out, (x if residual is None else residual)
-
 
     def timing_on(self) -> None:
         """From now on each step adds its phases' wall time (seconds, summed over the layers) to

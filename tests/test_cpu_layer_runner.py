@@ -1,7 +1,8 @@
 """The CPU layer runner (layers/cpu_layer_runner.py: all decoder layers in one C call a step)
 against the Python layer loop it replaces: bit-identical logprobs in batches that mix decodes with
 chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
-transformers, every block back in the pool; and the models and steps it must leave to the loop."""
+transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms), every block back in the pool;
+and the models and steps it must leave to the loop."""
 from __future__ import annotations
 
 import logging
@@ -31,10 +32,12 @@ def _runner_or_skip() -> None:
         pytest.skip("no float32 packed GEMM on this CPU (needs AVX-512 or AVX2 with FMA)")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def wide_dir(request, tmp_path_factory):
-    """Llama, and Qwen2 (biases on q/k/v: the GEMM's bias pointer)."""
-    return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE)
+    """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer) and Qwen3 (RMSNorms on q and k per
+    head, before RoPE)."""
+    extra = dict(head_dim=64) if request.param == "qwen3" else {}
+    return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
 
 def _model(llm):
@@ -117,18 +120,21 @@ def test_runner_over_cached_prefixes(wide_dir):
     assert_pool_empty(llm)
 
 
-def test_runner_left_to_the_loop(qwen3_dir, wide_dir, caplog, tmp_path, monkeypatch):
-    """What it does not cover runs the Python loop, with the reason logged once: q/k norms
-    (Qwen3), a model too narrow to pack its linears (hidden 64), and a step without KV caches or
+def test_runner_left_to_the_loop(wide_dir, caplog, tmp_path, monkeypatch):
+    """What it does not cover runs the Python loop, with the reason logged once: a sparse MoE MLP
+    (Mixtral), a model too narrow to pack its linears (hidden 64), and a step without KV caches or
     in another dtype."""
+    from test_models_moe import build_moe_checkpoint
+
     _runner_or_skip()
     monkeypatch.setattr(init_logger(), "propagate", True)  # let caplog see pagedllm's lines
     with caplog.at_level(logging.INFO, logger="pagedllm"):
-        llm = LLM(qwen3_dir, dtype="float32", kv_cache_memory=4 << 20)
+        llm = LLM(build_moe_checkpoint(str(tmp_path / "moe"), "mixtral"), dtype="float32", kv_cache_memory=4 << 20)
         out = llm.generate([[5, 6, 7]], greedy(n=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert _model(llm).__dict__.get("_cpu_layer_runner") is False
-    assert [m for m in caplog.messages if m.startswith("cpu layer runner")] == ["cpu layer runner: off (q/k norms)"]
+    assert [m for m in caplog.messages if m.startswith("cpu layer runner")] == [
+        "cpu layer runner: off (MLP SparseMoeBlock, not the dense SwiGLU one)"]
 
     llm = LLM(build_checkpoint(str(tmp_path / "narrow")), dtype="float32", kv_cache_memory=4 << 20)
     assert llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -68,6 +68,38 @@ def test_rms_norm_and_fused_add_equal_transformers(dtype, shape, path):
         assert check(out, ref(summed))
 
 
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 2, 64), (5, 16, 128), (48, 8, 128)])
+def test_q_k_norm_per_head_in_place_equals_transformers(dtype, tokens, heads, head_dim, path):
+    """Qwen3's q/k norms on views of the qkv projection's output (token stride > heads * head_dim):
+    the C kernel normalizes each head's row in place and leaves the rest of each token's row (the
+    other heads, k and v) untouched; the values as transformers' Qwen3RMSNorm, the bound of the
+    test above."""
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    g = torch.Generator().manual_seed(tokens * heads)
+    qkv = (torch.randn(tokens, (heads + 3) * head_dim, generator=g) * 3).to(dtype)
+    q = qkv[:, head_dim:(heads + 1) * head_dim].view(tokens, heads, head_dim)  # strided: not at column 0
+    before = qkv.clone()
+    ref = q3.Qwen3RMSNorm(head_dim, eps=1e-6).to(dtype)
+    ours = RMSNorm(head_dim, 1e-6, dtype)
+    w = torch.randn(head_dim, generator=g).to(dtype)
+    ref.weight.data.copy_(w)
+    ours.weight.data.copy_(w)
+    with torch.no_grad():
+        want = ref(q.clone())
+        got = ours.forward_heads_(q)
+    if path == "torch":
+        assert torch.equal(got, want) and torch.equal(qkv, before)  # a new tensor; the view untouched
+        return
+    assert got is q  # in place
+    assert_close_rounding(got, want, dtype, head_dim * 2.0 ** -24)
+    rest = torch.ones_like(qkv, dtype=torch.bool)
+    rest[:, head_dim:(heads + 1) * head_dim] = False
+    assert torch.equal(qkv[rest], before[rest])
+
+
 def _hf_rope(config, positions, q, k, dtype):
     rope = hf.LlamaRotaryEmbedding(config)
     cos, sin = rope(q.to(dtype), positions[None])

@@ -1,6 +1,6 @@
 // Elementwise CPU kernels around the matmuls, one pass over memory each, where PyTorch eager runs
 // 2-9 ATen ops (each a thread-pool dispatch over a ~50k-element tensor): the residual add fused
-// with RMSNorm (vLLM's fused_add_rms_norm), SiLU(gate) * up (vLLM's silu_and_mul), rotate-half
+// with RMSNorm (vLLM's fused_add_rms_norm), RMSNorm per attention head in place, SiLU(gate) * up (vLLM's silu_and_mul), rotate-half
 // RoPE in place, and the int8 linear's per-token quantization and epilogue. Same operations in the same order and with the same roundings as transformers'
 // Llama modules (bf16: each intermediate rounded to bf16 where transformers rounds it); built with
 // -ffp-contract=off so no multiply-add is fused. Differences from ATen: RMSNorm's mean of squares
@@ -61,38 +61,54 @@ inline void silu64(const float* g, float* s) {
 
 constexpr int64_t kMinWork = 16384;  // elements below which one thread does it all
 
+// One row: residual <- residual + x (if rr); out <- w * rnd(r * rsqrt(mean(r^2) + eps)), r the new
+// residual (or x). The row is read into float first, so out may be x itself.
+template <typename T>
+inline void rms_norm_row(const T* xr, T* rr, const T* w, T* orow, int hidden, float eps) {
+  float buf[8192];  // the row in float (hidden <= 8192, checked by the caller)
+  if (rr) {
+    for (int c = 0; c < hidden; ++c) {
+      const float v = rnd<T>(as_float(rr[c]) + as_float(xr[c]));
+      put(&rr[c], v);
+      buf[c] = v;
+    }
+  } else {
+    for (int c = 0; c < hidden; ++c) buf[c] = as_float(xr[c]);
+  }
+  float acc[16] = {};
+  int c = 0;
+  for (; c + 16 <= hidden; c += 16) {
+#pragma omp simd
+    for (int u = 0; u < 16; ++u) acc[u] += buf[c + u] * buf[c + u];
+  }
+  for (; c < hidden; ++c) acc[0] += buf[c] * buf[c];
+  float ss = 0.0f;
+  for (int u = 0; u < 16; ++u) ss += acc[u];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int c2 = 0; c2 < hidden; ++c2) put(&orow[c2], as_float(w[c2]) * rnd<T>(buf[c2] * inv));
+}
+
 // residual <- residual + x (if residual); out <- w * rnd(r * rsqrt(mean(r^2) + eps)), r the new residual.
 template <typename T>
 void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t rows, int hidden,
                   float eps) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= kMinWork)
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* xr = x + i * x_stride;
-    T* rr = residual ? residual + i * hidden : nullptr;
-    T* orow = out + i * hidden;
-    float buf[8192];  // the row in float (hidden <= 8192, checked by the caller)
-    if (rr) {
-      for (int c = 0; c < hidden; ++c) {
-        const float v = rnd<T>(as_float(rr[c]) + as_float(xr[c]));
-        put(&rr[c], v);
-        buf[c] = v;
-      }
-    } else {
-      for (int c = 0; c < hidden; ++c) buf[c] = as_float(xr[c]);
+  for (int64_t i = 0; i < rows; ++i)
+    rms_norm_row(x + i * x_stride, residual ? residual + i * hidden : nullptr, w, out + i * hidden, hidden, eps);
+}
+
+// In place, per head: x[i, h, :] <- RMSNorm(x[i, h, :]) with weight w [d] (Qwen3's q/k norms, over
+// head_dim), the row arithmetic of add_rms_norm.
+template <typename T>
+void rms_norm_heads(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d, const T* w,
+                    float eps) {
+#pragma omp parallel for schedule(static) if (n * heads * d >= kMinWork)
+  for (int64_t i = 0; i < n; ++i)
+    for (int h = 0; h < heads; ++h) {
+      T* xr = x + i * tok_stride + h * head_stride;
+      rms_norm_row<T>(xr, nullptr, w, xr, d, eps);
     }
-    float acc[16] = {};
-    int c = 0;
-    for (; c + 16 <= hidden; c += 16) {
-#pragma omp simd
-      for (int u = 0; u < 16; ++u) acc[u] += buf[c + u] * buf[c + u];
-    }
-    for (; c < hidden; ++c) acc[0] += buf[c] * buf[c];
-    float ss = 0.0f;
-    for (int u = 0; u < 16; ++u) ss += acc[u];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-#pragma omp simd
-    for (int c2 = 0; c2 < hidden; ++c2) put(&orow[c2], as_float(w[c2]) * rnd<T>(buf[c2] * inv));
-  }
 }
 
 // out[i, :] <- rnd(silu(gate)) * up, x[i] = [gate | up] (2 * inter), silu(g) = g / (1 + exp(-g)).
@@ -253,6 +269,13 @@ void silu_and_mul_f32(const float* x, int64_t xs, float* out, int64_t rows, int 
 }
 void silu_and_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t rows, int inter) {
   silu_and_mul(x, xs, out, rows, inter);
+}
+void rms_norm_heads_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const float* w, float eps) {
+  rms_norm_heads(x, ts, hs, n, heads, d, w, eps);
+}
+void rms_norm_heads_bf16(uint16_t* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const uint16_t* w,
+                         float eps) {
+  rms_norm_heads(x, ts, hs, n, heads, d, w, eps);
 }
 void rotary_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const float* cs) {
   rotary(x, ts, hs, n, heads, d, cs);

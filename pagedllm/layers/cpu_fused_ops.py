@@ -1,6 +1,6 @@
 """The elementwise kernels of ``cpu_fused_ops.cpp`` for CPU tensors: residual add + RMSNorm,
-SiLU(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of 2-6 ATen ops;
-and the sampler's row-wise argmax of float32 logits.
+RMSNorm per head in place (q/k norms), SiLU(gate) * up, and rotate-half RoPE in place, each one pass
+over memory instead of 2-6 ATen ops; and the sampler's row-wise argmax of float32 logits.
 
 Used by ``layers/layernorm.py``, ``layers/activation.py`` and ``layers/rotary_embedding.py`` when
 the tensors are float32 or bfloat16 on a CPU and the library builds (``layers/cpu_build.py``);
@@ -33,9 +33,10 @@ def _build() -> ctypes.CDLL:
         getattr(lib, f"add_rms_norm_{sfx}").argtypes = [p, i64, p, p, p, i64, i32, f32]
         getattr(lib, f"silu_and_mul_{sfx}").argtypes = [p, i64, p, i64, i32]
         getattr(lib, f"rotary_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p]
+        getattr(lib, f"rms_norm_heads_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p, f32]
         getattr(lib, f"quantize_rows_{sfx}").argtypes = [p, i64, i64, i32, p, p]
         getattr(lib, f"int8_epilogue_{sfx}").argtypes = [p, i64, i32, p, p, p, p]
-        for name in ("add_rms_norm", "silu_and_mul", "rotary", "quantize_rows", "int8_epilogue"):
+        for name in ("add_rms_norm", "rms_norm_heads", "silu_and_mul", "rotary", "quantize_rows", "int8_epilogue"):
             getattr(lib, f"{name}_{sfx}").restype = None
     lib.argmax_rows_f32.argtypes, lib.argmax_rows_f32.restype = [p, i64, i64, i64, p], None
     return lib
@@ -86,6 +87,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     fn(x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
        x.shape[0], x.shape[1], float(eps))
     return out
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """In place, each head's row of x [N, h, D] (token and head strides free, D contiguous) <-
+    weight * rnd(x * rsqrt(mean(x^2) + eps)), add_rms_norm's arithmetic: Qwen3's q/k norms on the
+    qkv projection's views. Returns False, x untouched, when the kernel does not apply."""
+    if x.dim() != 3 or x.shape[-1] > MAX_HIDDEN or weight.shape != x.shape[-1:] or not weight.is_contiguous():
+        return False
+    fn = _fn("rms_norm_heads", x, weight)
+    if fn is None:
+        return False
+    fn(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], weight.data_ptr(), float(eps))
+    return True
 
 
 def silu_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -20,6 +20,9 @@ typedef void (*GemmFn)(const void* x, int64_t ldx, const void* w_packed, const v
                        int m, int n, int k);
 typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
                          const void* cos_sin);
+// In place: RMSNorm over d of each of the `heads` rows of each of n tokens (q/k norms).
+typedef void (*HeadNormFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
+                           const void* w, float eps);
 typedef void (*SiluMulFn)(const void* x, int64_t x_stride, void* out, int64_t rows, int inter);
 typedef void (*KvWriteFn)(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                           int64_t n, int num_kv_heads, int d, void* k_cache, void* v_cache);
@@ -36,6 +39,7 @@ struct RunnerKernels {
   NormFn add_rms_norm;
   GemmFn gemm;
   RotaryFn rotary;
+  HeadNormFn rms_norm_heads;
   SiluMulFn silu_and_mul;
   KvWriteFn kv_write;          // a cache in the model's dtype, or
   KvWriteInt8Fn kv_write_int8;  // an int8 cache (then `attention` is the kernel's int8-cache variant)
@@ -48,12 +52,13 @@ struct RunnerDims {
   float scale;
 };
 
-// One layer's weights (packed for GemmFn), biases (null: none), norm weights and KV cache halves.
+// One layer's weights (packed for GemmFn), biases (null: none), norm weights (q_norm, k_norm
+// [head_dim]: null, none) and KV cache halves.
 struct RunnerLayer {
-  const void *in_norm, *post_norm;
+  const void *in_norm, *post_norm, *q_norm, *k_norm;
   const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
   void *k_cache, *v_cache;
-  float in_eps, post_eps;
+  float in_eps, post_eps, q_eps, k_eps;
 };
 
 // One step: N tokens. x [N, hidden]: the first layer's input; residual [N, hidden]: the residual
@@ -101,9 +106,14 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
     const bool add = l > 0 || s->has_residual;
     k->add_rms_norm(x, hidden, add ? s->residual : nullptr, w.in_norm, s->h, n, hidden, w.in_eps);
     phase_done(0);
-    // self_attn: qkv_proj, RoPE on q and k in place, K/V into the cache, attention, o_proj
+    // self_attn: qkv_proj, the q/k norms (Qwen3) and RoPE on q and k in place, K/V into the cache,
+    // attention, o_proj
     k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
     phase_done(1);
+    if (w.q_norm != nullptr) {
+      k->rms_norm_heads(qkv, qkv_cols, hd, n, d->num_heads, hd, w.q_norm, w.q_eps);
+      k->rms_norm_heads(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, w.k_norm, w.k_eps);
+    }
     k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, s->cos_sin);
     k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, s->cos_sin);
     phase_done(2);

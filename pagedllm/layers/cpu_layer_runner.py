@@ -1,15 +1,15 @@
 """All decoder layers of a Llama-family model in one C call per step on the CPU
 (``cpu_layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
-the packed float GEMM, RoPE, the KV write, paged attention, SiLU * up), in the same order on the same
-values, so the output is bit-identical; without the ~0.7 ms of Python a layer costs between them
+the packed float GEMM, q/k norms, RoPE, the KV write, paged attention, SiLU * up), in the same order
+on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer costs between them
 (module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a 2-core host). It
 is the CPU's counterpart of a CUDA graph: a step's layers replayed with no interpreter in between.
 
 It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
-CPU, ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (no q/k norm, plain RoPE),
-every linear packed for ``float_gemm_cpu`` (so not quantized), the CPU paged-attention backend over
-a cache in the model's dtype or int8, one tensor- and pipeline-parallel rank. Elsewhere, and in any step it
-does not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is
+CPU, ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE; with or without
+Qwen3's q/k RMSNorms), every linear packed for ``float_gemm_cpu`` (so not quantized), the CPU
+paged-attention backend over a cache in the model's dtype or int8, one tensor- and pipeline-parallel
+rank. Elsewhere, and in any step it does not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is
 logged once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 """
@@ -36,8 +36,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "silu_and_mul", "kv_write", "kv_write_int8",
-                                        "attention")]
+    _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "rms_norm_heads", "silu_and_mul", "kv_write",
+                                        "kv_write_int8", "attention")]
 
 
 class _Dims(ctypes.Structure):
@@ -46,15 +46,15 @@ class _Dims(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
-                                        "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + \
-               [("in_eps", _f32), ("post_eps", _f32)]
+    _fields_ = [(name, _p) for name in ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_b", "o_w", "o_b",
+                                        "gate_up_w", "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + \
+               [(name, _f32) for name in ("in_eps", "post_eps", "q_eps", "k_eps")]
 
 
 _SCRATCH = ("h", "qkv", "q", "attn", "gate_up", "act")
 # A layer's phases, in the order the runner calls them: its optional timings (bench profile) are
 # seconds per phase, summed over the layers.
-PHASES = ("input_layernorm", "qkv_proj", "rotary", "kv_write", "attention (+ q copy)", "o_proj",
+PHASES = ("input_layernorm", "qkv_proj", "rotary (+ q/k norms)", "kv_write", "attention (+ q copy)", "o_proj",
           "post_attention_layernorm", "gate_up_proj", "silu_and_mul", "down_proj")
 
 
@@ -123,14 +123,15 @@ class CpuLayerRunner:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if (type(layer).forward_fused is not LlamaDecoderLayer.forward_fused
-                    or type(attn).forward is not LlamaAttention.forward or type(mlp).forward is not LlamaMLP.forward
-                    or attn.rotary_emb is not rot):
+                    or type(attn).forward is not LlamaAttention.forward or attn.rotary_emb is not rot):
                 return None, f"{type(layer).__name__} is not the plain Llama decoder layer"
-            if attn.q_norm is not None:
-                return None, "q/k norms"
-            if any(type(n).forward is not RMSNorm.forward or not isinstance(n, RMSNorm)
-                   for n in (layer.input_layernorm, layer.post_attention_layernorm)):
-                return None, f"norm {type(layer.input_layernorm).__name__}"
+            if type(mlp).forward is not LlamaMLP.forward:
+                return None, f"MLP {type(mlp).__name__}, not the dense SwiGLU one"
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+            if any(not isinstance(n, RMSNorm) or type(n).forward is not RMSNorm.forward
+                   or type(n).forward_heads_ is not RMSNorm.forward_heads_ for n in norms):
+                return None, f"norm {next(type(n).__name__ for n in norms if type(n) is not RMSNorm)}"
             if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
                 return None, f"attention backend {type(attn.backend).__name__}"
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -138,7 +139,7 @@ class CpuLayerRunner:
                 if w is None or w.dtype != dtype or getattr(lin, "tp_size", 1) != 1:
                     return None, (f"a {type(lin).__name__} is not a {dtype} linear packed for float_gemm_cpu "
                                   f"on one rank")
-            params = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            params = [n.weight for n in norms]
             params += [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
@@ -159,6 +160,7 @@ class CpuLayerRunner:
             return None, f"no {dtype} GEMM or fused ops"
         common = dict(add_rms_norm=_addr(libs["fused"], f"add_rms_norm_{sfx}"),
                       gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"), rotary=_addr(libs["fused"], f"rotary_{sfx}"),
+                      rms_norm_heads=_addr(libs["fused"], f"rms_norm_heads_{sfx}"),
                       silu_and_mul=_addr(libs["fused"], f"silu_and_mul_{sfx}"))
         kernels = {"auto": _Kernels(**common, kv_write=_addr(libs["attention"], f"kv_write_{sfx}"), kv_write_int8=None,
                                     attention=_addr(libs["attention"], f"paged_attention_{sfx}")),
@@ -190,9 +192,12 @@ class CpuLayerRunner:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             half = cache.stride(0) * cache.element_size()
-            held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            s.in_norm, s.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
-            s.in_eps, s.post_eps = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
+            for name, norm in (("in", layer.input_layernorm), ("post", layer.post_attention_layernorm),
+                               ("q", attn.q_norm), ("k", attn.k_norm)):
+                if norm is not None:  # q/k: Qwen3's norms (null: none)
+                    held.append(norm.weight)
+                    setattr(s, f"{name}_norm", _ptr(norm.weight))
+                    setattr(s, f"{name}_eps", norm.eps)
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                               ("down", mlp.down_proj)):
                 held += [lin.gemm_weight, lin.bias]

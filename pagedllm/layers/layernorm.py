@@ -51,6 +51,15 @@ class RMSNorm(nn.Module):
         residual.add_(x)  # same rounding as transformers' ``residual + hidden_states``
         return rms_norm(residual, self.weight, self.eps), residual
 
+    def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D] (a view of the qkv projection: strides free, D contiguous) -> the norm
+        over D of each head (Qwen3's q/k norms): in place on x through the CPU kernel where it
+        applies (one pass, no copy), else ``forward(x)``, a new tensor."""
+        if (x.is_cpu and type(self).forward is RMSNorm.forward
+                and cpu_fused_ops.rms_norm_heads_(x, self.weight, self.eps)):
+            return x
+        return self(x)
+
 
 class LayerNorm(nn.Module):
     """LayerNorm (Ba et al., 2016) over the last dim: (x - mean) / sqrt(var + eps) * weight + bias,

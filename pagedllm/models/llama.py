@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv_proj.split_heads(self.qkv_proj(x))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
         if isinstance(self.rotary_emb, RotaryEmbedding):
             if cos_sin is None:
                 cos_sin = self.rotary_emb.cos_sin(positions)

@@ -32,11 +32,12 @@ def _runner_or_skip() -> None:
         pytest.skip("no float32 packed GEMM on this CPU (needs AVX-512 or AVX2 with FMA)")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def wide_dir(request, tmp_path_factory):
-    """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer) and Qwen3 (RMSNorms on q and k per
-    head, before RoPE)."""
-    extra = dict(head_dim=64) if request.param == "qwen3" else {}
+    """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer), Qwen3 (RMSNorms on q and k per head,
+    before RoPE), Gemma 2 (sliding windows on alternate layers, soft-capped scores, four norms a layer,
+    GELU-tanh) and Gemma 3 (q/k norms, a RoPE table per layer type)."""
+    extra = dict(head_dim=64) if request.param in ("qwen3", "gemma2", "gemma3") else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
 
@@ -102,7 +103,7 @@ def test_runner_phase_timings(wide_dir):
     wall = time.perf_counter() - t0
     assert timed == plain
     phases = runner.phase_seconds()
-    assert list(phases) == list(cpu_layer_runner.PHASES)
+    assert list(phases) == list(cpu_layer_runner.GEMMA_PHASES if runner.gemma else cpu_layer_runner.PHASES)
     assert all(v > 0 for v in phases.values()), phases
     assert sum(phases.values()) < wall
     assert_pool_empty(llm)

@@ -100,6 +100,85 @@ def test_q_k_norm_per_head_in_place_equals_transformers(dtype, tokens, heads, he
     assert torch.equal(qkv[rest], before[rest])
 
 
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 640), (48, 1152)])
+def test_gemma_norms_and_post_norm_adds_equal_transformers(dtype, shape, path):
+    """Gemma's RMSNorm (x * rsqrt(mean(x^2) + eps) * (1 + w), in float) as transformers'
+    Gemma3RMSNorm: alone, on each head of q in place (Gemma 3's q/k norms), and as the post-norm
+    residual add fused with the next norm (``residual + post_norm(branch)``, then the next block's
+    pre-norm). The bound of the Llama norm's test."""
+    from transformers.models.gemma3 import modeling_gemma3 as g3
+
+    from pagedllm.layers.layernorm import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x, branch, res = ((torch.randn(*shape, generator=g) * 3).to(dtype) for _ in range(3))
+    refs = [g3.Gemma3RMSNorm(shape[-1], eps=1e-6).to(dtype) for _ in range(2)]
+    ours = [GemmaRMSNorm(shape[-1], 1e-6, dtype) for _ in range(2)]
+    for r, o in zip(refs, ours):
+        w = (torch.randn(shape[-1], generator=g) * 0.5).to(dtype)
+        r.weight.data.copy_(w)
+        o.weight.data.copy_(w)
+    rtol32 = shape[-1] * 2.0 ** -24
+    check = torch.equal if path == "torch" else lambda a, b: assert_close_rounding(a, b, dtype, rtol32) or True
+    with torch.no_grad():
+        assert check(ours[0](x), refs[0](x))
+        normed = refs[0](branch)
+        summed = res + normed  # transformers: residual + post_attention_layernorm(attn_out)
+        # a sum's error is the addend's: bounded by the norm's tolerance times |addend| (a sum near 0
+        # has no relative bound); bf16: one step of the addend
+        tol = rtol32 if dtype == torch.float32 else 2.0 ** -7
+        atol = tol * normed.abs().max().item()
+        sum_close = lambda a: torch.testing.assert_close(a.double(), summed.double(), rtol=tol, atol=atol)
+        residual = res.clone()
+        got = ours[0].add_to_(residual, branch, ours[1])
+        sum_close(residual)  # in place
+        assert check(got, refs[1](residual)) and (path == "c" or torch.equal(residual, summed))
+        residual = res.clone()
+        assert ours[0].add_to_(residual, branch) is residual
+        sum_close(residual)
+        heads = x.view(shape[0], -1, 32) if shape[-1] > 64 else x.view(shape[0], 2, 32)
+        norm32 = g3.Gemma3RMSNorm(32, eps=1e-6).to(dtype)
+        mine32 = GemmaRMSNorm(32, 1e-6, dtype)
+        w = (torch.randn(32, generator=g) * 0.5).to(dtype)
+        norm32.weight.data.copy_(w)
+        mine32.weight.data.copy_(w)
+        want = norm32(heads.clone())
+        got = mine32.forward_heads_(heads)
+        assert check(got, want)
+        assert (got is heads) == (path == "c")  # in place through the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_equals_float64(dtype):
+    """Gemma's GELU-tanh(gate) * up against the formula in float64, as g / (1 + exp(-2z)) (equal to
+    0.5 g (1 + tanh z); PyTorch's 1 + tanh(z) cancels to 0 for g < -5 even in float64): float32 within
+    1e-6 relative plus z's rounding through exp, and within 2^-21 |gate * up| of PyTorch's float32
+    gelu (its cancellation); bfloat16 as the other tests. Rows strided, gates up to +-40."""
+    from pagedllm.layers import cpu_fused_ops
+
+    if cpu_fused_ops._LIBRARY.get()[0] is None:
+        pytest.skip("the C kernels cannot be built here")
+    g = torch.Generator().manual_seed(6)
+    buf = (torch.randn(300, 2 * 80 + 3, generator=g) * 8).to(dtype)
+    buf[0, :4] = torch.tensor([-40.0, 40.0, 0.0, -0.0]).to(dtype)
+    gate_up = buf[:, :2 * 80]
+    gate, up = gate_up[:, :80].double(), gate_up[:, 80:].double()
+    got = cpu_fused_ops.gelu_tanh_and_mul(gate_up)
+    assert got.shape == (300, 80) and got.is_contiguous()
+    z = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3)
+    gelu = gate / (1 + torch.exp(-2 * z))
+    if dtype == torch.float32:
+        # z carries ~4 float32 roundings (2^-22 relative), which exp(-2z) multiplies by |2z|
+        bound = (1e-6 + 2.0 ** -22 * (2 * z).abs()) * (gelu * up).abs() + 1e-36
+        assert ((got.double() - gelu * up).abs() <= bound).all()
+        torch_form = (F.gelu(gate_up[:, :80], approximate="tanh") * gate_up[:, 80:]).double()
+        assert ((got.double() - torch_form).abs() <= 2.0 ** -21 * (gate * up).abs() + 1e-30).all()
+    else:  # the kernel rounds gelu(gate) to bf16, then the product, as transformers' bf16 MLP
+        assert_close_rounding(got, (gelu.to(dtype).double() * up).to(dtype), dtype, 0.0)
+
+
 def _hf_rope(config, positions, q, k, dtype):
     rope = hf.LlamaRotaryEmbedding(config)
     cos, sin = rope(q.to(dtype), positions[None])

@@ -1,11 +1,14 @@
 // Elementwise CPU kernels around the matmuls, one pass over memory each, where PyTorch eager runs
 // 2-9 ATen ops (each a thread-pool dispatch over a ~50k-element tensor): the residual add fused
-// with RMSNorm (vLLM's fused_add_rms_norm), RMSNorm per attention head in place, SiLU(gate) * up (vLLM's silu_and_mul), rotate-half
-// RoPE in place, and the int8 linear's per-token quantization and epilogue. Same operations in the same order and with the same roundings as transformers'
-// Llama modules (bf16: each intermediate rounded to bf16 where transformers rounds it); built with
-// -ffp-contract=off so no multiply-add is fused. Differences from ATen: RMSNorm's mean of squares
-// is summed in another order (fp32: last-bit differences) and SiLU's exp is our own polynomial
-// (within 2 ulp). Plain C ABI (ctypes); x rows may be strided, the last dim contiguous.
+// with RMSNorm (vLLM's fused_add_rms_norm), RMSNorm per attention head in place, SiLU(gate) * up
+// (vLLM's silu_and_mul), Gemma's RMSNorm and GELU-tanh(gate) * up, rotate-half RoPE in place, and
+// the int8 linear's per-token quantization and epilogue. Same operations in the same order and with
+// the same roundings as transformers' Llama and Gemma modules (bf16: each intermediate rounded to
+// bf16 where transformers rounds it); built with -ffp-contract=off so no multiply-add is fused.
+// Differences from ATen: RMSNorm's mean of squares is summed in another order (fp32: last-bit
+// differences), SiLU's and GELU's exp is our own polynomial (within 2 ulp), and GELU-tanh is
+// computed in a form without cancellation (gelu_tanh64). Plain C ABI (ctypes); x rows may be
+// strided, the last dim contiguous.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,7 +62,58 @@ inline void silu64(const float* g, float* s) {
 #endif
 }
 
+// s[c] = GELU(g[c]), tanh approximation (Hendrycks & Gimpel, 2016; PyTorch's gelu(approximate="tanh")),
+// for c < 64: 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), computed as g / (1 + exp(-2z)),
+// the same value without the cancellation of 1 + tanh(z) for g < 0 (where PyTorch's form loses up to
+// ~1e-7 |g|); z in PyTorch's order of operations. Past -2z = 88 (g < -9.8) the value is below 1e-37:
+// 0 (PyTorch's -0 too), where exp's clamp would leave g / 2e38.
+inline void gelu_tanh64(const float* g, float* s) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f, kFlush = 88.0f;
+#if defined(__AVX512F__)
+  for (int c = 0; c < 64; c += 16) {
+    const __m512 x = _mm512_loadu_ps(g + c);
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 z =
+        _mm512_mul_ps(_mm512_set1_ps(kBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kKappa), cube)));
+    const __m512 m2z = _mm512_mul_ps(_mm512_set1_ps(-2.0f), z);
+    const __m512 r = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_f16(m2z)));
+    const __mmask16 tiny = _mm512_cmp_ps_mask(m2z, _mm512_set1_ps(kFlush), _CMP_GT_OQ);
+    _mm512_storeu_ps(s + c, _mm512_mask_mul_ps(r, tiny, x, _mm512_setzero_ps()));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int c = 0; c < 64; c += 8) {
+    const __m256 x = _mm256_loadu_ps(g + c);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 z =
+        _mm256_mul_ps(_mm256_set1_ps(kBeta), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(kKappa), cube)));
+    const __m256 m2z = _mm256_mul_ps(_mm256_set1_ps(-2.0f), z);
+    const __m256 r = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_f8(m2z)));
+    const __m256 tiny = _mm256_cmp_ps(m2z, _mm256_set1_ps(kFlush), _CMP_GT_OQ);
+    _mm256_storeu_ps(s + c, _mm256_blendv_ps(r, _mm256_mul_ps(x, _mm256_setzero_ps()), tiny));
+  }
+#else
+  for (int c = 0; c < 64; ++c) {
+    const float x = g[c], z = kBeta * (x + kKappa * (x * x * x));
+    s[c] = -2.0f * z > kFlush ? x * 0.0f : x / (1.0f + exp_f(-2.0f * z));
+  }
+#endif
+}
+
 constexpr int64_t kMinWork = 16384;  // elements below which one thread does it all
+
+// 1 / sqrt(mean(buf^2) + eps), the squares summed in 16 lanes (every RMSNorm here sums in this order).
+inline float inv_rms(const float* buf, int hidden, float eps) {
+  float acc[16] = {};
+  int c = 0;
+  for (; c + 16 <= hidden; c += 16) {
+#pragma omp simd
+    for (int u = 0; u < 16; ++u) acc[u] += buf[c + u] * buf[c + u];
+  }
+  for (; c < hidden; ++c) acc[0] += buf[c] * buf[c];
+  float ss = 0.0f;
+  for (int u = 0; u < 16; ++u) ss += acc[u];
+  return 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+}
 
 // One row: residual <- residual + x (if rr); out <- w * rnd(r * rsqrt(mean(r^2) + eps)), r the new
 // residual (or x). The row is read into float first, so out may be x itself.
@@ -75,18 +129,18 @@ inline void rms_norm_row(const T* xr, T* rr, const T* w, T* orow, int hidden, fl
   } else {
     for (int c = 0; c < hidden; ++c) buf[c] = as_float(xr[c]);
   }
-  float acc[16] = {};
-  int c = 0;
-  for (; c + 16 <= hidden; c += 16) {
-#pragma omp simd
-    for (int u = 0; u < 16; ++u) acc[u] += buf[c + u] * buf[c + u];
-  }
-  for (; c < hidden; ++c) acc[0] += buf[c] * buf[c];
-  float ss = 0.0f;
-  for (int u = 0; u < 16; ++u) ss += acc[u];
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+  const float inv = inv_rms(buf, hidden, eps);
 #pragma omp simd
   for (int c2 = 0; c2 < hidden; ++c2) put(&orow[c2], as_float(w[c2]) * rnd<T>(buf[c2] * inv));
+}
+
+// Gemma's RMSNorm of one row held in float: o[c] = buf[c] * rsqrt(mean(buf^2) + eps) * (1 + w[c]), all
+// in float, rounded once at the end by the caller (transformers' Gemma2RMSNorm / Gemma3RMSNorm).
+template <typename T>
+inline void gemma_norm_row(const float* buf, const T* w, float* o, int hidden, float eps) {
+  const float inv = inv_rms(buf, hidden, eps);
+#pragma omp simd
+  for (int c = 0; c < hidden; ++c) o[c] = buf[c] * inv * (1.0f + as_float(w[c]));
 }
 
 // residual <- residual + x (if residual); out <- w * rnd(r * rsqrt(mean(r^2) + eps)), r the new residual.
@@ -98,23 +152,59 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, const T* w, T* out,
     rms_norm_row(x + i * x_stride, residual ? residual + i * hidden : nullptr, w, out + i * hidden, hidden, eps);
 }
 
-// In place, per head: x[i, h, :] <- RMSNorm(x[i, h, :]) with weight w [d] (Qwen3's q/k norms, over
-// head_dim), the row arithmetic of add_rms_norm.
-template <typename T>
+// In place, per head: x[i, h, :] <- RMSNorm(x[i, h, :]) with weight w [d] over head_dim: Qwen3's
+// q/k norms (the row arithmetic of add_rms_norm), or Gemma 3's (kGemma: gemma_norm_row's).
+template <typename T, bool kGemma>
 void rms_norm_heads(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d, const T* w,
                     float eps) {
 #pragma omp parallel for schedule(static) if (n * heads * d >= kMinWork)
   for (int64_t i = 0; i < n; ++i)
     for (int h = 0; h < heads; ++h) {
       T* xr = x + i * tok_stride + h * head_stride;
-      rms_norm_row<T>(xr, nullptr, w, xr, d, eps);
+      if (kGemma) {
+        float buf[8192], o[8192];  // d <= 8192, checked by the caller
+        for (int c = 0; c < d; ++c) buf[c] = as_float(xr[c]);
+        gemma_norm_row(buf, w, o, d, eps);
+        for (int c = 0; c < d; ++c) put(&xr[c], o[c]);
+      } else {
+        rms_norm_row<T>(xr, nullptr, w, xr, d, eps);
+      }
     }
 }
 
-// out[i, :] <- rnd(silu(gate)) * up, x[i] = [gate | up] (2 * inter), silu(g) = g / (1 + exp(-g)).
-// In chunks of 64 through float buffers, so that each loop is a plain vector loop.
+// Gemma's norms around the residual stream, per row: with w_add, residual <- rnd(residual +
+// rnd(gnorm(x, w_add))) (transformers' `residual + post_norm(branch)`); then, with w_out, out <-
+// rnd(gnorm(r, w_out)), r the new residual (without w_add: x). gnorm: gemma_norm_row.
 template <typename T>
-void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int inter) {
+void gemma_rms_norm(const T* x, int64_t x_stride, const T* w_add, float eps_add, T* residual, const T* w_out,
+                    float eps_out, T* out, int64_t rows, int hidden) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= kMinWork)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xr = x + i * x_stride;
+    float buf[8192], o[8192];  // hidden <= 8192, checked by the caller
+    for (int c = 0; c < hidden; ++c) buf[c] = as_float(xr[c]);
+    if (w_add != nullptr) {
+      T* rr = residual + i * hidden;
+      gemma_norm_row(buf, w_add, o, hidden, eps_add);
+      for (int c = 0; c < hidden; ++c) {
+        const float v = rnd<T>(as_float(rr[c]) + rnd<T>(o[c]));
+        put(&rr[c], v);
+        buf[c] = v;
+      }
+    }
+    if (w_out != nullptr) {
+      T* orow = out + i * hidden;
+      gemma_norm_row(buf, w_out, o, hidden, eps_out);
+      for (int c = 0; c < hidden; ++c) put(&orow[c], o[c]);
+    }
+  }
+}
+
+// out[i, :] <- rnd(act(gate)) * up, x[i] = [gate | up] (2 * inter); act: silu64 (silu(g) = g / (1 +
+// exp(-g))) or gelu_tanh64. In chunks of 64 through float buffers, so that each loop is a plain
+// vector loop.
+template <typename T, void (*Act64)(const float*, float*)>
+void act_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int inter) {
   constexpr int C = 64;
 #pragma omp parallel for schedule(static) if (rows * inter >= kMinWork)
   for (int64_t i = 0; i < rows; ++i) {
@@ -126,7 +216,7 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int inter)
       const int m = std::min(C, inter - c0);
       for (int c = 0; c < m; ++c) gf[c] = as_float(g[c0 + c]);
       for (int c = m; c < C; ++c) gf[c] = 0.0f;
-      silu64(gf, s);
+      Act64(gf, s);
       for (int c = 0; c < m; ++c) put(&o[c0 + c], rnd<T>(s[c]) * as_float(u[c0 + c]));
     }
   }
@@ -265,17 +355,39 @@ void add_rms_norm_bf16(const uint16_t* x, int64_t xs, uint16_t* res, const uint1
   add_rms_norm(x, xs, res, w, out, rows, hidden, eps);
 }
 void silu_and_mul_f32(const float* x, int64_t xs, float* out, int64_t rows, int inter) {
-  silu_and_mul(x, xs, out, rows, inter);
+  act_and_mul<float, silu64>(x, xs, out, rows, inter);
 }
 void silu_and_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t rows, int inter) {
-  silu_and_mul(x, xs, out, rows, inter);
+  act_and_mul<uint16_t, silu64>(x, xs, out, rows, inter);
+}
+void gelu_tanh_and_mul_f32(const float* x, int64_t xs, float* out, int64_t rows, int inter) {
+  act_and_mul<float, gelu_tanh64>(x, xs, out, rows, inter);
+}
+void gelu_tanh_and_mul_bf16(const uint16_t* x, int64_t xs, uint16_t* out, int64_t rows, int inter) {
+  act_and_mul<uint16_t, gelu_tanh64>(x, xs, out, rows, inter);
+}
+void gemma_rms_norm_f32(const float* x, int64_t xs, const float* w_add, float eps_add, float* res, const float* w_out,
+                        float eps_out, float* out, int64_t rows, int hidden) {
+  gemma_rms_norm(x, xs, w_add, eps_add, res, w_out, eps_out, out, rows, hidden);
+}
+void gemma_rms_norm_bf16(const uint16_t* x, int64_t xs, const uint16_t* w_add, float eps_add, uint16_t* res,
+                         const uint16_t* w_out, float eps_out, uint16_t* out, int64_t rows, int hidden) {
+  gemma_rms_norm(x, xs, w_add, eps_add, res, w_out, eps_out, out, rows, hidden);
 }
 void rms_norm_heads_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const float* w, float eps) {
-  rms_norm_heads(x, ts, hs, n, heads, d, w, eps);
+  rms_norm_heads<float, false>(x, ts, hs, n, heads, d, w, eps);
 }
 void rms_norm_heads_bf16(uint16_t* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const uint16_t* w,
                          float eps) {
-  rms_norm_heads(x, ts, hs, n, heads, d, w, eps);
+  rms_norm_heads<uint16_t, false>(x, ts, hs, n, heads, d, w, eps);
+}
+void gemma_rms_norm_heads_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const float* w,
+                              float eps) {
+  rms_norm_heads<float, true>(x, ts, hs, n, heads, d, w, eps);
+}
+void gemma_rms_norm_heads_bf16(uint16_t* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const uint16_t* w,
+                               float eps) {
+  rms_norm_heads<uint16_t, true>(x, ts, hs, n, heads, d, w, eps);
 }
 void rotary_f32(float* x, int64_t ts, int64_t hs, int64_t n, int heads, int d, const float* cs) {
   rotary(x, ts, hs, n, heads, d, cs);

@@ -1,8 +1,10 @@
 """The elementwise kernels of ``cpu_fused_ops.cpp`` for CPU tensors: residual add + RMSNorm,
-RMSNorm per head in place (q/k norms), SiLU(gate) * up, and rotate-half RoPE in place, each one pass
-over memory instead of 2-6 ATen ops; and the sampler's row-wise argmax of float32 logits.
+RMSNorm per head in place (q/k norms), SiLU(gate) * up, Gemma's RMSNorm (with its post-norm residual
+add) and GELU-tanh(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of
+2-9 ATen ops; and the sampler's row-wise argmax of float32 logits.
 
-Used by ``layers/layernorm.py``, ``layers/activation.py`` and ``layers/rotary_embedding.py`` when
+Used by ``layers/layernorm.py``, ``layers/activation.py``, ``layers/rotary_embedding.py`` and
+``models/gemma2.py`` when
 the tensors are float32 or bfloat16 on a CPU and the library builds (``layers/cpu_build.py``);
 otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
 Measured on SmolLM2-135M, batch 48 decode, 2 threads: see benchmarks/README.md section 5.
@@ -33,10 +35,14 @@ def _build() -> ctypes.CDLL:
         getattr(lib, f"add_rms_norm_{sfx}").argtypes = [p, i64, p, p, p, i64, i32, f32]
         getattr(lib, f"silu_and_mul_{sfx}").argtypes = [p, i64, p, i64, i32]
         getattr(lib, f"rotary_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p]
-        getattr(lib, f"rms_norm_heads_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p, f32]
+        for name in ("rms_norm_heads", "gemma_rms_norm_heads"):
+            getattr(lib, f"{name}_{sfx}").argtypes = [p, i64, i64, i64, i32, i32, p, f32]
+        getattr(lib, f"gemma_rms_norm_{sfx}").argtypes = [p, i64, p, f32, p, p, f32, p, i64, i32]
+        getattr(lib, f"gelu_tanh_and_mul_{sfx}").argtypes = [p, i64, p, i64, i32]
         getattr(lib, f"quantize_rows_{sfx}").argtypes = [p, i64, i64, i32, p, p]
         getattr(lib, f"int8_epilogue_{sfx}").argtypes = [p, i64, i32, p, p, p, p]
-        for name in ("add_rms_norm", "rms_norm_heads", "silu_and_mul", "rotary", "quantize_rows", "int8_epilogue"):
+        for name in ("add_rms_norm", "rms_norm_heads", "gemma_rms_norm_heads", "gemma_rms_norm", "silu_and_mul",
+                     "gelu_tanh_and_mul", "rotary", "quantize_rows", "int8_epilogue"):
             getattr(lib, f"{name}_{sfx}").restype = None
     lib.argmax_rows_f32.argtypes, lib.argmax_rows_f32.restype = [p, i64, i64, i64, p], None
     return lib
@@ -89,25 +95,72 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> bool:
     """In place, each head's row of x [N, h, D] (token and head strides free, D contiguous) <-
     weight * rnd(x * rsqrt(mean(x^2) + eps)), add_rms_norm's arithmetic: Qwen3's q/k norms on the
-    qkv projection's views. Returns False, x untouched, when the kernel does not apply."""
+    qkv projection's views; ``gemma``: rnd(x * rsqrt(mean(x^2) + eps) * (1 + weight)), all in float
+    (Gemma 3's). Returns False, x untouched, when the kernel does not apply."""
     if x.dim() != 3 or x.shape[-1] > MAX_HIDDEN or weight.shape != x.shape[-1:] or not weight.is_contiguous():
         return False
-    fn = _fn("rms_norm_heads", x, weight)
+    fn = _fn("gemma_rms_norm_heads" if gemma else "rms_norm_heads", x, weight)
     if fn is None:
         return False
     fn(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], weight.data_ptr(), float(eps))
     return True
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """Gemma's RMSNorm: x [N, hidden] (rows may be strided) -> rnd(x * rsqrt(mean(x^2) + eps) * (1 +
+    weight)) [N, hidden], all in float (transformers' Gemma2RMSNorm); None when the kernel does not
+    apply."""
+    return _gemma_norms(x, None, 0.0, None, weight, eps)
+
+
+def gemma_add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        next_weight: Optional[torch.Tensor] = None, next_eps: float = 0.0) -> Optional[torch.Tensor]:
+    """Gemma's post-norm residual add, residual [N, hidden] (contiguous) <- rnd(residual + rnd(gnorm(x,
+    weight))) in place (transformers' ``residual + post_norm(branch)``), fused with the next norm:
+    returns gnorm(residual, next_weight), a new tensor, or the residual itself without next_weight;
+    None, nothing touched, when the kernel does not apply."""
+    if residual.shape != x.shape or not residual.is_contiguous():
+        return None
+    return _gemma_norms(x, weight, eps, residual, next_weight, next_eps)
+
+
+def _gemma_norms(x, w_add, eps_add, residual, w_out, eps_out) -> Optional[torch.Tensor]:
+    weights = [w for w in (w_add, w_out) if w is not None]
+    if (x.dim() != 2 or x.shape[-1] > MAX_HIDDEN
+            or any(w.shape != x.shape[-1:] or not w.is_contiguous() for w in weights)):
+        return None
+    fn = _fn("gemma_rms_norm", x, *weights, *(() if residual is None else (residual,)))
+    if fn is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype) if w_out is not None else residual
+    fn(x.data_ptr(), x.stride(0), _ptr(w_add), float(eps_add), _ptr(residual), _ptr(w_out), float(eps_out),
+       out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def silu_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x [N, 2 * I] = [gate | up] (rows may be strided) -> rnd(silu(gate)) * up [N, I], contiguous;
     None when the kernel does not apply."""
+    return _act_and_mul("silu_and_mul", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [N, 2 * I] = [gate | up] -> rnd(gelu_tanh(gate)) * up [N, I] (PyTorch's
+    ``gelu(approximate="tanh")``, Gemma's MLP), contiguous; None when the kernel does not apply."""
+    return _act_and_mul("gelu_tanh_and_mul", x)
+
+
+def _act_and_mul(name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
     if x.dim() != 2 or x.shape[-1] % 2:
         return None
-    fn = _fn("silu_and_mul", x)
+    fn = _fn(name, x)
     if fn is None:
         return None
     inter = x.shape[-1] // 2

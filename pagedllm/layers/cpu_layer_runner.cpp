@@ -1,8 +1,9 @@
-// The decoder layers of a Llama-family model, all of them in one call on the CPU: the same kernels,
-// in the same order and on the same buffers' values as the Python layer loop (models/llama.py:
-// LlamaDecoderLayer.forward_fused), so the output is bit-identical; what goes is the Python between
-// them (~0.7 ms a layer on a 2-core host: module calls, checks, a new tensor per op). It plays, for
-// a CPU step, the part a CUDA graph plays on a GPU.
+// The decoder layers of a Llama-family or Gemma 2/3 model, all of them in one call on the CPU: the
+// same kernels, in the same order and on the same buffers' values as the Python layer loop
+// (models/llama.py: LlamaDecoderLayer.forward_fused; models/gemma2.py: Gemma2DecoderLayer.forward),
+// so the output is bit-identical; what goes is the Python between them (~0.7 ms a layer on a 2-core
+// host: module calls, checks, a new tensor per op). It plays, for a CPU step, the part a CUDA graph
+// plays on a GPU.
 //
 // The kernels live in their own libraries (cpu_fused_ops.cpp, float_gemm_cpu.cpp,
 // attention/paged_attention_cpu.cpp); Python hands their addresses in (RunnerKernels), so this
@@ -23,6 +24,9 @@ typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64
 // In place: RMSNorm over d of each of the `heads` rows of each of n tokens (q/k norms).
 typedef void (*HeadNormFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
                            const void* w, float eps);
+// Gemma's norms around the residual stream (cpu_fused_ops.cpp: gemma_rms_norm).
+typedef void (*GemmaNormFn)(const void* x, int64_t x_stride, const void* w_add, float eps_add, void* residual,
+                            const void* w_out, float eps_out, void* out, int64_t rows, int hidden);
 typedef void (*SiluMulFn)(const void* x, int64_t x_stride, void* out, int64_t rows, int inter);
 typedef void (*KvWriteFn)(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                           int64_t n, int num_kv_heads, int d, void* k_cache, void* v_cache);
@@ -39,26 +43,30 @@ struct RunnerKernels {
   NormFn add_rms_norm;
   GemmFn gemm;
   RotaryFn rotary;
-  HeadNormFn rms_norm_heads;
-  SiluMulFn silu_and_mul;
+  HeadNormFn rms_norm_heads;  // the q/k norms (Qwen3's; Gemma 3's: gemma_rms_norm_heads)
+  SiluMulFn silu_and_mul;     // Gemma: GELU-tanh(gate) * up
   KvWriteFn kv_write;          // a cache in the model's dtype, or
   KvWriteInt8Fn kv_write_int8;  // an int8 cache (then `attention` is the kernel's int8-cache variant)
   AttentionFn attention;
+  GemmaNormFn gemma_rms_norm;  // Gemma only
 };
 
 // The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim.
+// soft_cap: attention's logit soft-cap (0: none; Gemma 2).
 struct RunnerDims {
   int64_t elem_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-  float scale;
+  float scale, soft_cap;
 };
 
 // One layer's weights (packed for GemmFn), biases (null: none), norm weights (q_norm, k_norm
-// [head_dim]: null, none) and KV cache halves.
+// [head_dim]: null, none; pre_ff_norm, post_ff_norm: Gemma's) and KV cache halves; window: its
+// sliding window (0: none); rope: which of the step's RoPE tables it takes (0 or 1).
 struct RunnerLayer {
-  const void *in_norm, *post_norm, *q_norm, *k_norm;
+  const void *in_norm, *post_norm, *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm;
   const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
   void *k_cache, *v_cache;
-  float in_eps, post_eps, q_eps, k_eps;
+  int64_t window, rope;
+  float in_eps, post_eps, q_eps, k_eps, pre_ff_eps, post_ff_eps;
 };
 
 // One step: N tokens. x [N, hidden]: the first layer's input; residual [N, hidden]: the residual
@@ -72,7 +80,7 @@ struct RunnerStep {
   void* residual;
   void* x_out;
   int64_t has_residual;
-  const void* cos_sin;  // [N, 2, 1, head_dim]
+  const void* cos_sin[2];  // [N, 2, 1, head_dim] each: the RoPE tables (Gemma 3: one per layer type)
   const int64_t* slot_mapping;
   const int32_t *block_tables, *seq_lens, *query_start_loc;
   int64_t bt_stride, num_seqs;
@@ -82,65 +90,113 @@ struct RunnerStep {
   double* timings;
 };
 
-void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
-                        const RunnerStep* s) {
-  const int64_t n = s->num_tokens, es = d->elem_size, hidden = d->hidden, hd = d->head_dim;
-  const int64_t q_size = d->num_heads * hd, kv_size = d->num_kv_heads * hd, qkv_cols = q_size + 2 * kv_size;
-  const int64_t inter = d->intermediate;
-  char* const qkv = static_cast<char*>(s->qkv);
-  char* const k_new = qkv + q_size * es;
-  char* const v_new = qkv + (q_size + kv_size) * es;
-  const void* x = s->x;
-  double* const tm = s->timings;
-  auto now = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
-  double t0 = tm != nullptr ? now() : 0.0;
-  auto phase_done = [&](int i) {  // the time since the last mark to phase i
+namespace {
+
+// Adds the time since the last mark to phase i of s->timings (nothing when that is null).
+struct PhaseClock {
+  double* tm;
+  double t0;
+  explicit PhaseClock(double* timings) : tm(timings), t0(timings != nullptr ? now() : 0.0) {}
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void done(int i) {
     if (tm == nullptr) return;
     const double t = now();
     tm[i] += t - t0;
     t0 = t;
-  };
+  }
+};
+
+// self_attn on h [N, hidden] -> s->x_out: qkv_proj, the q/k norms (Qwen3, Gemma 3) and RoPE on q and
+// k in place, K/V into the cache, attention, o_proj. Phases 1-5.
+void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
+                     PhaseClock& clock) {
+  const int64_t n = s->num_tokens, es = d->elem_size, hidden = d->hidden, hd = d->head_dim;
+  const int64_t q_size = d->num_heads * hd, kv_size = d->num_kv_heads * hd, qkv_cols = q_size + 2 * kv_size;
+  char* const qkv = static_cast<char*>(s->qkv);
+  char* const k_new = qkv + q_size * es;
+  char* const v_new = qkv + (q_size + kv_size) * es;
+  k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
+  clock.done(1);
+  if (w.q_norm != nullptr) {
+    k->rms_norm_heads(qkv, qkv_cols, hd, n, d->num_heads, hd, w.q_norm, w.q_eps);
+    k->rms_norm_heads(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, w.k_norm, w.k_eps);
+  }
+  const void* cos_sin = s->cos_sin[w.rope];
+  k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, cos_sin);
+  k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, cos_sin);
+  clock.done(2);
+  if (k->kv_write_int8 != nullptr)
+    k->kv_write_int8(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, d->block_size,
+                     w.k_cache, w.v_cache);
+  else
+    k->kv_write(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, w.k_cache, w.v_cache);
+  clock.done(3);
+  for (int64_t t = 0; t < n; ++t)  // q contiguous, as the kernel reads it
+    std::memcpy(static_cast<char*>(s->q) + t * q_size * es, qkv + t * qkv_cols * es, q_size * es);
+  k->attention(s->q, w.k_cache, w.v_cache, s->attn, s->block_tables, s->bt_stride, s->seq_lens,
+               s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
+               d->block_size, d->scale, static_cast<int>(w.window), d->soft_cap, 0);
+  clock.done(4);
+  k->gemm(s->attn, q_size, w.o_w, w.o_b, s->x_out, hidden, n, hidden, q_size);
+  clock.done(5);
+}
+
+// The MLP on h -> s->x_out: gate_up_proj, act(gate) * up, down_proj. Phases 7-9.
+void mlp_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
+               PhaseClock& clock) {
+  const int64_t n = s->num_tokens, hidden = d->hidden, inter = d->intermediate;
+  k->gemm(s->h, hidden, w.gate_up_w, w.gate_up_b, s->gate_up, 2 * inter, n, 2 * inter, hidden);
+  clock.done(7);
+  k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
+  clock.done(8);
+  k->gemm(s->act, inter, w.down_w, w.down_b, s->x_out, hidden, n, hidden, inter);
+  clock.done(9);
+}
+
+}  // namespace
+
+// Llama, Mistral, Qwen2, Qwen3 (models/llama.py: LlamaDecoderLayer.forward_fused).
+void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
+                        const RunnerStep* s) {
+  const int64_t n = s->num_tokens, hidden = d->hidden;
+  const void* x = s->x;
+  PhaseClock clock(s->timings);
   for (int l = 0; l < num_layers; ++l) {
     const RunnerLayer& w = layers[l];
     // input_layernorm: with the residual add, except for a first layer without a residual stream
     const bool add = l > 0 || s->has_residual;
     k->add_rms_norm(x, hidden, add ? s->residual : nullptr, w.in_norm, s->h, n, hidden, w.in_eps);
-    phase_done(0);
-    // self_attn: qkv_proj, the q/k norms (Qwen3) and RoPE on q and k in place, K/V into the cache,
-    // attention, o_proj
-    k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
-    phase_done(1);
-    if (w.q_norm != nullptr) {
-      k->rms_norm_heads(qkv, qkv_cols, hd, n, d->num_heads, hd, w.q_norm, w.q_eps);
-      k->rms_norm_heads(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, w.k_norm, w.k_eps);
-    }
-    k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, s->cos_sin);
-    k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, s->cos_sin);
-    phase_done(2);
-    if (k->kv_write_int8 != nullptr)
-      k->kv_write_int8(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, d->block_size,
-                       w.k_cache, w.v_cache);
-    else
-      k->kv_write(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, w.k_cache, w.v_cache);
-    phase_done(3);
-    for (int64_t t = 0; t < n; ++t)  // q contiguous, as the kernel reads it
-      std::memcpy(static_cast<char*>(s->q) + t * q_size * es, qkv + t * qkv_cols * es, q_size * es);
-    k->attention(s->q, w.k_cache, w.v_cache, s->attn, s->block_tables, s->bt_stride, s->seq_lens,
-                 s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
-                 d->block_size, d->scale, 0, 0.0f, 0);
-    phase_done(4);
-    k->gemm(s->attn, q_size, w.o_w, w.o_b, s->x_out, hidden, n, hidden, q_size);
-    phase_done(5);
+    clock.done(0);
+    attention_block(k, d, w, s, clock);
     // post_attention_layernorm (residual += o), then the MLP: down(silu(gate) * up)
     k->add_rms_norm(s->x_out, hidden, s->residual, w.post_norm, s->h, n, hidden, w.post_eps);
-    phase_done(6);
-    k->gemm(s->h, hidden, w.gate_up_w, w.gate_up_b, s->gate_up, 2 * inter, n, 2 * inter, hidden);
-    phase_done(7);
-    k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
-    phase_done(8);
-    k->gemm(s->act, inter, w.down_w, w.down_b, s->x_out, hidden, n, hidden, inter);
-    phase_done(9);
+    clock.done(6);
+    mlp_block(k, d, w, s, clock);
     x = s->x_out;
+  }
+}
+
+// Gemma 2 and 3 (models/gemma2.py: Gemma2DecoderLayer.forward): the residual stream is s->residual
+// (== x, the scaled embeddings), updated in place; each post-norm's add fused with the next norm.
+void run_gemma_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
+                      const RunnerStep* s) {
+  const int64_t n = s->num_tokens, hidden = d->hidden;
+  void* const res = s->residual;
+  PhaseClock clock(s->timings);
+  for (int l = 0; l < num_layers; ++l) {
+    const RunnerLayer& w = layers[l];
+    k->gemma_rms_norm(res, hidden, nullptr, 0.0f, nullptr, w.in_norm, w.in_eps, s->h, n, hidden);
+    clock.done(0);
+    attention_block(k, d, w, s, clock);
+    // residual += post_attention_layernorm(o); h = pre_feedforward_layernorm(residual)
+    k->gemma_rms_norm(s->x_out, hidden, w.post_norm, w.post_eps, res, w.pre_ff_norm, w.pre_ff_eps, s->h, n, hidden);
+    clock.done(6);
+    mlp_block(k, d, w, s, clock);
+    // residual += post_feedforward_layernorm(down)
+    k->gemma_rms_norm(s->x_out, hidden, w.post_ff_norm, w.post_ff_eps, res, nullptr, 0.0f, nullptr, n, hidden);
+    clock.done(10);
   }
 }
 

@@ -1,16 +1,19 @@
-"""All decoder layers of a Llama-family model in one C call per step on the CPU
+"""All decoder layers of a Llama-family or Gemma 2/3 model in one C call per step on the CPU
 (``cpu_layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
 the packed float GEMM, q/k norms, RoPE, the KV write, paged attention, SiLU * up), in the same order
-on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer costs between them
-(module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a 2-core host). It
-is the CPU's counterpart of a CUDA graph: a step's layers replayed with no interpreter in between.
+on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer costs
+between them (module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a
+2-core host). It is the CPU's counterpart of a CUDA graph: a step's layers replayed with no
+interpreter in between.
 
 It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
-CPU, ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE; with or without
-Qwen3's q/k RMSNorms), every linear packed for ``float_gemm_cpu`` (so not quantized), the CPU
-paged-attention backend over a cache in the model's dtype or int8, one tensor- and pipeline-parallel
-rank. Elsewhere, and in any step it does not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is
-logged once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
+CPU; ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE, with or without
+Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3) or Gemma 2/3's decoder layer (four norms a
+layer, GELU-tanh, sliding windows, soft-capped scores, a RoPE table per layer type); every linear
+packed for ``float_gemm_cpu`` (so not quantized); the CPU paged-attention backend over a cache in the
+model's dtype or int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does
+not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is logged
+once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 """
 from __future__ import annotations
@@ -37,39 +40,48 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "rms_norm_heads", "silu_and_mul", "kv_write",
-                                        "kv_write_int8", "attention")]
+                                        "kv_write_int8", "attention", "gemma_rms_norm")]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("elem_size", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                          "intermediate", "block_size")] + [("scale", _f32)]
+                                          "intermediate", "block_size")] + [("scale", _f32), ("soft_cap", _f32)]
+
+
+# A layer's norms: (struct name, attribute path); q/k and the feed-forward pair only where a model has them.
+_NORMS = (("in", "input_layernorm"), ("post", "post_attention_layernorm"), ("q", "self_attn.q_norm"),
+          ("k", "self_attn.k_norm"), ("pre_ff", "pre_feedforward_layernorm"), ("post_ff", "post_feedforward_layernorm"))
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_b", "o_w", "o_b",
-                                        "gate_up_w", "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")] + \
-               [(name, _f32) for name in ("in_eps", "post_eps", "q_eps", "k_eps")]
+    _fields_ = [(f"{name}_norm", _p) for name, _ in _NORMS] + \
+               [(name, _p) for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
+                                        "k_cache", "v_cache")] + \
+               [("window", _i64), ("rope", _i64)] + [(f"{name}_eps", _f32) for name, _ in _NORMS]
 
 
 _SCRATCH = ("h", "qkv", "q", "attn", "gate_up", "act")
 # A layer's phases, in the order the runner calls them: its optional timings (bench profile) are
-# seconds per phase, summed over the layers.
+# seconds per phase, summed over the layers. Gemma's names where its layer differs, and one more.
 PHASES = ("input_layernorm", "qkv_proj", "rotary (+ q/k norms)", "kv_write", "attention (+ q copy)", "o_proj",
           "post_attention_layernorm", "gate_up_proj", "silu_and_mul", "down_proj")
+GEMMA_PHASES = PHASES[:6] + ("post_attention_layernorm + pre_feedforward_layernorm", "gate_up_proj",
+                             "gelu_tanh_and_mul", "down_proj", "post_feedforward_layernorm")
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("x", _p), ("residual", _p), ("x_out", _p), ("has_residual", _i64),
-                ("cos_sin", _p), ("slot_mapping", _p), ("block_tables", _p), ("seq_lens", _p),
+                ("cos_sin", _p * 2), ("slot_mapping", _p), ("block_tables", _p), ("seq_lens", _p),
                 ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH] + \
                [("timings", _p)]
 
 
 def _build() -> ctypes.CDLL:
     lib = build_library(SOURCE, BASE_FLAGS)
-    lib.run_decoder_layers.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Dims), ctypes.POINTER(_Layer),
-                                       ctypes.c_int, ctypes.POINTER(_Step)]
-    lib.run_decoder_layers.restype = None
+    for fn in (lib.run_decoder_layers, lib.run_gemma_layers):
+        fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Dims), ctypes.POINTER(_Layer), ctypes.c_int,
+                       ctypes.POINTER(_Step)]
+        fn.restype = None
     return lib
 
 
@@ -84,15 +96,61 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _norm(layer: Any, path: str) -> Any:
+    for part in path.split("."):
+        layer = getattr(layer, part, None)
+    return layer
+
+
+def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
+    """(the layers' distinct RotaryEmbeddings, "") when every layer is the family's plain decoder
+    layer (its forward not overridden), else ([], why not)."""
+    from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from pagedllm.layers.rotary_embedding import RotaryEmbedding
+    from pagedllm.models import gemma2, llama
+    ropes: list = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if gemma:
+            plain = (type(layer).forward is gemma2.Gemma2DecoderLayer.forward
+                     and type(attn).forward is gemma2.Gemma2Attention.forward)
+            dense = type(mlp).forward is gemma2.GemmaMLP.forward and mlp.gelu_tanh
+            norm_cls = GemmaRMSNorm
+        else:
+            plain = (type(layer).forward_fused is llama.LlamaDecoderLayer.forward_fused
+                     and type(attn).forward is llama.LlamaAttention.forward and attn.rotary_emb is model.rotary_emb)
+            dense = type(mlp).forward is llama.LlamaMLP.forward
+            norm_cls = RMSNorm
+        if not plain:
+            return [], f"{type(layer).__name__} is not the plain {'Gemma' if gemma else 'Llama'} decoder layer"
+        if not dense:
+            return [], f"MLP {type(mlp).__name__}, not the dense {'GELU-tanh' if gemma else 'SwiGLU'} one"
+        norms = [n for n in (_norm(layer, path) for _, path in _NORMS) if n is not None]
+        if any(type(n) is not norm_cls for n in norms):
+            return [], f"norm {next(type(n).__name__ for n in norms if type(n) is not norm_cls)}"
+        rot = attn.rotary_emb
+        if (type(rot) is not RotaryEmbedding):
+            return [], f"RoPE variant {type(rot).__name__}"
+        if all(rot is not r for r in ropes):
+            ropes.append(rot)
+    if len(ropes) > 2:
+        return [], "more than 2 RoPE tables"
+    return ropes, ""
+
+
 class CpuLayerRunner:
     """The runner for one model; ``build`` says whether it applies. ``run`` does one step."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: dict, dims: _Dims) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: dict, dims: _Dims,
+                 ropes: list, gemma: bool) -> None:
         self.model, self.dtype, self.lib = model, dtype, lib
         self.kernel_sets, self.dims = kernels, dims  # cache dtype ("auto" | "int8") -> _Kernels
         self.kernels: Optional[_Kernels] = None
+        self.ropes, self.gemma = ropes, gemma  # the RoPE tables the layers index; Gemma 2/3 or Llama
+        self.run_layers = lib.run_gemma_layers if gemma else lib.run_decoder_layers
+        self.phases = GEMMA_PHASES if gemma else PHASES
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
-        # None, or seconds per PHASES entry summed over layers and steps (set by timing_on)
+        # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
         self.layers: Optional[ctypes.Array] = None
         self.cache_ptrs: tuple = ()
@@ -104,42 +162,33 @@ class CpuLayerRunner:
     @classmethod
     def build(cls, model: Any) -> tuple[Optional["CpuLayerRunner"], str]:
         """(runner, "") for a model it covers, else (None, why not)."""
-        from pagedllm.layers.layernorm import RMSNorm
-        from pagedllm.layers.rotary_embedding import RotaryEmbedding
-        from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+        from pagedllm.models.gemma2 import Gemma2ForCausalLM
         if not ENABLED:
             return None, "PAGEDLLM_CPU_LAYER_RUNNER=0"
         layers = list(model.layers)
         if not layers or getattr(model, "start_layer", 0) != 0 or getattr(model, "end_layer", len(layers)) != len(layers):
             return None, "pipeline parallelism"
-        rot = model.rotary_emb
-        if (not isinstance(rot, RotaryEmbedding) or type(rot).apply_ is not RotaryEmbedding.apply_
-                or type(rot).forward is not RotaryEmbedding.forward):
-            return None, f"RoPE variant {type(rot).__name__}"
+        gemma = isinstance(model, Gemma2ForCausalLM)
+        ropes, why = _check_layers(model, gemma)
+        if why:
+            return None, why
         first = layers[0]
         dtype = first.input_layernorm.weight.dtype
         if dtype not in _SUFFIX:
             return None, f"dtype {dtype}"
+        soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if (type(layer).forward_fused is not LlamaDecoderLayer.forward_fused
-                    or type(attn).forward is not LlamaAttention.forward or attn.rotary_emb is not rot):
-                return None, f"{type(layer).__name__} is not the plain Llama decoder layer"
-            if type(mlp).forward is not LlamaMLP.forward:
-                return None, f"MLP {type(mlp).__name__}, not the dense SwiGLU one"
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
-            if any(not isinstance(n, RMSNorm) or type(n).forward is not RMSNorm.forward
-                   or type(n).forward_heads_ is not RMSNorm.forward_heads_ for n in norms):
-                return None, f"norm {next(type(n).__name__ for n in norms if type(n) is not RMSNorm)}"
             if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
                 return None, f"attention backend {type(attn.backend).__name__}"
+            if attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap:
+                return None, "attention scales or soft-caps that differ between layers"
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 w = getattr(lin, "gemm_weight", None)
                 if w is None or w.dtype != dtype or getattr(lin, "tp_size", 1) != 1:
                     return None, (f"a {type(lin).__name__} is not a {dtype} linear packed for float_gemm_cpu "
                                   f"on one rank")
-            params = [n.weight for n in norms]
+            params = [n.weight for n in (_norm(layer, path) for _, path in _NORMS) if n is not None]
             params += [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
@@ -158,10 +207,13 @@ class CpuLayerRunner:
             libs[name] = lib
         if float_gemm_cpu._GEMM.get(dtype) is None or not cpu_fused_ops.ENABLED:
             return None, f"no {dtype} GEMM or fused ops"
-        common = dict(add_rms_norm=_addr(libs["fused"], f"add_rms_norm_{sfx}"),
-                      gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"), rotary=_addr(libs["fused"], f"rotary_{sfx}"),
-                      rms_norm_heads=_addr(libs["fused"], f"rms_norm_heads_{sfx}"),
-                      silu_and_mul=_addr(libs["fused"], f"silu_and_mul_{sfx}"))
+        fused = {name: _addr(libs["fused"], f"{name}_{sfx}") for name in (
+            "add_rms_norm", "rotary", "rms_norm_heads", "gemma_rms_norm_heads", "silu_and_mul", "gelu_tanh_and_mul",
+            "gemma_rms_norm")}
+        common = dict(add_rms_norm=fused["add_rms_norm"], gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"),
+                      rotary=fused["rotary"], gemma_rms_norm=fused["gemma_rms_norm"],
+                      rms_norm_heads=fused["gemma_rms_norm_heads" if gemma else "rms_norm_heads"],
+                      silu_and_mul=fused["gelu_tanh_and_mul" if gemma else "silu_and_mul"])
         kernels = {"auto": _Kernels(**common, kv_write=_addr(libs["attention"], f"kv_write_{sfx}"), kv_write_int8=None,
                                     attention=_addr(libs["attention"], f"paged_attention_{sfx}")),
                    "int8": _Kernels(**common, kv_write=None, kv_write_int8=_addr(libs["attention"], f"kv_write_int8_{sfx}"),
@@ -170,8 +222,8 @@ class CpuLayerRunner:
         dims = _Dims(elem_size=torch.empty(0, dtype=dtype).element_size(),
                      hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                     intermediate=first.mlp.down_proj.input_size, block_size=0, scale=attn.scale)
-        return cls(model, dtype, libs["runner"], kernels, dims), ""
+                     intermediate=first.mlp.down_proj.input_size, block_size=0, scale=attn.scale, soft_cap=soft_cap)
+        return cls(model, dtype, libs["runner"], kernels, dims, ropes, gemma), ""
 
     def _layer_structs(self, kv_caches: list) -> Optional[ctypes.Array]:
         """The layers' pointers for these KV caches (rebuilt when the caches change), or None when a
@@ -192,12 +244,14 @@ class CpuLayerRunner:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             half = cache.stride(0) * cache.element_size()
-            for name, norm in (("in", layer.input_layernorm), ("post", layer.post_attention_layernorm),
-                               ("q", attn.q_norm), ("k", attn.k_norm)):
-                if norm is not None:  # q/k: Qwen3's norms (null: none)
+            for name, path in _NORMS:
+                norm = _norm(layer, path)
+                if norm is not None:  # (null: none)
                     held.append(norm.weight)
                     setattr(s, f"{name}_norm", _ptr(norm.weight))
                     setattr(s, f"{name}_eps", norm.eps)
+            s.window = getattr(attn, "sliding_window", None) or 0
+            s.rope = next(i for i, r in enumerate(self.ropes) if r is attn.rotary_emb)
             for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                               ("down", mlp.down_proj)):
                 held += [lin.gemm_weight, lin.bias]
@@ -211,22 +265,28 @@ class CpuLayerRunner:
         self.dims.block_size = kv_quant.block_size_of(rows, self.dims.head_dim) if cache_dtype == torch.int8 else rows
         return structs
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
             kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """All layers on x [N, hidden] (and the residual stream [N, hidden], or None before the
         first layer) -> (the last layer's MLP output, the residual stream), as the Python loop
-        returns them; None, nothing touched, when this step is not one it covers."""
+        returns them; None, nothing touched, when this step is not one it covers. ``cos_sin``: the
+        RoPE table at the step's positions [N, 2, 1, head_dim], or (Gemma) id(RotaryEmbedding) ->
+        its table. Gemma: x is the residual stream, updated in place (the first item is scratch)."""
         if (meta.block_tables is None or cos_sin is None or x.dtype != self.dtype or not x.is_cpu or x.dim() != 2
-                or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())):
+                or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())
+                or (self.gemma and residual is not None)):
             return None
         layers = self._layer_structs(kv_caches)
         if layers is None or meta.block_size != self.dims.block_size:
             return None
         bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
-        cs = cos_sin.contiguous()
+        tables = [cos_sin.get(id(r)) for r in self.ropes] if isinstance(cos_sin, dict) else [cos_sin]
+        if any(t is None for t in tables):
+            return None
+        tables = [t.contiguous() for t in tables]
         slots = meta.slot_mapping.contiguous()
         if (bt.dtype != torch.int32 or sl.dtype != torch.int32 or qsl.dtype != torch.int32
-                or slots.dtype != torch.int64 or not bt.is_contiguous() or cs.dtype != self.dtype):
+                or slots.dtype != torch.int64 or not bt.is_contiguous() or any(t.dtype != self.dtype for t in tables)):
             return None
         n, hidden = x.shape
         d = self.dims
@@ -237,7 +297,8 @@ class CpuLayerRunner:
         work = torch.empty(sum(sizes), dtype=self.dtype)
         x_out = torch.empty(n, hidden, dtype=self.dtype)
         step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
-                     x_out=x_out.data_ptr(), has_residual=int(residual is not None), cos_sin=cs.data_ptr(),
+                     x_out=x_out.data_ptr(), has_residual=int(residual is not None),
+                     cos_sin=(_p * 2)(*(t.data_ptr() for t in (tables * 2)[:2])),
                      slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
                      query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
         if self.timings is not None:
@@ -246,19 +307,19 @@ class CpuLayerRunner:
         for k, size in zip(_SCRATCH, sizes):
             setattr(step, k, base)
             base += size * es
-        self.lib.run_decoder_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers),
-                                    ctypes.byref(step))
+        self.run_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers), ctypes.byref(step))
         self.steps_run += 1
         return x_out, (x if residual is None else residual)
 
     def timing_on(self) -> None:
         """From now on each step adds its phases' wall time (seconds, summed over the layers) to
         ``phase_seconds()``; two clock reads a phase."""
-        self.timings = (ctypes.c_double * len(PHASES))()
+        self.timings = (ctypes.c_double * len(GEMMA_PHASES))()
 
     def phase_seconds(self) -> dict[str, float]:
-        """Seconds per phase (PHASES) since ``timing_on``, summed over layers and steps."""
-        return dict(zip(PHASES, self.timings)) if self.timings is not None else {}
+        """Seconds per phase (``self.phases``: PHASES, or GEMMA_PHASES) since ``timing_on``, summed
+        over layers and steps."""
+        return dict(zip(self.phases, self.timings)) if self.timings is not None else {}
 
 
 def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],

@@ -85,7 +85,32 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and x.dim() == 2:  # one C pass (layers/cpu_fused_ops.py), if it applies
+            out = cpu_fused_ops.gemma_rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x * (1.0 + self.weight.float())).to(dtype)
+
+    def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D] (a view of the qkv projection) -> the norm over D of each head (Gemma 3's
+        q/k norms): in place through the CPU kernel where it applies, else ``forward(x)``."""
+        if x.is_cpu and cpu_fused_ops.rms_norm_heads_(x, self.weight, self.eps, gemma=True):
+            return x
+        return self(x)
+
+    def add_to_(self, residual: torch.Tensor, x: torch.Tensor,
+                next_norm: Optional["GemmaRMSNorm"] = None) -> torch.Tensor:
+        """Gemma's post-norm: residual [N, hidden] <- residual + self(x) in place (transformers'
+        ``residual + post_norm(branch)``, rounded alike). Returns ``next_norm(residual)`` (a new
+        tensor) when given, else the residual; on a CPU both in one C pass where the kernel applies."""
+        if residual.is_cpu and (next_norm is None or type(next_norm) is GemmaRMSNorm) and type(self) is GemmaRMSNorm:
+            out = cpu_fused_ops.gemma_add_rms_norm_(residual, x, self.weight, self.eps,
+                                                    None if next_norm is None else next_norm.weight,
+                                                    0.0 if next_norm is None else next_norm.eps)
+            if out is not None:
+                return out
+        residual.add_(self(x))
+        return residual if next_norm is None else next_norm(residual)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
+from pagedllm.layers import cpu_fused_ops, cpu_layer_runner
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import GemmaRMSNorm
@@ -28,6 +29,9 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.llama import LlamaForCausalLM
+
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # the tanh approximation's names (activation.py)
 
 
 def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
@@ -57,9 +61,15 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, dtype=dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, dtype=dtype)
         self.act = get_act_fn(act)
+        self.gelu_tanh = act in GELU_TANH
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.gelu_tanh and gate_up.is_cpu:  # one C pass (layers/cpu_fused_ops.py), if it applies
+            h = cpu_fused_ops.gelu_tanh_and_mul(gate_up)
+            if h is not None:
+                return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -84,12 +94,14 @@ class Gemma2Attention(nn.Module):
         self.backend = backend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [N, hidden] -> [N, hidden]; ``cos_sin``: this layer type's RoPE table at the step's
+        positions (None: gathered here)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj.split_heads(self.qkv_proj(x))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
+        q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
                                  logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(o.reshape(n, -1))
@@ -109,9 +121,12 @@ class Gemma2DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, positions, x, kv_cache, meta, cos_sin=None):
+        """x [N, hidden]: the residual stream, updated in place and returned (each post-norm's add
+        fused with the next norm)."""
+        o = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, cos_sin)
+        h = self.post_attention_layernorm.add_to_(x, o, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm.add_to_(x, self.mlp(h))
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -154,10 +169,22 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.normalizer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+        x = self.embed_tokens(input_ids) * self.normalizer  # a new tensor: the layers update it in place
+        cos_sin = self.cos_sin(positions)
+        ran = cpu_layer_runner.run_layers(self, x, None, cos_sin, kv_caches, meta)  # CPU: one C call
+        if ran is None:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(positions, x, kv_cache, meta, cos_sin[id(layer.self_attn.rotary_emb)])
         return self.norm(x)
+
+    def cos_sin(self, positions: torch.Tensor) -> dict[int, torch.Tensor]:
+        """id(RotaryEmbedding) -> its table at ``positions``: one gather per layer type a step."""
+        tables: dict[int, torch.Tensor] = {}
+        for layer in self.layers:
+            rot = layer.self_attn.rotary_emb
+            if id(rot) not in tables:
+                tables[id(rot)] = rot.cos_sin(positions)
+        return tables
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(self.lm_head.compute_logits(hidden), self.final_soft_cap).float()

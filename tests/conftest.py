@@ -76,15 +76,17 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         common.setdefault("head_dim", 16)
     if arch in ("gemma2", "gemma3"):  # windows shorter than most prompts; Gemma 2: soft-capped scores
         common.setdefault("head_dim", 16)
-        common.update(sliding_window=24, query_pre_attn_scalar=24)
+        common.setdefault("sliding_window", 24)
+        common.setdefault("query_pre_attn_scalar", 24)
         if arch == "gemma2":
-            common.update(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+            common.setdefault("attn_logit_softcapping", 2.0)
+            common.setdefault("final_logit_softcapping", 3.0)
         else:  # a global layer between local ones, each type its own RoPE base
             n = common["num_hidden_layers"]
-            common.update(layer_types=["full_attention" if i % 3 == 1 else "sliding_attention" for i in range(n)],
-                          rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                           "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                              "rope_theta": 1000000.0}})
+            common.setdefault("layer_types", ["full_attention" if i % 3 == 1 else "sliding_attention" for i in range(n)])
+            common.setdefault("rope_parameters", {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
     config = cls_cfg(**common)
     torch.manual_seed(seed)
     model = cls_model(config).eval()

@@ -1,8 +1,8 @@
 """The CPU layer runner (layers/cpu_layer_runner.py: all decoder layers in one C call a step)
 against the Python layer loop it replaces: bit-identical logprobs in batches that mix decodes with
 chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
-transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms), every block back in the pool;
-and the models and steps it must leave to the loop."""
+transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 2 and 3), every block back
+in the pool; and the models and steps it must leave to the loop."""
 from __future__ import annotations
 
 import logging
@@ -121,21 +121,25 @@ def test_runner_over_cached_prefixes(wide_dir):
     assert_pool_empty(llm)
 
 
-def test_runner_left_to_the_loop(wide_dir, caplog, tmp_path, monkeypatch):
+def test_runner_left_to_the_loop(caplog, tmp_path, monkeypatch):
     """What it does not cover runs the Python loop, with the reason logged once: a sparse MoE MLP
-    (Mixtral), a model too narrow to pack its linears (hidden 64), and a step without KV caches or
-    in another dtype."""
+    (Mixtral), a Gemma MLP with exact GELU, a model too narrow to pack its linears (hidden 64), and
+    a step without KV caches or in another dtype."""
     from test_models_moe import build_moe_checkpoint
 
     _runner_or_skip()
     monkeypatch.setattr(init_logger(), "propagate", True)  # let caplog see pagedllm's lines
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
-        llm = LLM(build_moe_checkpoint(str(tmp_path / "moe"), "mixtral"), dtype="float32", kv_cache_memory=4 << 20)
-        out = llm.generate([[5, 6, 7]], greedy(n=3), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 3
-    assert _model(llm).__dict__.get("_cpu_layer_runner") is False
-    assert [m for m in caplog.messages if m.startswith("cpu layer runner")] == [
-        "cpu layer runner: off (MLP SparseMoeBlock, not the dense SwiGLU one)"]
+    erf_gemma = build_checkpoint(str(tmp_path / "gemma_erf"), "gemma2", **WIDE, hidden_activation="gelu")
+    for path, why in ((build_moe_checkpoint(str(tmp_path / "moe"), "mixtral"),
+                       "MLP SparseMoeBlock, not the dense SwiGLU one"),
+                      (erf_gemma, "a Gemma MLP whose activation is not GELU-tanh")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20)
+            out = llm.generate([[5, 6, 7]], greedy(n=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert _model(llm).__dict__.get("_cpu_layer_runner") is False
+        assert [m for m in caplog.messages if m.startswith("cpu layer runner")] == [f"cpu layer runner: off ({why})"]
 
     llm = LLM(build_checkpoint(str(tmp_path / "narrow")), dtype="float32", kv_cache_memory=4 << 20)
     assert llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)[0].outputs[0].token_ids
@@ -144,7 +148,7 @@ def test_runner_left_to_the_loop(wide_dir, caplog, tmp_path, monkeypatch):
     assert getattr(o_proj, "gemm_weight", None) is None
     assert runner is None and why.endswith("is not a torch.float32 linear packed for float_gemm_cpu on one rank")
 
-    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=4 << 20)
+    llm = LLM(build_checkpoint(str(tmp_path / "wide"), **WIDE), dtype="float32", kv_cache_memory=4 << 20)
     llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)
     runner = _model(llm).__dict__["_cpu_layer_runner"]
     assert isinstance(runner, CpuLayerRunner)

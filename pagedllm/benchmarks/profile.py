@@ -25,7 +25,7 @@ import argparse
 import random
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -53,34 +53,46 @@ def add_args(p: argparse.ArgumentParser) -> None:
 class Timers:
     def __init__(self, sync: Callable[[], None]) -> None:
         self.total: dict[str, float] = defaultdict(float)
+        # name -> timings open: a call inside another of the same name (a norm's fused method calling
+        # its forward) is not counted twice
+        self.active: dict[str, int] = defaultdict(int)
         self.sync = sync
         self.enabled = False
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*a, **kw):
-            if not self.enabled:
+            if not self.enabled or self.active[name]:
                 return fn(*a, **kw)
             self.sync()
             t = time.perf_counter()
+            self.active[name] += 1
             try:
                 return fn(*a, **kw)
             finally:
+                self.active[name] -= 1
                 self.sync()
                 self.total[name] += time.perf_counter() - t
         return timed
 
     def hook_module(self, name: str, module: torch.nn.Module) -> None:
-        starts: list[float] = []
+        starts: list[Optional[float]] = []
 
         def pre(_m, _inp):
             if self.enabled:
+                if self.active[name]:
+                    starts.append(None)
+                    return
                 self.sync()
                 starts.append(time.perf_counter())
+                self.active[name] += 1
 
         def post(_m, _inp, _out):
             if self.enabled and starts:
-                self.sync()
-                self.total[name] += time.perf_counter() - starts.pop()
+                t = starts.pop()
+                if t is not None:
+                    self.active[name] -= 1
+                    self.sync()
+                    self.total[name] += time.perf_counter() - t
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
@@ -112,7 +124,13 @@ def instrument(engine, timers: Timers) -> None:
         elif leaf == "embed_tokens":
             timers.hook_module("embedding", m)
         elif leaf.endswith("norm"):
-            timers.hook_module("rmsnorm", m)
+            # the q/k norms run inside self_attn; the rest between the blocks. Their fused methods
+            # (in place on q/k; Gemma's post-norm add + next norm) bypass the forward hooks.
+            name = "q/k norms" if leaf in ("q_norm", "k_norm") else "rmsnorm"
+            timers.hook_module(name, m)
+            for meth in ("forward_heads_", "add_to_"):
+                if hasattr(m, meth):
+                    setattr(m, meth, timers.wrap(name, getattr(m, meth)))
         elif leaf == "rotary_emb":
             timers.hook_module("rotary", m)
         elif leaf == "mlp":
@@ -129,10 +147,9 @@ def breakdown(total: dict[str, float], steps: int) -> dict[str, float]:
     t = {k: v / steps for k, v in total.items()}
     out = {k: v for k, v in t.items() if not k.startswith("_") and k not in ("forward total", "model body")}
     linear_mlp = t.get("linear: gate_up_proj", 0) + t.get("linear: down_proj", 0)
-    out["activation (silu * up)"] = max(0.0, t.get("_mlp", 0) - linear_mlp)
+    out["activation (act(gate) * up)"] = max(0.0, t.get("_mlp", 0) - linear_mlp)
     attn_parts = t.get("linear: qkv_proj", 0) + t.get("linear: o_proj", 0) + t.get("rotary", 0) + \
-        t.get("attention (paged: KV write, gather, SDPA)", 0)
-    # q/k norms (Qwen3) sit inside self_attn and are counted under rmsnorm already.
+        t.get("attention (paged: KV write, gather, SDPA)", 0) + t.get("q/k norms", 0)
     out["attention glue (split, views)"] = max(0.0, t.get("_self_attn", 0) - attn_parts)
     inside_body = t.get("embedding", 0) + t.get("_self_attn", 0) + t.get("_mlp", 0) + t.get("rmsnorm", 0)
     out["forward rest (residual adds, Python)"] = max(0.0, t.get("model body", 0) - inside_body)

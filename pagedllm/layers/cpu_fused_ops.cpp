@@ -65,7 +65,7 @@ inline void silu64(const float* g, float* s) {
 // s[c] = GELU(g[c]), tanh approximation (Hendrycks & Gimpel, 2016; PyTorch's gelu(approximate="tanh")),
 // for c < 64: 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), computed as g / (1 + exp(-2z)),
 // the same value without the cancellation of 1 + tanh(z) for g < 0 (where PyTorch's form loses up to
-// ~1e-7 |g|); z in PyTorch's order of operations. Past -2z = 88 (g < -9.8) the value is below 1e-37:
+// ~1e-7 |g|); z in PyTorch's order of operations. Past -2z = 88 (g < -10) the value is below 1e-37:
 // 0 (PyTorch's -0 too), where exp's clamp would leave g / 2e38.
 inline void gelu_tanh64(const float* g, float* s) {
   constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f, kFlush = 88.0f;

@@ -24,7 +24,7 @@ from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
 # No fused multiply-adds: each product is rounded as in PyTorch's eager ops.
 FLAGS = BASE_FLAGS + ["-ffp-contract=off"]
-MAX_HIDDEN = 8192    # the row buffer of add_rms_norm
+MAX_HIDDEN = 8192    # the row buffers of the RMSNorms (a row, or a head's row)
 MAX_HEAD_DIM = 1024  # the row buffer of rotary
 
 

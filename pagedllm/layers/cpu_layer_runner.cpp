@@ -85,8 +85,8 @@ struct RunnerStep {
   const int32_t *block_tables, *seq_lens, *query_start_loc;
   int64_t bt_stride, num_seqs;
   void *h, *qkv, *q, *attn, *gate_up, *act;  // [N, hidden], [N, q + 2 kv], [N, q], [N, q], [N, 2 I], [N, I]
-  // null, or the seconds of each phase of a layer (cpu_layer_runner.PHASES, in the order of the
-  // calls below) added up over the layers: bench profile's breakdown of a runner step.
+  // null, or the seconds of each phase of a layer (cpu_layer_runner.PHASES, or GEMMA_PHASES: in the
+  // order of the calls below) added up over the layers: bench profile's breakdown of a runner step.
   double* timings;
 };
 

@@ -114,11 +114,15 @@ def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
         if gemma:
             plain = (type(layer).forward is gemma2.Gemma2DecoderLayer.forward
                      and type(attn).forward is gemma2.Gemma2Attention.forward)
-            dense = type(mlp).forward is gemma2.GemmaMLP.forward and mlp.gelu_tanh
+            dense = type(mlp).forward is gemma2.GemmaMLP.forward
+            if dense and not mlp.gelu_tanh:
+                return [], "a Gemma MLP whose activation is not GELU-tanh"
             norm_cls = GemmaRMSNorm
         else:
             plain = (type(layer).forward_fused is llama.LlamaDecoderLayer.forward_fused
-                     and type(attn).forward is llama.LlamaAttention.forward and attn.rotary_emb is model.rotary_emb)
+                     and type(attn).forward is llama.LlamaAttention.forward)
+            if plain and attn.rotary_emb is not model.rotary_emb:
+                return [], "a layer's RoPE is not the model's shared table"
             dense = type(mlp).forward is llama.LlamaMLP.forward
             norm_cls = RMSNorm
         if not plain:
@@ -322,10 +326,10 @@ class CpuLayerRunner:
         return dict(zip(self.phases, self.timings)) if self.timings is not None else {}
 
 
-def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Optional[torch.Tensor],
+def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
                kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``model``'s decoder layers through its runner (built and checked on first use; why not,
-    logged once), or None: the caller runs its Python loop."""
+    logged once), or None: the caller runs its Python loop. Arguments as ``CpuLayerRunner.run``."""
     if not getattr(model, "use_cpu_layer_runner", True) or not x.is_cpu:
         return None
     runner = model.__dict__.get("_cpu_layer_runner")

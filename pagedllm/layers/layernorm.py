@@ -97,7 +97,8 @@ class GemmaRMSNorm(RMSNorm):
     def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, heads, D] (a view of the qkv projection) -> the norm over D of each head (Gemma 3's
         q/k norms): in place through the CPU kernel where it applies, else ``forward(x)``."""
-        if x.is_cpu and cpu_fused_ops.rms_norm_heads_(x, self.weight, self.eps, gemma=True):
+        if (x.is_cpu and type(self).forward is GemmaRMSNorm.forward
+                and cpu_fused_ops.rms_norm_heads_(x, self.weight, self.eps, gemma=True)):
             return x
         return self(x)
 

@@ -4,9 +4,8 @@ add) and GELU-tanh(gate) * up, and rotate-half RoPE in place, each one pass over
 2-9 ATen ops; and the sampler's row-wise argmax of float32 logits.
 
 Used by ``layers/layernorm.py``, ``layers/activation.py``, ``layers/rotary_embedding.py`` and
-``models/gemma2.py`` when
-the tensors are float32 or bfloat16 on a CPU and the library builds (``layers/cpu_build.py``);
-otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
+``models/gemma2.py`` when the tensors are float32 or bfloat16 on a CPU and the library builds
+(``layers/cpu_build.py``); otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
 Measured on SmolLM2-135M, batch 48 decode, 2 threads: see benchmarks/README.md section 5.
 """
 from __future__ import annotations

@@ -90,6 +90,10 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
     config = cls_cfg(**common)
     torch.manual_seed(seed)
     model = cls_model(config).eval()
+    with torch.no_grad():  # transformers zero-initializes biases (Qwen2's q/k/v): random ones show up
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
     model.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     return out_dir

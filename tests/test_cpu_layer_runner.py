@@ -85,6 +85,26 @@ def test_runner_with_int8_kv_cache(wide_dir):
     assert_pool_empty(llm)
 
 
+def test_runner_with_int8_weights(wide_dir):
+    """``--quantization int8``: the runner calls the int8 method's one-call W8A8 linear on the
+    packed panels (int8_gemm_cpu.panel_linear), as the loop does; the SmoothQuant calibration pass
+    before quantizing does not leave the runner judged on the float model."""
+    from pagedllm.layers.quantization.int8 import Int8LinearMethod
+
+    _runner_or_skip()
+    prompts = make_prompts(300)
+    llm = LLM(wide_dir, dtype="float32", kv_cache_memory=16 << 20, quantization="int8", max_num_batched_tokens=64,
+              max_num_seqs=8, enable_prefix_caching=False)
+    qkv = _model(llm).layers[0].self_attn.qkv_proj
+    assert type(qkv.quant_method) is Int8LinearMethod
+    if getattr(qkv, "weight_packed", None) is None:
+        pytest.skip("no int8 panel GEMM here (needs AVX512-VNNI or AVX2)")
+    loop = _run(llm, prompts, False)
+    runner = _run(llm, prompts, True)
+    assert runner == loop
+    assert_pool_empty(llm)
+
+
 def test_runner_phase_timings(wide_dir):
     """The runner's optional timings (bench profile's breakdown): every phase of every layer gets
     time, together no more than the steps' wall time, and timing changes no output."""
@@ -146,7 +166,8 @@ def test_runner_left_to_the_loop(caplog, tmp_path, monkeypatch):
     runner, why = CpuLayerRunner.build(_model(llm))
     o_proj = _model(llm).layers[0].self_attn.o_proj  # 64 columns: too few panels to pack on 2+ threads
     assert getattr(o_proj, "gemm_weight", None) is None
-    assert runner is None and why.endswith("is not a torch.float32 linear packed for float_gemm_cpu on one rank")
+    assert runner is None and why.endswith("is neither a torch.float32 linear packed for float_gemm_cpu nor an int8 "
+                                           "one on packed panels, on one rank")
 
     llm = LLM(build_checkpoint(str(tmp_path / "wide"), **WIDE), dtype="float32", kv_cache_memory=4 << 20)
     llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)

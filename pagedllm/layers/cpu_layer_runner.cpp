@@ -19,6 +19,10 @@ typedef void (*NormFn)(const void* x, int64_t x_stride, void* residual, const vo
                        int hidden, float eps);
 typedef void (*GemmFn)(const void* x, int64_t ldx, const void* w_packed, const void* bias, void* y, int64_t ldy,
                        int m, int n, int k);
+// The W8A8 linear on a packed int8 weight (int8_gemm_cpu.cpp: int8_panel_linear_*): x [m, k] ->
+// out [m, n] contiguous, x quantized per row inside; sw: the weight's float32 scales [n].
+typedef void (*Int8LinearFn)(const void* x, int64_t ldx, int m, int k, const void* w_packed, const void* wsum,
+                             const void* sw, const void* bias, int n, void* out);
 typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
                          const void* cos_sin);
 // In place: RMSNorm over d of each of the `heads` rows of each of n tokens (q/k norms).
@@ -49,6 +53,7 @@ struct RunnerKernels {
   KvWriteInt8Fn kv_write_int8;  // an int8 cache (then `attention` is the kernel's int8-cache variant)
   AttentionFn attention;
   GemmaNormFn gemma_rms_norm;  // Gemma only
+  Int8LinearFn int8_linear;    // the int8 linears (--quantization int8)
 };
 
 // The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim.
@@ -58,12 +63,18 @@ struct RunnerDims {
   float scale, soft_cap;
 };
 
-// One layer's weights (packed for GemmFn), biases (null: none), norm weights (q_norm, k_norm
-// [head_dim]: null, none; pre_ff_norm, post_ff_norm: Gemma's) and KV cache halves; window: its
-// sliding window (0: none); rope: which of the step's RoPE tables it takes (0 or 1).
+// One linear: its weight packed for GemmFn, or (scale not null) int8 panels for Int8LinearFn with
+// their row sums and float32 scales; its bias (null: none).
+struct RunnerLinear {
+  const void *w, *b, *wsum, *scale;
+};
+
+// One layer's linears, norm weights (q_norm, k_norm [head_dim]: null, none; pre_ff_norm,
+// post_ff_norm: Gemma's) and KV cache halves; window: its sliding window (0: none); rope: which of
+// the step's RoPE tables it takes (0 or 1).
 struct RunnerLayer {
   const void *in_norm, *post_norm, *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm;
-  const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+  RunnerLinear qkv, o, gate_up, down;
   void *k_cache, *v_cache;
   int64_t window, rope;
   float in_eps, post_eps, q_eps, k_eps, pre_ff_eps, post_ff_eps;
@@ -108,6 +119,16 @@ struct PhaseClock {
   }
 };
 
+// y [m, n] <- x [m, k] (row stride ldx) @ the linear's weight (+ bias): float or int8.
+inline void linear(const RunnerKernels* k, const RunnerLinear& lin, const void* x, int64_t ldx, void* y, int64_t m,
+                   int64_t n, int64_t kdim) {
+  if (lin.scale != nullptr)
+    k->int8_linear(x, ldx, static_cast<int>(m), static_cast<int>(kdim), lin.w, lin.wsum, lin.scale, lin.b,
+                   static_cast<int>(n), y);
+  else
+    k->gemm(x, ldx, lin.w, lin.b, y, n, static_cast<int>(m), static_cast<int>(n), static_cast<int>(kdim));
+}
+
 // self_attn on h [N, hidden] -> s->x_out: qkv_proj, the q/k norms (Qwen3, Gemma 3) and RoPE on q and
 // k in place, K/V into the cache, attention, o_proj. Phases 1-5.
 void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
@@ -117,7 +138,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
   char* const qkv = static_cast<char*>(s->qkv);
   char* const k_new = qkv + q_size * es;
   char* const v_new = qkv + (q_size + kv_size) * es;
-  k->gemm(s->h, hidden, w.qkv_w, w.qkv_b, qkv, qkv_cols, n, qkv_cols, hidden);
+  linear(k, w.qkv, s->h, hidden, qkv, n, qkv_cols, hidden);
   clock.done(1);
   if (w.q_norm != nullptr) {
     k->rms_norm_heads(qkv, qkv_cols, hd, n, d->num_heads, hd, w.q_norm, w.q_eps);
@@ -139,7 +160,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
                s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
                d->block_size, d->scale, static_cast<int>(w.window), d->soft_cap, 0);
   clock.done(4);
-  k->gemm(s->attn, q_size, w.o_w, w.o_b, s->x_out, hidden, n, hidden, q_size);
+  linear(k, w.o, s->attn, q_size, s->x_out, n, hidden, q_size);
   clock.done(5);
 }
 
@@ -147,11 +168,11 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
 void mlp_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
                PhaseClock& clock) {
   const int64_t n = s->num_tokens, hidden = d->hidden, inter = d->intermediate;
-  k->gemm(s->h, hidden, w.gate_up_w, w.gate_up_b, s->gate_up, 2 * inter, n, 2 * inter, hidden);
+  linear(k, w.gate_up, s->h, hidden, s->gate_up, n, 2 * inter, hidden);
   clock.done(7);
   k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
   clock.done(8);
-  k->gemm(s->act, inter, w.down_w, w.down_b, s->x_out, hidden, n, hidden, inter);
+  linear(k, w.down, s->act, inter, s->x_out, n, hidden, inter);
   clock.done(9);
 }
 

@@ -10,9 +10,11 @@ It applies where every piece of a layer already runs one of those kernels: float
 CPU; ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE, with or without
 Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3) or Gemma 2/3's decoder layer (four norms a
 layer, GELU-tanh, sliding windows, soft-capped scores, a RoPE table per layer type); every linear
-packed for ``float_gemm_cpu`` (so not quantized); the CPU paged-attention backend over a cache in the
-model's dtype or int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does
-not cover (the KV-cache-less profiling pass), the Python loop runs. Why it does not apply is logged
+packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
+panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
+int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
+KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels), the Python loop
+runs. Why it does not apply is logged
 once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 """
@@ -26,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.layers import cpu_fused_ops, float_gemm_cpu
+from pagedllm.layers import cpu_fused_ops, float_gemm_cpu, int8_gemm_cpu
 from pagedllm.layers.attention import cpu_kernel, kv_quant
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
@@ -40,7 +42,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "rms_norm_heads", "silu_and_mul", "kv_write",
-                                        "kv_write_int8", "attention", "gemma_rms_norm")]
+                                        "kv_write_int8", "attention", "gemma_rms_norm", "int8_linear")]
 
 
 class _Dims(ctypes.Structure):
@@ -53,11 +55,31 @@ _NORMS = (("in", "input_layernorm"), ("post", "post_attention_layernorm"), ("q",
           ("k", "self_attn.k_norm"), ("pre_ff", "pre_feedforward_layernorm"), ("post_ff", "post_feedforward_layernorm"))
 
 
+class _Linear(ctypes.Structure):  # a float weight packed for the GEMM, or int8 panels (scale set)
+    _fields_ = [(name, _p) for name in ("w", "b", "wsum", "scale")]
+
+
+_LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(f"{name}_norm", _p) for name, _ in _NORMS] + \
-               [(name, _p) for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
-                                        "k_cache", "v_cache")] + \
-               [("window", _i64), ("rope", _i64)] + [(f"{name}_eps", _f32) for name, _ in _NORMS]
+    _fields_ = [(f"{name}_norm", _p) for name, _ in _NORMS] + [(name, _Linear) for name in _LINEAR_NAMES] + \
+               [("k_cache", _p), ("v_cache", _p), ("window", _i64), ("rope", _i64)] + \
+               [(f"{name}_eps", _f32) for name, _ in _NORMS]
+
+
+def _linears(layer: Any) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _int8_panels(lin: Any) -> bool:
+    """Whether ``lin`` is an int8 linear on packed panels that always runs ``panel_linear`` (the
+    int8 method with per-token scales, one rank): the runner calls the same kernel."""
+    from pagedllm.layers.quantization.int8 import Int8LinearMethod
+    return (type(getattr(lin, "quant_method", None)) is Int8LinearMethod and lin.quant_method.act_group_size == 0
+            and getattr(lin, "weight_packed", None) is not None and lin.weight_scale.dtype == torch.float32
+            and lin.weight_scale.is_contiguous() and lin.weight_sum.is_contiguous())
 
 
 _SCRATCH = ("h", "qkv", "q", "attn", "gate_up", "act")
@@ -154,6 +176,7 @@ class CpuLayerRunner:
         self.run_layers = lib.run_gemma_layers if gemma else lib.run_decoder_layers
         self.phases = GEMMA_PHASES if gemma else PHASES
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
+        self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
         self.layers: Optional[ctypes.Array] = None
@@ -181,20 +204,23 @@ class CpuLayerRunner:
         if dtype not in _SUFFIX:
             return None, f"dtype {dtype}"
         soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
+        int8, max_rows = False, None  # any int8 linears; the most rows a step may have (their panel_max_rows)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
                 return None, f"attention backend {type(attn.backend).__name__}"
             if attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap:
                 return None, "attention scales or soft-caps that differ between layers"
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for lin in _linears(layer):
                 w = getattr(lin, "gemm_weight", None)
-                if w is None or w.dtype != dtype or getattr(lin, "tp_size", 1) != 1:
-                    return None, (f"a {type(lin).__name__} is not a {dtype} linear packed for float_gemm_cpu "
-                                  f"on one rank")
+                if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or _int8_panels(lin)):
+                    return None, (f"a {type(lin).__name__} is neither a {dtype} linear packed for float_gemm_cpu "
+                                  f"nor an int8 one on packed panels, on one rank")
+                if _int8_panels(lin) and lin.panel_max_rows is not None:
+                    max_rows = min(max_rows or lin.panel_max_rows, lin.panel_max_rows)
+                int8 = int8 or _int8_panels(lin)
             params = [n.weight for n in (_norm(layer, path) for _, path in _NORMS) if n is not None]
-            params += [lin.bias for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                       if lin.bias is not None]
+            params += [lin.bias for lin in _linears(layer) if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
                 return None, "RMSNorm weights or biases not contiguous in the model's dtype"
         head_dim = first.self_attn.head_dim
@@ -203,8 +229,8 @@ class CpuLayerRunner:
             return None, "hidden size or head_dim outside the fused kernels' range"
         sfx = _SUFFIX[dtype]
         libs = {}
-        for name, lazy in (("runner", _LIBRARY), ("fused", cpu_fused_ops._LIBRARY),
-                           ("gemm", float_gemm_cpu._LIBRARY), ("attention", cpu_kernel._LIBRARY)):
+        for name, lazy in (("runner", _LIBRARY), ("fused", cpu_fused_ops._LIBRARY), ("gemm", float_gemm_cpu._LIBRARY),
+                           ("attention", cpu_kernel._LIBRARY)) + ((("int8", int8_gemm_cpu._LIBRARY),) if int8 else ()):
             lib, err = lazy.get()
             if lib is None:
                 return None, f"the {name} library is unavailable ({err})"
@@ -217,7 +243,8 @@ class CpuLayerRunner:
         common = dict(add_rms_norm=fused["add_rms_norm"], gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"),
                       rotary=fused["rotary"], gemma_rms_norm=fused["gemma_rms_norm"],
                       rms_norm_heads=fused["gemma_rms_norm_heads" if gemma else "rms_norm_heads"],
-                      silu_and_mul=fused["gelu_tanh_and_mul" if gemma else "silu_and_mul"])
+                      silu_and_mul=fused["gelu_tanh_and_mul" if gemma else "silu_and_mul"],
+                      int8_linear=_addr(libs["int8"], f"int8_panel_linear_{sfx}") if int8 else None)
         kernels = {"auto": _Kernels(**common, kv_write=_addr(libs["attention"], f"kv_write_{sfx}"), kv_write_int8=None,
                                     attention=_addr(libs["attention"], f"paged_attention_{sfx}")),
                    "int8": _Kernels(**common, kv_write=None, kv_write_int8=_addr(libs["attention"], f"kv_write_int8_{sfx}"),
@@ -227,7 +254,9 @@ class CpuLayerRunner:
                      hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                      intermediate=first.mlp.down_proj.input_size, block_size=0, scale=attn.scale, soft_cap=soft_cap)
-        return cls(model, dtype, libs["runner"], kernels, dims, ropes, gemma), ""
+        runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, gemma)
+        runner.max_rows = max_rows
+        return runner, ""
 
     def _layer_structs(self, kv_caches: list) -> Optional[ctypes.Array]:
         """The layers' pointers for these KV caches (rebuilt when the caches change), or None when a
@@ -256,11 +285,13 @@ class CpuLayerRunner:
                     setattr(s, f"{name}_eps", norm.eps)
             s.window = getattr(attn, "sliding_window", None) or 0
             s.rope = next(i for i, r in enumerate(self.ropes) if r is attn.rotary_emb)
-            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                              ("down", mlp.down_proj)):
-                held += [lin.gemm_weight, lin.bias]
-                setattr(s, f"{name}_w", _ptr(lin.gemm_weight))
-                setattr(s, f"{name}_b", _ptr(lin.bias))
+            for name, lin in zip(_LINEAR_NAMES, _linears(layer)):
+                if _int8_panels(lin):
+                    tensors = (lin.weight_packed, lin.bias, lin.weight_sum, lin.weight_scale)
+                else:
+                    tensors = (lin.gemm_weight, lin.bias, None, None)
+                held += tensors
+                setattr(s, name, _Linear(*(_ptr(t) for t in tensors)))
             s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
         self.layers, self.cache_ptrs, self.held = structs, ptrs, held
         self.kernels = self.kernel_sets["int8" if cache_dtype == torch.int8 else "auto"]
@@ -280,6 +311,8 @@ class CpuLayerRunner:
                 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())
                 or (self.gemma and residual is not None)):
             return None
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return None  # the int8 layers leave their panels for oneDNN's GEMM in the loop
         layers = self._layer_structs(kv_caches)
         if layers is None or meta.block_size != self.dims.block_size:
             return None

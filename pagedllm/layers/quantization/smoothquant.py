@@ -159,6 +159,10 @@ def collect_input_amax(model: nn.Module, seqs: Sequence[Sequence[int]], modules:
 
     device = next(model.parameters()).device
     handles = [m.register_forward_pre_hook(lambda mod, args: record(mod, args[0])) for m in modules]
+    # The CPU layer runner (cpu_layer_runner.py) has no hooks, and it must judge the model once its
+    # linears are quantized and packed, not before: the loop runs this pass.
+    runner_was = model.__dict__.get("use_cpu_layer_runner")
+    model.use_cpu_layer_runner = False
     try:
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
@@ -171,6 +175,10 @@ def collect_input_amax(model: nn.Module, seqs: Sequence[Sequence[int]], modules:
     finally:
         for h in handles:
             h.remove()
+        if runner_was is None:
+            model.__dict__.pop("use_cpu_layer_runner", None)
+        else:
+            model.use_cpu_layer_runner = runner_was
     return stats
 
 

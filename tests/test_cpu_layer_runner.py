@@ -102,6 +102,16 @@ def test_runner_with_int8_weights(wide_dir):
     loop = _run(llm, prompts, False)
     runner = _run(llm, prompts, True)
     assert runner == loop
+    # A VNNI CPU's layers leave their panels above 128 rows (panel_max_rows), and so does the
+    # runner: at 32, the 64-token steps run the loop (oneDNN's int8 GEMM), the decodes the runner.
+    model = _model(llm)
+    for layer in model.layers:
+        for lin in cpu_layer_runner._linears(layer):
+            lin.panel_max_rows = 32
+    del model.__dict__["_cpu_layer_runner"]
+    mixed = _run(llm, prompts, True)
+    assert model.__dict__["_cpu_layer_runner"].max_rows == 32
+    assert mixed == loop
     assert_pool_empty(llm)
 
 

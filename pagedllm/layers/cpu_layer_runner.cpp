@@ -5,7 +5,7 @@
 // host: module calls, checks, a new tensor per op). It plays, for a CPU step, the part a CUDA graph
 // plays on a GPU.
 //
-// The kernels live in their own libraries (cpu_fused_ops.cpp, float_gemm_cpu.cpp,
+// The kernels live in their own libraries (cpu_fused_ops.cpp, float_gemm_cpu.cpp, int8_gemm_cpu.cpp,
 // attention/paged_attention_cpu.cpp); Python hands their addresses in (RunnerKernels), so this
 // file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
 // bytes each. Plain C ABI (ctypes); the structs mirror cpu_layer_runner.py's ctypes.Structures.

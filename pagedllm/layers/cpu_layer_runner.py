@@ -1,8 +1,8 @@
 """All decoder layers of a Llama-family or Gemma 2/3 model in one C call per step on the CPU
 (``cpu_layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
-the packed float GEMM, q/k norms, RoPE, the KV write, paged attention, SiLU * up), in the same order
-on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer costs
-between them (module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a
+the packed float or int8 GEMM, q/k norms, RoPE, the KV write, paged attention, SiLU * up), in the
+same order on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer
+costs between them (module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a
 2-core host). It is the CPU's counterpart of a CUDA graph: a step's layers replayed with no
 interpreter in between.
 
@@ -13,9 +13,9 @@ layer, GELU-tanh, sliding windows, soft-capped scores, a RoPE table per layer ty
 packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
 panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
 int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
-KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels), the Python loop
-runs. Why it does not apply is logged
-once per model. ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
+KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels: 128 on a VNNI
+CPU), the Python loop runs. Why it does not apply is logged once per model.
+``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 """
 from __future__ import annotations
@@ -74,8 +74,9 @@ def _linears(layer: Any) -> tuple:
 
 
 def _int8_panels(lin: Any) -> bool:
-    """Whether ``lin`` is an int8 linear on packed panels that always runs ``panel_linear`` (the
-    int8 method with per-token scales, one rank): the runner calls the same kernel."""
+    """Whether ``lin`` is an int8 linear on packed panels (the int8 method with per-token scales),
+    which on one rank runs ``panel_linear`` for steps up to its ``panel_max_rows``: the runner calls
+    the same kernel (``build`` checks the rank; ``run`` the rows)."""
     from pagedllm.layers.quantization.int8 import Int8LinearMethod
     return (type(getattr(lin, "quant_method", None)) is Int8LinearMethod and lin.quant_method.act_group_size == 0
             and getattr(lin, "weight_packed", None) is not None and lin.weight_scale.dtype == torch.float32
@@ -235,12 +236,14 @@ class CpuLayerRunner:
             if lib is None:
                 return None, f"the {name} library is unavailable ({err})"
             libs[name] = lib
-        if float_gemm_cpu._GEMM.get(dtype) is None or not cpu_fused_ops.ENABLED:
+        float_linears = any(not _int8_panels(lin) for layer in layers for lin in _linears(layer))
+        if (float_linears and float_gemm_cpu._GEMM.get(dtype) is None) or not cpu_fused_ops.ENABLED:
             return None, f"no {dtype} GEMM or fused ops"
         fused = {name: _addr(libs["fused"], f"{name}_{sfx}") for name in (
             "add_rms_norm", "rotary", "rms_norm_heads", "gemma_rms_norm_heads", "silu_and_mul", "gelu_tanh_and_mul",
             "gemma_rms_norm")}
-        common = dict(add_rms_norm=fused["add_rms_norm"], gemm=_addr(libs["gemm"], f"float_gemm_{sfx}"),
+        common = dict(add_rms_norm=fused["add_rms_norm"],
+                      gemm=_addr(libs["gemm"], f"float_gemm_{sfx}") if float_linears else None,
                       rotary=fused["rotary"], gemma_rms_norm=fused["gemma_rms_norm"],
                       rms_norm_heads=fused["gemma_rms_norm_heads" if gemma else "rms_norm_heads"],
                       silu_and_mul=fused["gelu_tanh_and_mul" if gemma else "silu_and_mul"],

@@ -162,8 +162,8 @@ def collect_input_amax(model: nn.Module, seqs: Sequence[Sequence[int]], modules:
     # The CPU layer runner (cpu_layer_runner.py) has no hooks, and it must judge the model once its
     # linears are quantized and packed, not before: the loop runs this pass.
     runner_was = model.__dict__.get("use_cpu_layer_runner")
-    model.use_cpu_layer_runner = False
     try:
+        model.use_cpu_layer_runner = False
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
         prefills, start = [], 0

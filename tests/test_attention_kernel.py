@@ -161,6 +161,17 @@ def test_kernel_long_contexts():
     _compare(seqs[:3], 32, 1, 8, d=128, dtype=torch.float32, seed=6, window=512)
 
 
+@pytest.mark.parametrize("seqs,hkv,window,soft_cap", [
+    ([(3000, 1)], 1, None, None), ([(3000, 1)], 1, 1200, 30.0), ([(1500, 1), (800, 1)], 1, None, None),
+    ([(2047, 1), (511, 1), (40, 1)], 1, 1000, None)])
+def test_kernel_splits_few_long_decodes(seqs, hkv, window, soft_cap):
+    """Fewer decode items than 2 a thread: each long decode's keys are split into parts of at least
+    256 (one thread each), merged by their running maxima and sums (flash-decoding); a window that
+    spans parts, and one that leaves a part empty (a part with no visible key)."""
+    _compare(seqs, 16, hkv, 3, d=64, dtype=torch.float32, seed=9, window=window, soft_cap=soft_cap)
+    _compare(seqs, 16, hkv, 3, d=64, dtype=torch.bfloat16, seed=9, window=window, soft_cap=soft_cap, tol=2e-2)
+
+
 @pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 100)])
 def test_kernel_whole_sequence_decodes_over_many_chunks(dtype, window):
     """Enough decodes that each work item takes all KV heads of a sequence (>= 4 per thread), with

@@ -5,9 +5,11 @@
 // Flat batch of B sequences: sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1]
 // (T_b new tokens at positions seq_lens[b] - T_b .. seq_lens[b] - 1); decodes (T_b = 1) and prefill
 // chunks over a cached prefix mix freely. One work item = (sequence, KV head, tile of queries), or a
-// whole decode sequence (all its KV heads) when the batch has sequences enough for every thread. The
-// rows of a KV head are its G = H / Hkv query heads times the tile's tokens, so K/V are read once for
-// the whole group (grouped-query attention without expanding K/V).
+// whole decode sequence (all its KV heads) when the batch has sequences enough for every thread;
+// with fewer than 2 items a thread, a decode's keys split into parts, one item each, merged after
+// (split_decodes, merge_parts). The rows of a KV head are its G = H / Hkv query heads times the
+// tile's tokens, so K/V are read once for the whole group (grouped-query attention without expanding
+// K/V).
 //
 // Layouts (all contiguous, checked by the Python caller):
 //   q, out      [N, H, D]                         float32 or bfloat16 (raw uint16)
@@ -493,6 +495,20 @@ inline void prefetch_rows(const T* p, int n, int64_t stride, int d) {
 
 struct Item {
   int seq, h_begin, h_end, q_begin, q_end;  // KV heads [h_begin, h_end); q_* index the sequence's new tokens
+  int k_begin = 0, k_end = 1 << 30;          // keys [k_begin, k_end) (a part of a split decode)
+  int part = -1;                             // its slot in the parts' partial results; -1: not split
+};
+
+// A decode's keys split into parts when there are too few items to keep the threads busy (one
+// sequence: at most num_kv_heads items, one thread for a model with one KV head). Each part keeps
+// its unnormalized accumulator with its running max and sum; merge_parts combines them (the
+// PagedAttention paper's v2 kernel, flash-decoding). Parts hold at least kMinPartKeys keys.
+constexpr int kMinPartKeys = 256;
+
+struct Parts {
+  std::vector<Item> items;
+  std::vector<int> first_part;  // per split (sequence, KV head): index of its first part, then parts count
+  int num_parts = 0;
 };
 
 // A decode item takes all KV heads of its sequence when there are sequences enough to keep every
@@ -513,6 +529,78 @@ std::vector<Item> make_items(const int32_t* query_start_loc, int num_seqs, int n
   return items;
 }
 
+// make_items, with each decode item's keys split into parts where the items are fewer than 2 per
+// thread; parts[i].part indexes the partial results, first_part[2 * i] / [2 * i + 1] give split i's
+// first part and count (split i: the i-th item that was split, in item order).
+Parts split_decodes(std::vector<Item> items, const int32_t* seq_lens, const int32_t* query_start_loc) {
+  Parts out;
+  const int threads = omp_get_max_threads();
+  const int n = static_cast<int>(items.size());
+  const int want = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;  // parts per decode item
+  for (const Item& w : items) {
+    const int t = query_start_loc[w.seq + 1] - query_start_loc[w.seq];
+    const int parts = t == 1 && w.h_end - w.h_begin == 1 ? std::min(want, seq_lens[w.seq] / kMinPartKeys) : 1;
+    if (parts <= 1) {
+      out.items.push_back(w);
+      continue;
+    }
+    out.first_part.push_back(out.num_parts);
+    out.first_part.push_back(parts);
+    const int len = seq_lens[w.seq], step = (len + parts - 1) / parts;
+    for (int p = 0; p < parts; ++p) {
+      Item x = w;
+      x.k_begin = p * step, x.k_end = std::min(len, (p + 1) * step), x.part = out.num_parts++;
+      out.items.push_back(x);
+    }
+  }
+  return out;
+}
+
+// A split decode part's G rows (its running max, sum and unnormalized accumulator) into the parts'
+// buffers, for merge_parts.
+inline void keep_part(int part, int G, int D, const float* m, const float* l, const float* acc, std::vector<float>& pm,
+                      std::vector<float>& pl, std::vector<float>& pacc) {
+  std::copy(m, m + G, &pm[static_cast<size_t>(part) * G]);
+  std::copy(l, l + G, &pl[static_cast<size_t>(part) * G]);
+  std::copy(acc, acc + static_cast<size_t>(G) * D, &pacc[static_cast<size_t>(part) * G * D]);
+}
+
+// The split decodes' outputs from their parts: with M = max_p m_p, out = sum_p e^(m_p - M) acc_p /
+// sum_p e^(m_p - M) l_p, for each of the G query heads of the split's KV head. pm, pl: [part][G];
+// pacc: [part][G][D]. A part that saw no visible key has m = -inf, l = 0: weight 0.
+template <typename T>
+void merge_parts(const Parts& parts, const std::vector<float>& pm, const std::vector<float>& pl,
+                 const std::vector<float>& pacc, const int32_t* query_start_loc, int num_heads, int G, int D, T* out) {
+  const int splits = static_cast<int>(parts.first_part.size() / 2);
+  if (splits == 0) return;
+  // which item (and so sequence, KV head) each split is: the item holding its first part
+  std::vector<const Item*> of(splits);
+  for (const Item& w : parts.items)
+    for (int i = 0; i < splits; ++i)
+      if (w.part == parts.first_part[2 * i]) of[i] = &w;
+#pragma omp parallel for schedule(static) if (splits * G * D >= 4096)
+  for (int i = 0; i < splits; ++i) {
+    const int p0 = parts.first_part[2 * i], np = parts.first_part[2 * i + 1];
+    const Item& w = *of[i];
+    const int64_t tok = query_start_loc[w.seq];
+    std::vector<float> acc(D);
+    for (int g = 0; g < G; ++g) {
+      float mx = -INFINITY;
+      for (int p = p0; p < p0 + np; ++p) mx = std::max(mx, pm[static_cast<size_t>(p) * G + g]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int p = p0; p < p0 + np; ++p) {
+        const float m = pm[static_cast<size_t>(p) * G + g];
+        const float e = m == -INFINITY ? 0.0f : std::exp(m - mx);
+        l += e * pl[static_cast<size_t>(p) * G + g];
+        const float* a = &pacc[(static_cast<size_t>(p) * G + g) * D];
+        for (int c = 0; c < D; ++c) acc[c] += e * a[c];
+      }
+      store_row(acc.data(), out + (tok * num_heads + w.h_begin * G + g) * D, D, 1.0f / l);
+    }
+  }
+}
+
 // T: q/out; C: the cache (T, or int8_t). kHeadDim > 0: head_dim fixed at compile time (unrolled loops).
 template <typename T, typename C, int kHeadDim>
 void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* block_tables,
@@ -524,8 +612,12 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;  // between tokens of a block
   const int64_t blk_stride = tok_stride * block_rows<C>(bs, D);
   constexpr bool kDirect = std::is_same_v<C, float>;  // K/V rows used in place, else converted
-  const std::vector<Item> items = make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len);
+  const Parts parts = split_decodes(make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len), seq_lens,
+                                    query_start_loc);
+  const std::vector<Item>& items = parts.items;
   const int num_items = static_cast<int>(items.size());
+  // the split decodes' partial results: [part][G] running max and sum, [part][G][D] accumulator
+  std::vector<float> pm(static_cast<size_t>(parts.num_parts) * G), pl(pm.size()), pacc(pm.size() * D);
 
 #pragma omp parallel
   {
@@ -559,15 +651,16 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
       std::fill(m.begin(), m.begin() + rows, -INFINITY);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(rows) * D, 0.0f);
-      const int lo = window > 0 ? std::max(0, first_pos - window + 1) : 0;
+      const int lo = std::max(w.k_begin, window > 0 ? std::max(0, first_pos - window + 1) : 0);
+      const int hi = std::min(last_pos, w.k_end - 1);  // keys [lo, hi]
       const int32_t* table = block_tables + static_cast<int64_t>(w.seq) * bt_stride;
 
-      for (int blk = lo / bs; blk * bs <= last_pos; ++blk) {
-        const int j0 = std::max(blk * bs, lo), j1 = std::min((blk + 1) * bs, last_pos + 1);  // keys [j0, j1)
+      for (int blk = lo / bs; blk * bs <= hi; ++blk) {
+        const int j0 = std::max(blk * bs, lo), j1 = std::min((blk + 1) * bs, hi + 1);  // keys [j0, j1)
         const int n = j1 - j0;
         // The next block's K/V rows are prefetched (per KV head, before this block's P.V) so that
         // DRAM latency hides behind this block's arithmetic: measured -15 % time per layer.
-        const bool has_next = (blk + 1) * bs <= last_pos;
+        const bool has_next = (blk + 1) * bs <= hi;
         const int64_t next_blk = has_next ? static_cast<int64_t>(table[blk + 1]) * blk_stride : 0;
         for (int h = w.h_begin; h < w.h_end; ++h) {
           const int64_t blk_off = static_cast<int64_t>(table[blk]) * blk_stride;
@@ -637,6 +730,10 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
           }
         }
       }
+      if (w.part >= 0) {
+        keep_part(w.part, G, D, m.data(), l.data(), acc.data(), pm, pl, pacc);
+        continue;
+      }
       for (int h = w.h_begin; h < w.h_end; ++h)
         for (int i = w.q_begin; i < w.q_end; ++i) {
           const int64_t tok = query_start_loc[w.seq] + i;
@@ -647,6 +744,7 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
         }
     }
   }
+  merge_parts(parts, pm, pl, pacc, query_start_loc, num_heads, G, D, out);
 }
 
 #ifdef PAGEDLLM_VEC
@@ -668,8 +766,12 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;
   const int64_t blk_stride = tok_stride * block_rows<C>(bs, D);
-  const std::vector<Item> items = make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len);
+  const Parts parts = split_decodes(make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len), seq_lens,
+                                    query_start_loc);
+  const std::vector<Item>& items = parts.items;
   const int num_items = static_cast<int>(items.size());
+  // the split decodes' partial results: [part][G] running max and sum, [part][G][D] accumulator
+  std::vector<float> pm(static_cast<size_t>(parts.num_parts) * G), pl(pm.size()), pacc(pm.size() * D);
 
 #pragma omp parallel
   {
@@ -704,15 +806,16 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       std::fill(m.begin(), m.begin() + rows, -INFINITY);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(rows) * D, 0.0f);
-      const int lo = window > 0 ? std::max(0, first_pos - window + 1) : 0;
+      const int lo = std::max(w.k_begin, window > 0 ? std::max(0, first_pos - window + 1) : 0);
+      const int hi = std::min(last_pos, w.k_end - 1);  // keys [lo, hi]
       const int32_t* table = block_tables + static_cast<int64_t>(w.seq) * bt_stride;
 
       // Bytes of one token row this item reads (its KV heads); with touching, keys a chunk so that
       // the chunk's K and V fit in kTouchBytes.
       const int seg_bytes = (w.h_end - w.h_begin) * row_bytes<C>(D);
       const int kc = kTouchBytes > 0 ? std::max(16, std::min(KC, (kTouchBytes / (2 * seg_bytes)) & ~15)) : KC;
-      for (int c0 = lo; c0 <= last_pos; c0 += kc) {
-        const int n = std::min(kc, last_pos + 1 - c0);
+      for (int c0 = lo; c0 <= hi; c0 += kc) {
+        const int n = std::min(kc, hi + 1 - c0);
         const int npad = (n + 15) & ~15;
         for (int j = 0, blk = c0 / bs, in = c0 % bs; j < n; ++j) {  // walk the block table
           off[j] = static_cast<int64_t>(table[blk]) * blk_stride + in * tok_stride;
@@ -798,6 +901,10 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
                             head_rows, D);
         }
       }
+      if (w.part >= 0) {
+        keep_part(w.part, G, D, m.data(), l.data(), acc.data(), pm, pl, pacc);
+        continue;
+      }
       for (int r = 0; r < rows; ++r) {
         const int h = w.h_begin + r / head_rows, i = w.q_begin + (r % head_rows) / G, g = r % G;
         const int64_t tok = query_start_loc[w.seq] + i;
@@ -805,6 +912,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       }
     }
   }
+  merge_parts(parts, pm, pl, pacc, query_start_loc, num_heads, G, D, out);
 }
 #endif  // PAGEDLLM_VEC
 

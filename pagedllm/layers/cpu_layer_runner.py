@@ -205,7 +205,8 @@ class CpuLayerRunner:
         if dtype not in _SUFFIX:
             return None, f"dtype {dtype}"
         soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
-        int8, max_rows = False, None  # any int8 linears; the most rows a step may have (their panel_max_rows)
+        # any int8 or float linears; the most rows a step may have (the int8 ones' panel_max_rows)
+        int8, float_linears, max_rows = False, False, None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
@@ -213,13 +214,13 @@ class CpuLayerRunner:
             if attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap:
                 return None, "attention scales or soft-caps that differ between layers"
             for lin in _linears(layer):
-                w = getattr(lin, "gemm_weight", None)
-                if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or _int8_panels(lin)):
+                w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
+                if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or panels):
                     return None, (f"a {type(lin).__name__} is neither a {dtype} linear packed for float_gemm_cpu "
                                   f"nor an int8 one on packed panels, on one rank")
-                if _int8_panels(lin) and lin.panel_max_rows is not None:
+                if panels and lin.panel_max_rows is not None:
                     max_rows = min(max_rows or lin.panel_max_rows, lin.panel_max_rows)
-                int8 = int8 or _int8_panels(lin)
+                int8, float_linears = int8 or panels, float_linears or not panels
             params = [n.weight for n in (_norm(layer, path) for _, path in _NORMS) if n is not None]
             params += [lin.bias for lin in _linears(layer) if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
@@ -236,7 +237,6 @@ class CpuLayerRunner:
             if lib is None:
                 return None, f"the {name} library is unavailable ({err})"
             libs[name] = lib
-        float_linears = any(not _int8_panels(lin) for layer in layers for lin in _linears(layer))
         if (float_linears and float_gemm_cpu._GEMM.get(dtype) is None) or not cpu_fused_ops.ENABLED:
             return None, f"no {dtype} GEMM or fused ops"
         fused = {name: _addr(libs["fused"], f"{name}_{sfx}") for name in (

@@ -505,9 +505,14 @@ struct Item {
 // PagedAttention paper's v2 kernel, flash-decoding). Parts hold at least kMinPartKeys keys.
 constexpr int kMinPartKeys = 256;
 
+struct Split {
+  Item item;                   // the decode item split (its sequence and KV head)
+  int first_part, num_parts;  // its parts' slots in the partial results
+};
+
 struct Parts {
   std::vector<Item> items;
-  std::vector<int> first_part;  // per split (sequence, KV head): index of its first part, then parts count
+  std::vector<Split> splits;
   int num_parts = 0;
 };
 
@@ -530,8 +535,7 @@ std::vector<Item> make_items(const int32_t* query_start_loc, int num_seqs, int n
 }
 
 // make_items, with each decode item's keys split into parts where the items are fewer than 2 per
-// thread; parts[i].part indexes the partial results, first_part[2 * i] / [2 * i + 1] give split i's
-// first part and count (split i: the i-th item that was split, in item order).
+// thread; items[i].part indexes the partial results, splits the parts of each decode that was split.
 Parts split_decodes(std::vector<Item> items, const int32_t* seq_lens, const int32_t* query_start_loc) {
   Parts out;
   const int threads = omp_get_max_threads();
@@ -544,8 +548,7 @@ Parts split_decodes(std::vector<Item> items, const int32_t* seq_lens, const int3
       out.items.push_back(w);
       continue;
     }
-    out.first_part.push_back(out.num_parts);
-    out.first_part.push_back(parts);
+    out.splits.push_back({w, out.num_parts, parts});
     const int len = seq_lens[w.seq], step = (len + parts - 1) / parts;
     for (int p = 0; p < parts; ++p) {
       Item x = w;
@@ -571,17 +574,12 @@ inline void keep_part(int part, int G, int D, const float* m, const float* l, co
 template <typename T>
 void merge_parts(const Parts& parts, const std::vector<float>& pm, const std::vector<float>& pl,
                  const std::vector<float>& pacc, const int32_t* query_start_loc, int num_heads, int G, int D, T* out) {
-  const int splits = static_cast<int>(parts.first_part.size() / 2);
+  const int splits = static_cast<int>(parts.splits.size());
   if (splits == 0) return;
-  // which item (and so sequence, KV head) each split is: the item holding its first part
-  std::vector<const Item*> of(splits);
-  for (const Item& w : parts.items)
-    for (int i = 0; i < splits; ++i)
-      if (w.part == parts.first_part[2 * i]) of[i] = &w;
 #pragma omp parallel for schedule(static) if (splits * G * D >= 4096)
   for (int i = 0; i < splits; ++i) {
-    const int p0 = parts.first_part[2 * i], np = parts.first_part[2 * i + 1];
-    const Item& w = *of[i];
+    const int p0 = parts.splits[i].first_part, np = parts.splits[i].num_parts;
+    const Item& w = parts.splits[i].item;
     const int64_t tok = query_start_loc[w.seq];
     std::vector<float> acc(D);
     for (int g = 0; g < G; ++g) {

@@ -54,8 +54,8 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma2 | gemma3) saved
-    with save_pretrained."""
+    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 | phi3)
+    saved with save_pretrained."""
     import transformers
 
     tok = build_tokenizer(out_dir)
@@ -71,7 +71,16 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
+    if arch == "phi3":  # LongRoPE past 4 positions (long factors; prompts longer than that), a 48-token window
+        half = (common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]) // 2
+        rng = torch.Generator().manual_seed(seed)
+        common.setdefault("original_max_position_embeddings", 4)
+        common.setdefault("sliding_window", 48)
+        common.setdefault("rope_scaling", {"rope_type": "longrope",
+                                           "short_factor": (1 + 2 * torch.rand(half, generator=rng)).tolist(),
+                                           "long_factor": (2 + 6 * torch.rand(half, generator=rng)).tolist()})
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
     if arch in ("gemma2", "gemma3"):  # windows shorter than most prompts; Gemma 2: soft-capped scores

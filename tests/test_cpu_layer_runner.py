@@ -1,7 +1,7 @@
 """The CPU layer runner (layers/cpu_layer_runner.py: all decoder layers in one C call a step)
 against the Python layer loop it replaces: bit-identical logprobs in batches that mix decodes with
 chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
-transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 2 and 3), every block back
+transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 2 and 3, Phi-3), every block back
 in the pool; and the models and steps it must leave to the loop."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_pool_empty, build_checkpoint
-from test_correctness import greedy, make_prompts, reference
+from test_correctness import PROMPT_LENS, greedy, make_prompts, reference
 from pagedllm import LLM
 from pagedllm.layers import cpu_layer_runner, float_gemm_cpu
 from pagedllm.layers.attention import cpu_kernel
@@ -32,11 +32,12 @@ def _runner_or_skip() -> None:
         pytest.skip("no float32 packed GEMM on this CPU (needs AVX-512 or AVX2 with FMA)")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def wide_dir(request, tmp_path_factory):
     """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer), Qwen3 (RMSNorms on q and k per head,
     before RoPE), Gemma 2 (sliding windows on alternate layers, soft-capped scores, four norms a layer,
-    GELU-tanh) and Gemma 3 (q/k norms, a RoPE table per layer type)."""
+    GELU-tanh), Gemma 3 (q/k norms, a RoPE table per layer type) and Phi-3 (LongRoPE's scaled table,
+    a 48-token window on every layer through its SlidingWindowBackend)."""
     extra = dict(head_dim=64) if request.param in ("qwen3", "gemma2", "gemma3") else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
@@ -61,7 +62,8 @@ def _run(llm, prompts, on: bool, **kw):
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_runner_equals_layer_loop_bit_for_bit(wide_dir, block_size):
     _runner_or_skip()
-    prompts = make_prompts(500)
+    # Phi-3's long factors equal transformers' only for prompts longer than its original length (4)
+    prompts = make_prompts(500, lens=[n for n in PROMPT_LENS if n > 4] if "phi3" in wide_dir else PROMPT_LENS)
     # 64-token steps: prompts split into chunks that share steps with other requests' decodes
     llm = LLM(wide_dir, dtype="float32", kv_cache_memory=16 << 20, block_size=block_size, max_num_batched_tokens=64,
               max_num_seqs=8, enable_prefix_caching=False)

@@ -46,6 +46,12 @@ FAMILIES = {
              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=32,
                   rope_scaling=_LONGROPE, sliding_window=48, initializer_range=0.15, tie_word_embeddings=False), {}),
+    # Half of each head's channels rotate (Phi-4-mini rotates 3/4): PartialRotaryEmbedding, not the
+    # shared full-rotation table.
+    "phi3_partial": ("Phi3Config", "Phi3ForCausalLM",
+                     dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=512, partial_rotary_factor=0.5,
+                          initializer_range=0.15, tie_word_embeddings=False), {}),
     # Sliding window 16 < most prompts; small caps so soft-capping changes the result; Gemma 2's
     # heads x head_dim (96) differs from hidden_size, as in Gemma 2 9B/27B.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",

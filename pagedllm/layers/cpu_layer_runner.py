@@ -8,7 +8,8 @@ interpreter in between.
 
 It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
 CPU; ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE, with or without
-Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3) or Gemma 2/3's decoder layer (four norms a
+Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3; Phi-3 where every channel rotates, LongRoPE
+tables and its sliding window included) or Gemma 2/3's decoder layer (four norms a
 layer, GELU-tanh, sliding windows, soft-capped scores, a RoPE table per layer type); every linear
 packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
 panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
@@ -30,6 +31,7 @@ import torch
 
 from pagedllm.layers import cpu_fused_ops, float_gemm_cpu, int8_gemm_cpu
 from pagedllm.layers.attention import cpu_kernel, kv_quant
+from pagedllm.layers.attention.backend import SlidingWindowBackend
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("cpu_layer_runner.cpp")
@@ -125,6 +127,14 @@ def _norm(layer: Any, path: str) -> Any:
     return layer
 
 
+def _backend_window(attn: Any) -> tuple[Any, int]:
+    """(attn's attention backend, its sliding window; 0: none), through Phi-3's SlidingWindowBackend."""
+    backend, window = attn.backend, getattr(attn, "sliding_window", None) or 0
+    if isinstance(backend, SlidingWindowBackend):
+        backend, window = backend.inner, backend.window or 0
+    return backend, window
+
+
 def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
     """(the layers' distinct RotaryEmbeddings, "") when every layer is the family's plain decoder
     layer (its forward not overridden), else ([], why not)."""
@@ -209,8 +219,9 @@ class CpuLayerRunner:
         int8, float_linears, max_rows = False, False, None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(attn.backend, cpu_kernel.CpuPagedAttention) or attn.backend.LONG_PREFILL is not None:
-                return None, f"attention backend {type(attn.backend).__name__}"
+            backend = _backend_window(attn)[0]
+            if not isinstance(backend, cpu_kernel.CpuPagedAttention) or backend.LONG_PREFILL is not None:
+                return None, f"attention backend {type(backend).__name__}"
             if attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap:
                 return None, "attention scales or soft-caps that differ between layers"
             for lin in _linears(layer):
@@ -286,7 +297,7 @@ class CpuLayerRunner:
                     held.append(norm.weight)
                     setattr(s, f"{name}_norm", _ptr(norm.weight))
                     setattr(s, f"{name}_eps", norm.eps)
-            s.window = getattr(attn, "sliding_window", None) or 0
+            s.window = _backend_window(attn)[1]
             s.rope = next(i for i, r in enumerate(self.ropes) if r is attn.rotary_emb)
             for name, lin in zip(_LINEAR_NAMES, _linears(layer)):
                 if _int8_panels(lin):

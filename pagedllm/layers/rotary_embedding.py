@@ -54,17 +54,24 @@ class RotaryEmbedding(nn.Module):
     float32 results equal transformers' bit for bit.
     """
 
-    def __init__(self, head_dim: int, max_position: int, rope: dict, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, max_position: int, rope: dict, dtype: torch.dtype, *,
+                 inv_freq: Optional[torch.Tensor] = None, attention_factor: float = 1.0) -> None:
+        """``inv_freq`` [head_dim / 2] float32: frequencies computed elsewhere (LongRoPE's; None:
+        from ``rope``); ``attention_factor`` scales cos and sin (LongRoPE's, as transformers does
+        in float32 before the cast to ``dtype``)."""
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, rope)
+        if inv_freq is None:
+            inv_freq = compute_inv_freq(head_dim, rope)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.head_dim = head_dim
         # [max_position, 2, D]: cos and [-sin(f), sin(f)] side by side, gathered with one index.
-        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-        self.register_buffer("cos_sin_cache", torch.stack((emb.cos(), signed_sin), dim=1).to(dtype),
-                             persistent=False)
+        cos, sin = emb.cos(), freqs.sin()
+        if attention_factor != 1.0:  # (-s) * a == -(s * a): the sign fold stays exact
+            cos, sin = cos * attention_factor, sin * attention_factor
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        self.register_buffer("cos_sin_cache", torch.stack((cos, signed_sin), dim=1).to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         """[N, 2, 1, D]: cos and sign-folded sin at ``positions`` [N]; compute once per step."""

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+
 
 LONGROPE_TYPES = ("longrope", "su")  # "su" is the name older Phi-3 configs use
 
@@ -29,6 +31,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _inv_freq(rotary_dim: int, base: float, factors: Optional[list[float]]) -> torch.Tensor:
+    """[rotary_dim / 2] float32: RoPE's frequencies, divided by LongRoPE's ``factors`` if given."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32)
+
+
 class PartialRotaryEmbedding(nn.Module):
     """RoPE on the first ``rotary_dim`` channels of q [N, H, D] and k [N, Hkv, D] at ``positions``
     [N] (int64), rotate-half layout; the rest pass through. ``factors`` [rotary_dim / 2] divide
@@ -37,9 +45,7 @@ class PartialRotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_position: int, base: float, dtype: torch.dtype,
                  factors: Optional[list[float]] = None, attention_factor: float = 1.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-        if factors is not None:
-            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+        inv_freq = _inv_freq(rotary_dim, base, factors)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rotary_dim = rotary_dim
@@ -58,10 +64,13 @@ class PartialRotaryEmbedding(nn.Module):
 
 
 def get_phi3_rope(head_dim: int, max_position: int, rope: dict, dtype: torch.dtype,
-                  max_model_len: int) -> PartialRotaryEmbedding:
+                  max_model_len: int) -> nn.Module:
     """The rotary embedding for ``rope`` (``get_rope_parameters`` output; default or LongRoPE)
     for positions below ``max_model_len``; ``max_position`` is the config's
-    ``max_position_embeddings`` (it sets LongRoPE's default factor).
+    ``max_position_embeddings`` (it sets LongRoPE's default factor). Where every channel rotates
+    (Phi-3 mini/small/medium) it is the shared ``RotaryEmbedding`` with these frequencies: its table
+    is gathered once a step and applied in place by the fused kernel (and the CPU layer runner
+    takes it); the same products and sums as ``PartialRotaryEmbedding``, so the same values.
 
     Raises:
         ValueError: a rope type other than default/longrope/su.
@@ -70,8 +79,15 @@ def get_phi3_rope(head_dim: int, max_position: int, rope: dict, dtype: torch.dty
     base = float(rope.get("rope_theta", 10000.0))
     size = max_model_len
     rope_type = rope.get("rope_type", "default")
+
+    def make(factors: Optional[list[float]] = None, attention_factor: float = 1.0) -> nn.Module:
+        if rotary_dim == head_dim:
+            return RotaryEmbedding(head_dim, size, {}, dtype, inv_freq=_inv_freq(head_dim, base, factors),
+                                   attention_factor=attention_factor)
+        return PartialRotaryEmbedding(rotary_dim, size, base, dtype, factors, attention_factor)
+
     if rope_type == "default":
-        return PartialRotaryEmbedding(rotary_dim, size, base, dtype)
+        return make()
     if rope_type not in LONGROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported for Phi-3 (supported: default, longrope)")
     original = int(rope["original_max_position_embeddings"])
@@ -80,4 +96,4 @@ def get_phi3_rope(head_dim: int, max_position: int, rope: dict, dtype: torch.dty
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factors = rope["long_factor"] if max_model_len > original else rope["short_factor"]
-    return PartialRotaryEmbedding(rotary_dim, size, base, dtype, factors, float(attention_factor))
+    return make(factors, float(attention_factor))

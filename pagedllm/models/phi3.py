@@ -14,22 +14,11 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from pagedllm.config import get_rope_parameters
-from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from pagedllm.layers.attention import AttentionBackend, TorchPagedAttention
+from pagedllm.layers.attention.backend import SlidingWindowBackend
 from pagedllm.layers.linear import load_narrow, loaded_shape
 from pagedllm.layers.rotary_longrope import get_phi3_rope
 from pagedllm.models.llama import LlamaForCausalLM
-
-
-class SlidingWindowBackend(AttentionBackend):
-    """Passes ``sliding_window`` to ``inner`` on every call, for blocks (Llama's) that do not."""
-
-    def __init__(self, inner: AttentionBackend, window: int) -> None:
-        self.inner, self.window = inner, window
-        self.name, self.needs_zeroed_cache = inner.name, inner.needs_zeroed_cache
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
-                meta: AttentionMetadata, scale: float, **kw: Any) -> torch.Tensor:
-        return self.inner.forward(q, k, v, kv_cache, meta, scale, **{"sliding_window": self.window, **kw})
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

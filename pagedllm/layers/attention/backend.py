@@ -3,7 +3,7 @@ backend says which setups it supports and why it refuses the others, and compute
 the flat batch of one step."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -37,6 +37,19 @@ class AttentionBackend:
                 meta: AttentionMetadata, scale: float, *, sliding_window: Optional[int] = None,
                 logits_soft_cap: Optional[float] = None) -> torch.Tensor:
         raise NotImplementedError
+
+
+class SlidingWindowBackend(AttentionBackend):
+    """Passes ``sliding_window`` to ``inner`` on every call, for attention blocks (Llama's) that do
+    not pass one (Phi-3: every layer attends within ``config.sliding_window``)."""
+
+    def __init__(self, inner: AttentionBackend, window: int) -> None:
+        self.inner, self.window = inner, window
+        self.name, self.needs_zeroed_cache = inner.name, inner.needs_zeroed_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata, scale: float, **kw: Any) -> torch.Tensor:
+        return self.inner.forward(q, k, v, kv_cache, meta, scale, **{"sliding_window": self.window, **kw})
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

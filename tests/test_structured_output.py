@@ -102,6 +102,29 @@ def test_logit_bias_allowed_and_bad_words(llm):
 
 
 # ---- structured outputs ----------------------------------------------------------------------
+def test_choice_of_thousands_with_regex_metacharacters(llm):
+    """A choice is one regex lexeme (a Lark rule of 2,000+ string alternatives made llguidance's
+    parser stop at the first token, and the output went unconstrained); the strings' regex
+    metacharacters, control characters and non-ASCII text are matched literally."""
+    from pagedllm.structured_output.backend import _regex_literal
+
+    special = ["a.b*c", "(x)|[y]{2}", "^$ \\ + ? # & - ~", "tab\there\nnewline", "日本語", ""]
+    choices = [f"option {i}" for i in range(3000)] + special
+    compiler = llm.llm_engine.grammar_compiler
+    tok = llm.get_tokenizer()
+    params = StructuredOutputsParams(choice=choices)
+    for text, ok in [("option 2999", True), ("option 3x", False), ("a.b*c", True), ("aXb*c", False),
+                     ("(x)|[y]{2}", True), ("x", False), (special[2], True), (special[3], True), ("日本語", True)]:
+        m = compiler.matcher(params)
+        consumed = all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+        assert (consumed and m._m.is_accepting()) == ok, text
+    assert _regex_literal(".*\x01") == "\\.\\*\\x{1}"
+    outs = gen(llm, [PROMPT, "once upon a time"], temperature=1.0, seed=3, n=3, max_tokens=40,
+               structured_outputs={"choice": choices})
+    assert all(c.text in choices and c.finish_reason == "stop" for o in outs for c in o.outputs)
+    assert_pool_empty(llm)
+
+
 def test_regex_choice_json_and_grammar(llm):
     outs = gen(llm, [PROMPT, "once upon a time"], temperature=1.0, seed=1, n=3,
                structured_outputs=StructuredOutputsParams(regex=REGEX))

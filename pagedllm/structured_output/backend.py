@@ -17,6 +17,13 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 _CACHE_SIZE = 256
 _WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching exactly it (llguidance's Rust regex syntax): meta characters
+    escaped, other non-printable characters as ``\\x{...}``."""
+    return "".join("\\" + c if c in _REGEX_META else c if c.isprintable() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 class GrammarCompiler:
@@ -82,7 +89,10 @@ class GrammarCompiler:
         if kind == "regex":
             return M.grammar_from_regex(params.regex)
         if kind == "choice":
-            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+            # One regex lexeme, not a Lark rule of string alternatives: llguidance's Earley parser
+            # refuses a row of more than 2,000 items at the first token (a rule of 2,000 choices),
+            # while its lexer takes any number of alternatives.
+            return M.grammar_from_regex("(?:" + "|".join(_regex_literal(c) for c in params.choice) + ")")
         try:
             return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
         except ValueError as e:

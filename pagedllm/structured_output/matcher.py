@@ -29,8 +29,9 @@ class GrammarMatcher:
             return True
         if not self._m.consume_token(token_id):
             self.failed = True
+            # The error's first line (llguidance appends its state and the whole grammar)
             logger.warning("structured output: token %d rejected by the grammar (%s); mask lifted",
-                           token_id, self._m.get_error())
+                           token_id, (self._m.get_error() or "").strip().split("\n", 1)[0])
             return False
         return True
 

@@ -234,7 +234,7 @@ class EngineArgs:
         model_path = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path)
         max_len_cfg = _max_len_from_hf(hf_config)
-        max_model_len = self.max_model_len or max_len_cfg
+        max_model_len = max_len_cfg if self.max_model_len is None else self.max_model_len  # 0 is refused below
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if self.block_size < 1:
@@ -244,6 +244,10 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool)
+                                                 or not isinstance(self.kv_cache_memory, (int, float))):
+            raise ValueError(f"kv_cache_memory must be a number of bytes, got {self.kv_cache_memory!r} (the CLI's "
+                             f"--kv-cache-memory also takes sizes such as 512MiB)")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
@@ -290,7 +294,7 @@ class EngineArgs:
         # Tokens per step. On a CPU 2,048: larger steps ran slower per token (SmolLM2, W48 offline,
         # 5,972 prompt tokens: fp32 8 %, int8 W8A8 15-20 % slower in one 8,192-token step than in
         # chunks of 2,048; their activations outgrow the caches).
-        max_batched = self.max_num_batched_tokens or (
+        max_batched = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else (
             2048 if device == "cpu" else max(2048, min(max_model_len, 8192)))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}")

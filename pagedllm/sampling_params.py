@@ -81,11 +81,11 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)  # (anything else is refused by _verify)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
-            self.top_k = 0
+        if self.top_k is None or (isinstance(self.top_k, int) and self.top_k == -1):
+            self.top_k = 0  # -1 and 0 disable, as vLLM's; below -1 is refused by _verify
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
@@ -114,8 +114,8 @@ class SamplingParams:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int):
-            raise bad("top_k", "must be an integer")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 1, or 0 or -1 (disabled)")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -134,7 +134,7 @@ class SamplingParams:
             raise bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be >= 0")
-        if any(not isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")

@@ -87,6 +87,15 @@ def test_kv_budget_too_small_names_the_setting(llama_dir):
         LLM(llama_dir, kv_cache_memory=4096)
 
 
+@pytest.mark.parametrize("kwargs, match", [(dict(max_model_len=0), "max_model_len must be >= 1, got 0"),
+                                           (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+                                           (dict(kv_cache_memory="64MiB"), "kv_cache_memory must be a number of bytes")])
+def test_zero_or_mistyped_limits_are_refused(llama_dir, kwargs, match):
+    """0 is not "the default" (it was, through ``or``), and a size string is a clear ValueError."""
+    with pytest.raises(ValueError, match=match):
+        LLM(llama_dir, **kwargs)
+
+
 def test_prompt_validation(llama_dir):
     llm = LLM(llama_dir, kv_cache_memory=1 << 20, max_model_len=64)
     assert llm.llm_engine.model_config.max_model_len == 64

@@ -26,7 +26,8 @@ BAD_PARAMS = [
     dict(logprobs=1.5), dict(logprobs=True), dict(prompt_logprobs=0.5), dict(min_tokens=None),
     dict(min_tokens=2.5), dict(seed=1.5), dict(seed="1"), dict(seed=2 ** 64), dict(seed=-(2 ** 63) - 1),
     dict(seed=2 ** 64 - 1, n=2), dict(stop=[5]), dict(stop=[b"x"]), dict(stop=[None]),
-    dict(stop_token_ids=["a"]), dict(n=0), dict(max_tokens=0), dict(top_k=1.5),
+    dict(stop_token_ids=["a"]), dict(n=0), dict(max_tokens=0), dict(top_k=1.5), dict(top_k=-2), dict(stop=5),
+    dict(stop=b"x"),
 ]
 
 

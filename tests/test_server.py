@@ -57,7 +57,14 @@ def stream_text(chunks) -> tuple[str, str, object]:
 def test_models_health_version(client, http):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    model = client.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert (model.id, model.object, model.max_model_len) == (MODEL, "model", MAX_MODEL_LEN)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no/such-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert http.get("/health").status_code == 200
+    r = http.head("/health")  # load balancers probe with HEAD
+    assert (r.status_code, r.content) == (200, b"")
     assert http.get("/version").json()["version"]
 
 

@@ -62,7 +62,7 @@ def test_create_equals_chat_completion(client, tokenizer):
     assert [o.type for o in r.output] == ["message"]
     assert r.output[0].content[0].type == "output_text"
     # max_output_tokens reached: incomplete, as OpenAI reports it
-    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.completed_at is None
     assert r.usage.output_tokens == 12 == chat.usage.completion_tokens
     assert r.usage.input_tokens == chat.usage.prompt_tokens == n_template_tokens(
         tokenizer, [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "to be or not"}])
@@ -256,6 +256,7 @@ def test_text_format_json_schema(client):
     r = client.responses.create(model=MODEL, input="pick a colour", max_output_tokens=40, temperature=0.0,
                                 text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
     assert r.status == "completed", r
+    assert r.created_at <= r.completed_at <= time.time() + 1  # set once completed (null while incomplete)
     assert json.loads(r.output_text)["color"] in ("red", "blue")
     assert r.text.format.type == "json_schema"
     obj = client.responses.create(model=MODEL, input="any object", max_output_tokens=60, temperature=0.0,

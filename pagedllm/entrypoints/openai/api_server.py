@@ -220,7 +220,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         logger.exception("unhandled error while serving a request")
         return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if llm.check_health():
             return Response(status_code=200)
@@ -234,10 +234,16 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    card = ModelCard(id=served, root=llm.model_config.model, max_model_len=llm.model_config.max_model_len)
+
     @app.get("/v1/models")
     async def list_models():
-        card = ModelCard(id=served, root=llm.model_config.model, max_model_len=llm.model_config.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve(); ids may contain "/"
+    async def retrieve_model(model_id: str):
+        completions.check_model(model_id)
+        return JSONResponse(card.model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request):

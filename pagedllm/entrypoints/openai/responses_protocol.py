@@ -250,6 +250,7 @@ class ResponseObject(OpenAIBaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: ResponseStatus = "in_progress"
+    completed_at: Optional[int] = None  # Unix seconds, once the status is "completed"
     background: bool = False
     error: Optional[ResponseError] = None
     incomplete_details: Optional[IncompleteDetails] = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -290,7 +291,7 @@ class OpenAIServingResponses:
                 resp.status = "incomplete"
                 resp.incomplete_details = IncompleteDetails(reason="max_output_tokens")
             else:
-                resp.status = "completed"
+                resp.status, resp.completed_at = "completed", int(time.time())
         except asyncio.CancelledError:
             resp.status = "cancelled"
             if message is not None:

@@ -155,11 +155,18 @@ def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[s
     """Token ids of a conversation rendered with ``chat_template`` or the tokenizer's own.
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts. Raises
-    ValueError when the tokenizer has no chat template and none is given.
+    ValueError when the tokenizer has no chat template and none is given, or a message is not a
+    dict with a string ``role`` and string, list or null ``content`` (any role name: templates
+    define their own, e.g. Llama 3.1's ``ipython``).
     """
     norm = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r:.200}")
         content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}]['content'] must be a string, a list of content parts or null, "
+                             f"got {type(content).__name__}")
         if isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
         norm.append({**m, "content": content if content is not None else ""})

@@ -92,6 +92,12 @@ def test_chat_odd_messages(llm):
     for bad in ([[]], [{"role": "user", "content": "the " * 300}]):
         with pytest.raises(ValueError):
             llm.chat(bad, sp, use_tqdm=False)
+    # a message without a role, or with content of another type: ValueErrors naming the message
+    for bad, match in (([{"content": "hi"}], r"messages\[0\] must be a dict with a string 'role'"),
+                       ([{"role": "user", "content": "a"}, {"role": 5}], r"messages\[1\] must be a dict"),
+                       ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] must be a string")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(bad, sp, use_tqdm=False)
     assert_pool_empty(llm)
 
 

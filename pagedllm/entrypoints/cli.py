@@ -132,7 +132,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit-concurrency", type=int, default=1000,
                    help="most open HTTP connections; more get 503 and are closed; 0 = no limit")
     p.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=16 * 2 ** 10,
-                   help="largest request line plus headers in bytes (larger requests get 400)")
+                   help="h11's bound on a request line plus headers not yet complete in its buffer, in bytes "
+                        "(uvicorn's option, as vLLM's): a client still sending them past it gets a 400 and is "
+                        "disconnected; headers that arrive complete in one read are not measured against it")
     p.add_argument("--allowed-origins", default='["*"]',
                    help="CORS: origins allowed to call the API from a browser (JSON list or comma-separated)")
     p.add_argument("--allowed-methods", default='["*"]', help="CORS: allowed HTTP methods")

@@ -165,3 +165,20 @@ def test_engine_uses_fixed_kv_space_and_logs_choices(llama_dir, monkeypatch, cap
         assert_pool_empty(llm)
     finally:
         torch.set_num_threads(prev)
+
+
+_SPIN_SCRIPT = "import os, pagedllm, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+
+
+@pytest.mark.parametrize("env, want", [({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                       ({"OMP_WAIT_POLICY": "ACTIVE"}, "None")])
+def test_openmp_spin_count_default_leaves_the_users_setting(env, want):
+    """Importing pagedllm (before torch loads libgomp) sets libgomp's barrier spin count to 1,000
+    where the user set neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", _SPIN_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env={**base, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [want]

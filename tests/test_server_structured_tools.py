@@ -133,7 +133,7 @@ def test_auto_tool_choice_with_hermes_parser(client):
                                                  tools=TOOLS, extra_body=body, stream=True))
     content = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     deltas = [d for ch in stream if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
-    assert content == "Sure. " and deltas[0].id and deltas[0].function.name == "get_weather"
+    assert content == c.message.content == "Sure." and deltas[0].id and deltas[0].function.name == "get_weather"
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Rome", "unit": "C"}
     assert stream[-1].choices[0].finish_reason == "tool_calls"
     # tool_choice "none": the same text comes back as content
@@ -215,3 +215,25 @@ def test_auto_needs_the_server_flags():
         resolve_tool_choice(tools, None, auto_enabled=False)
     assert resolve_tool_choice(tools, "none", auto_enabled=False) == "none"
     assert resolve_tool_choice(None, None, auto_enabled=False) == "none"
+
+
+@pytest.mark.parametrize("text", [
+    "Sure. " + HERMES, "Let me check.  \n" + HERMES, "plain text  ", "x" + HERMES + " mid " + HERMES,
+    "no call <tool", "end <tool_call> {bad", 'end \n<tool_call>{"name": 5}</tool_call> more', " " + HERMES])
+def test_hermes_streamed_content_equals_unstreamed(text):
+    """Fed in chunks of 1, 3 and 7 characters, the streaming parser sends the content and calls the
+    whole-text parser finds: trailing whitespace before a call is held back and dropped (it was
+    streamed while the unstreamed content stripped it), and kept before a malformed one."""
+    from pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
+
+    whole = HermesToolParser(None).extract_tool_calls(text)
+    for step in (1, 3, 7):
+        parser, content, calls, prev = HermesToolParser(None), "", [], 0
+        for i in [*range(step, len(text), step), len(text)]:
+            d = parser.extract_tool_calls_streaming(text[:prev], text[:i], text[prev:i], i == len(text))
+            prev = i
+            if d is not None:
+                content += d.content or ""
+                calls += [(c.function.name, c.function.arguments) for c in d.tool_calls or []]
+        assert content == (whole.content or ""), (step, content)
+        assert calls == [(c.function.name, c.function.arguments) for c in whole.tool_calls]

@@ -59,8 +59,9 @@ class HermesToolParser(ToolParser):
 
     def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                      finished: bool) -> Optional[DeltaMessage]:
-        """Content streams as it comes (a possible ``<tool_call>`` prefix is held back); each call
-        is sent when its closing tag arrives (or at the end): a delta with id, name and its arguments."""
+        """Content streams as it comes (a possible ``<tool_call>`` prefix and trailing whitespace are
+        held back, so the streamed content equals the unstreamed one); each call is sent when its
+        closing tag arrives (or at the end): a delta with id, name and its arguments."""
         content_parts: list[str] = []
         tool_deltas: list[DeltaToolCall] = []
         while True:
@@ -68,25 +69,31 @@ class HermesToolParser(ToolParser):
             start = rest.find(START)
             if start < 0:
                 hold = 0 if finished else _partial_prefix_len(rest, START)
+                if not finished:  # trailing whitespace waits: before a call it is stripped, as unstreamed
+                    sendable = rest[:len(rest) - hold]
+                    hold += len(sendable) - len(sendable.rstrip())
                 if len(rest) - hold > 0 and self._num_calls == 0:
                     content_parts.append(rest[:len(rest) - hold])
                 if self._num_calls == 0 or finished:
                     self._sent_content += len(rest) - hold
                 break
-            if start > 0 and self._num_calls == 0:
-                content_parts.append(rest[:start])
+            # The text before the tag, without its trailing whitespace: that stays unsent until the
+            # call parses (a malformed call is content, whitespace included).
+            pre = len(rest[:start].rstrip())
+            if pre and self._num_calls == 0:
+                content_parts.append(rest[:pre])
             end = rest.find(END, start)
             if end < 0 and not finished:
-                self._sent_content += start
+                self._sent_content += pre
                 break
             body = rest[start + len(START):end if end >= 0 else len(rest)]
             call = parse_call(body)
             if call is None:
                 if finished:
-                    content_parts.append(rest[start:])
+                    content_parts.append(rest[pre:])
                     self._sent_content = len(current_text)
                     break
-                self._sent_content += start
+                self._sent_content += pre
                 break
             tool_deltas.append(DeltaToolCall(index=self._num_calls, id=call.id, type="function",
                                              function=DeltaFunctionCall(name=call.function.name,

@@ -69,7 +69,11 @@ def test_api_key_flag_chat_template_and_sigint(llama_dir, tmp_path):
             wrong.completions.create(model="tiny", prompt="the king", max_tokens=3)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
-        for headers in ({}, {"Authorization": KEY}, {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"}):
+        r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"})  # any case of the scheme
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+        for headers in ({}, {"Authorization": KEY}, {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": f"Bearer  {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
+                        {"Authorization": f"Bearer {KEY[:-1]}"}):
             r = httpx.post(srv.url + "/v1/chat/completions", headers=headers,
                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert r.status_code == 401, headers

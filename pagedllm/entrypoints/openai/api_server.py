@@ -75,7 +75,7 @@ class GuardMiddleware:
 
     def __init__(self, app, api_key: Optional[str], max_body_bytes: int) -> None:
         self.app = app
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
@@ -83,9 +83,10 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.expected_auth is not None and scope["path"].startswith(_KEYED_PATHS):
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected_auth):
+        if self.api_key is not None and scope["path"].startswith(_KEYED_PATHS):
+            # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time.
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)):
                 resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)

@@ -84,8 +84,8 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)  # (anything else is refused by _verify)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or (isinstance(self.top_k, int) and self.top_k == -1):
-            self.top_k = 0  # -1 and 0 disable, as vLLM's; below -1 is refused by _verify
+        if self.top_k is None:
+            self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
@@ -114,8 +114,9 @@ class SamplingParams:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= 1, or 0 or -1 (disabled)")
+        self.top_k = max(int(self.top_k), 0)  # -1 and 0 disable it, as in vLLM
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -26,7 +26,7 @@ BAD_PARAMS = [
     dict(logprobs=1.5), dict(logprobs=True), dict(prompt_logprobs=0.5), dict(min_tokens=None),
     dict(min_tokens=2.5), dict(seed=1.5), dict(seed="1"), dict(seed=2 ** 64), dict(seed=-(2 ** 63) - 1),
     dict(seed=2 ** 64 - 1, n=2), dict(stop=[5]), dict(stop=[b"x"]), dict(stop=[None]),
-    dict(stop_token_ids=["a"]), dict(n=0), dict(max_tokens=0), dict(top_k=1.5), dict(top_k=-2), dict(stop=5),
+    dict(stop_token_ids=["a"]), dict(n=0), dict(max_tokens=0), dict(top_k=1.5), dict(top_k=-2), dict(top_k=True), dict(stop=5),
     dict(stop=b"x"),
 ]
 
@@ -44,6 +44,7 @@ def test_sampling_params_accept_numpy_and_edge_values():
     assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1
     assert SamplingParams(seed=-(2 ** 63), n=4).seed == -(2 ** 63)
     assert SamplingParams(top_k=None).top_k == 0 and SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=np.int64(5)).top_k == 5 and type(SamplingParams(top_k=np.int64(-1)).top_k) is int
 
 
 def test_extreme_seeds_and_numpy_params_generate(llm):

@@ -514,6 +514,9 @@ struct Parts {
   std::vector<Item> items;
   std::vector<Split> splits;
   int num_parts = 0;
+  int G = 0, D = 0;
+  // the parts' partial results: [part][G] running max and sum, [part][G][D] accumulator
+  std::vector<float> m, l, acc;
 };
 
 // A decode item takes all KV heads of its sequence when there are sequences enough to keep every
@@ -535,9 +538,11 @@ std::vector<Item> make_items(const int32_t* query_start_loc, int num_seqs, int n
 }
 
 // make_items, with each decode item's keys split into parts where the items are fewer than 2 per
-// thread; items[i].part indexes the partial results, splits the parts of each decode that was split.
-Parts split_decodes(std::vector<Item> items, const int32_t* seq_lens, const int32_t* query_start_loc) {
+// thread; items[i].part indexes the partial results (G query heads of D each), splits the parts of
+// each decode that was split.
+Parts split_decodes(std::vector<Item> items, const int32_t* seq_lens, const int32_t* query_start_loc, int G, int D) {
   Parts out;
+  out.G = G, out.D = D;
   const int threads = omp_get_max_threads();
   const int n = static_cast<int>(items.size());
   const int want = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;  // parts per decode item
@@ -556,25 +561,28 @@ Parts split_decodes(std::vector<Item> items, const int32_t* seq_lens, const int3
       out.items.push_back(x);
     }
   }
+  out.m.resize(static_cast<size_t>(out.num_parts) * G);
+  out.l.resize(out.m.size());
+  out.acc.resize(out.m.size() * D);
   return out;
 }
 
 // A split decode part's G rows (its running max, sum and unnormalized accumulator) into the parts'
-// buffers, for merge_parts.
-inline void keep_part(int part, int G, int D, const float* m, const float* l, const float* acc, std::vector<float>& pm,
-                      std::vector<float>& pl, std::vector<float>& pacc) {
-  std::copy(m, m + G, &pm[static_cast<size_t>(part) * G]);
-  std::copy(l, l + G, &pl[static_cast<size_t>(part) * G]);
-  std::copy(acc, acc + static_cast<size_t>(G) * D, &pacc[static_cast<size_t>(part) * G * D]);
+// partial results, for merge_parts.
+inline void keep_part(Parts& parts, int part, const float* m, const float* l, const float* acc) {
+  const size_t G = parts.G, D = parts.D;
+  std::copy(m, m + G, &parts.m[part * G]);
+  std::copy(l, l + G, &parts.l[part * G]);
+  std::copy(acc, acc + G * D, &parts.acc[part * G * D]);
 }
 
 // The split decodes' outputs from their parts: with M = max_p m_p, out = sum_p e^(m_p - M) acc_p /
-// sum_p e^(m_p - M) l_p, for each of the G query heads of the split's KV head. pm, pl: [part][G];
-// pacc: [part][G][D]. A part that saw no visible key has m = -inf, l = 0: weight 0.
+// sum_p e^(m_p - M) l_p, for each of the G query heads of the split's KV head. A part that saw no
+// visible key has m = -inf, l = 0: weight 0.
 template <typename T>
-void merge_parts(const Parts& parts, const std::vector<float>& pm, const std::vector<float>& pl,
-                 const std::vector<float>& pacc, const int32_t* query_start_loc, int num_heads, int G, int D, T* out) {
-  const int splits = static_cast<int>(parts.splits.size());
+void merge_parts(const Parts& parts, const int32_t* query_start_loc, int num_heads, T* out) {
+  const int splits = static_cast<int>(parts.splits.size()), G = parts.G, D = parts.D;
+  const auto &pm = parts.m, &pl = parts.l, &pacc = parts.acc;  // [part][G], [part][G], [part][G][D]
   if (splits == 0) return;
 #pragma omp parallel for schedule(static) if (splits * G * D >= 4096)
   for (int i = 0; i < splits; ++i) {
@@ -610,12 +618,10 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;  // between tokens of a block
   const int64_t blk_stride = tok_stride * block_rows<C>(bs, D);
   constexpr bool kDirect = std::is_same_v<C, float>;  // K/V rows used in place, else converted
-  const Parts parts = split_decodes(make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len), seq_lens,
-                                    query_start_loc);
+  Parts parts = split_decodes(make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len), seq_lens,
+                              query_start_loc, G, D);
   const std::vector<Item>& items = parts.items;
   const int num_items = static_cast<int>(items.size());
-  // the split decodes' partial results: [part][G] running max and sum, [part][G][D] accumulator
-  std::vector<float> pm(static_cast<size_t>(parts.num_parts) * G), pl(pm.size()), pacc(pm.size() * D);
 
 #pragma omp parallel
   {
@@ -729,7 +735,7 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
         }
       }
       if (w.part >= 0) {
-        keep_part(w.part, G, D, m.data(), l.data(), acc.data(), pm, pl, pacc);
+        keep_part(parts, w.part, m.data(), l.data(), acc.data());
         continue;
       }
       for (int h = w.h_begin; h < w.h_end; ++h)
@@ -742,7 +748,7 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
         }
     }
   }
-  merge_parts(parts, pm, pl, pacc, query_start_loc, num_heads, G, D, out);
+  merge_parts(parts, query_start_loc, num_heads, out);
 }
 
 #ifdef PAGEDLLM_VEC
@@ -764,12 +770,10 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;
   const int64_t blk_stride = tok_stride * block_rows<C>(bs, D);
-  const Parts parts = split_decodes(make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len), seq_lens,
-                                    query_start_loc);
+  Parts parts = split_decodes(make_items(query_start_loc, num_seqs, num_kv_heads, max_query_len), seq_lens,
+                              query_start_loc, G, D);
   const std::vector<Item>& items = parts.items;
   const int num_items = static_cast<int>(items.size());
-  // the split decodes' partial results: [part][G] running max and sum, [part][G][D] accumulator
-  std::vector<float> pm(static_cast<size_t>(parts.num_parts) * G), pl(pm.size()), pacc(pm.size() * D);
 
 #pragma omp parallel
   {
@@ -900,7 +904,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
         }
       }
       if (w.part >= 0) {
-        keep_part(w.part, G, D, m.data(), l.data(), acc.data(), pm, pl, pacc);
+        keep_part(parts, w.part, m.data(), l.data(), acc.data());
         continue;
       }
       for (int r = 0; r < rows; ++r) {
@@ -910,7 +914,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       }
     }
   }
-  merge_parts(parts, pm, pl, pacc, query_start_loc, num_heads, G, D, out);
+  merge_parts(parts, query_start_loc, num_heads, out);
 }
 #endif  // PAGEDLLM_VEC
 

@@ -74,6 +74,23 @@ def test_runner_equals_layer_loop_bit_for_bit(wide_dir, block_size):
     assert_pool_empty(llm)
 
 
+def test_runner_in_bfloat16(wide_dir):
+    """bfloat16 weights, activations and KV cache, on float_gemm_cpu's bf16 GEMM (AVX512-BF16's
+    products, or AVX2's bf16 widened to float32 as it loads): the runner equals the loop bit for bit."""
+    _runner_or_skip()
+    if float_gemm_cpu._GEMM.get(torch.bfloat16) is None:
+        pytest.skip("no bf16 packed GEMM on this CPU (needs AVX512-BF16, or AVX2 + FMA without AVX-512)")
+    prompts = make_prompts(300, lens=[n for n in PROMPT_LENS if n > 4] if "phi3" in wide_dir else PROMPT_LENS)
+    llm = LLM(wide_dir, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_batched_tokens=64, max_num_seqs=8,
+              enable_prefix_caching=False)
+    qkv = _model(llm).layers[0].self_attn.qkv_proj
+    assert qkv.gemm_weight.dtype == torch.bfloat16  # packed for the bf16 GEMM, not left to oneDNN
+    loop = _run(llm, prompts, False)
+    runner = _run(llm, prompts, True)
+    assert runner == loop
+    assert_pool_empty(llm)
+
+
 def test_runner_with_int8_kv_cache(wide_dir):
     """An int8 KV cache: the runner quantizes with the kernels' int8 write and reads with their
     int8-cache attention, as the loop does."""

@@ -13,7 +13,7 @@ from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 _lib, _err = float_gemm_cpu._LIBRARY.get()
 LEVEL = _lib.float_gemm_level() if _lib is not None else 0
 needs = {torch.float32: pytest.mark.skipif(LEVEL < 1, reason=f"no float GEMM here (AVX-512 or AVX2 + FMA) ({_err or 'level 0'})"),
-         torch.bfloat16: pytest.mark.skipif(LEVEL < 2, reason="no AVX512-BF16 on this CPU (or compiler)")}
+         torch.bfloat16: pytest.mark.skipif(LEVEL < 2, reason="no bf16 GEMM here (AVX512-BF16, or AVX2 + FMA without AVX-512)")}
 DTYPES = [pytest.param(torch.float32, marks=needs[torch.float32]),
           pytest.param(torch.bfloat16, marks=needs[torch.bfloat16])]
 

@@ -100,6 +100,17 @@ inline __m512 exp_clamped16(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
+// float_to_bf16 on 8 lanes (the same rounding, NaNs kept quiet), as 8 bf16 in a __m128i.
+inline __m128i float_to_bf16_8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  // both halves < 2^16: packus keeps them; it packs within 128-bit lanes, so gather qwords 0 and 2
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
 // exp_clamped on 8 lanes (AVX2; the same reduction and polynomial as exp_clamped16).
 inline __m256 exp_clamped8(__m256 x) {
   const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

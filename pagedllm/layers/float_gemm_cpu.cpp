@@ -1,10 +1,11 @@
 // Float GEMM of the linear layers on AVX-512 and AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// float32, or bfloat16 (AVX512-BF16 vdpbf16ps), float32 accumulation. W is packed once after
-// loading into 16-column panels; each thread takes a contiguous, equal share of the panels, and its
-// register tile (AVX-512: MR rows x 16*NV columns, 24 accumulators; AVX2: 6 rows x 16 columns, 12)
-// streams K from the packed panels with every row of x broadcast from memory (the classic
-// BLIS-style microkernel: Van Zee & van de Geijn, 2015). The loops around the tile (panels per
-// thread, row tiles, prefetch) are panel_gemm.h's.
+// float32, or bfloat16 (AVX512-BF16 vdpbf16ps; AVX2 without AVX-512: bf16 widened to float32 as it
+// loads, where oneDNN's emulated bf16 matmul made a SmolLM2 decode step 7x slower than float32),
+// float32 accumulation. W is packed once after loading into 16-column panels; each thread takes a
+// contiguous, equal share of the panels, and its register tile (AVX-512: MR rows x 16*NV columns,
+// 24 accumulators; AVX2: 6 rows x 16 columns, 12) streams K from the packed panels with every row
+// of x broadcast from memory (the classic BLIS-style microkernel: Van Zee & van de Geijn, 2015).
+// The loops around the tile (panels per thread, row tiles, prefetch) are panel_gemm.h's.
 //
 // Why not oneDNN's packed linear: at decode-sized M (1-128 rows) and N of a few hundred columns,
 // oneDNN splits the work unevenly over 2 threads; this loop measured 1.4-1.6x faster there
@@ -14,7 +15,7 @@
 // Packed layout, P = ceil(N / 16) panels, columns past N zero:
 //   float32:  [P][K][16]            element (n, k) at (n / 16) * 16 * K + k * 16 + n % 16
 //   bfloat16: [P][ceil(K / 2)][16][2] pairs of consecutive k (vdpbf16ps multiplies pairs), a K
-//             tail padded with zero
+//             tail padded with zero; on AVX2, [P][K + K % 2][16] as float32's (the same size)
 // Plain C ABI (ctypes): no torch headers.
 #include <immintrin.h>
 #include <omp.h>
@@ -22,7 +23,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "cpu_math.h"
 #include "panel_gemm.h"
 
 namespace {
@@ -120,30 +123,23 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pstr
 }
 #endif
 #elif defined(PAGEDLLM_FLOAT_GEMM)
-// AVX2, float32: y[MR, 16] = x[MR, K] @ one panel + bias; a partial panel (bits of `tail`) goes
+// AVX2. float32: y[MR, 16] = x[MR, K] @ one panel + bias; a partial panel (bits of `tail`) goes
 // through a 16-column scratch row (loads and stores past N would leave the tensors).
-template <int MR, int NV>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t pstride, const float* bias, float* y,
-                 int64_t ldy, int K, PanelMask tail, const Prefetch& pf) {
-  static_assert(NV == 1, "AVX2 tiles take one panel");
-  (void)pstride;
-  const int cols = __builtin_popcount(tail);
-  float b16[kPanel] = {};
-  if (bias != nullptr) std::memcpy(b16, bias, sizeof(float) * cols);
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = _mm256_loadu_ps(b16), acc[i][1] = _mm256_loadu_ps(b16 + 8);
-  int done = 0;
-  const char* const pf_at = pf.pf;
-  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
-  for (int k = 0; k < K; ++k) {
-    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
-    const __m256 b0 = _mm256_loadu_ps(w + kPanel * k), b1 = _mm256_loadu_ps(w + kPanel * k + 8);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
-      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-    }
-  }
+// bfloat16 (no bf16 multiply on these CPUs): float32 arithmetic on widened values, rounded to bf16
+// (nearest even) once at the end. gemm widens x to float32 once a call; the panels are k-major as
+// float32's ([P][K][16], not pairs), and the tile widens each k row of 16 columns as it loads it
+// (zero extension and a shift per 8: bf16 bits are the top half of a float's). The products and
+// float32 sums are those of the float32 tile on the widened values; half the weight bytes make it
+// 1.7x the float32 tile at 1 row and 1.05-1.1x at 48 (benchmarks/README.md section 17).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// A tile's MR x 16 float32 results into y: all columns, or the first `cols` (a partial panel)
+// through a scratch row.
+template <int MR>
+inline void store_tile(const __m256 (&acc)[MR][2], float* y, int64_t ldy, int cols) {
   for (int i = 0; i < MR; ++i) {
     if (cols == kPanel) {
       _mm256_storeu_ps(y + i * ldy, acc[i][0]);
@@ -156,6 +152,52 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t pstride, c
     }
   }
 }
+// Rounded to bf16. Not inlined: inlined, GCC kept the rounding's constants in registers through
+// the tile's k loop and spilled accumulators to the stack at every k step (2x slower).
+template <int MR>
+__attribute__((noinline)) void store_tile(const __m256 (&acc)[MR][2], uint16_t* y, int64_t ldy, int cols) {
+  for (int i = 0; i < MR; ++i) {
+    uint16_t row[kPanel];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row), pagedllm_cpu::float_to_bf16_8(acc[i][0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 8), pagedllm_cpu::float_to_bf16_8(acc[i][1]));
+    std::memcpy(y + i * ldy, row, sizeof(uint16_t) * cols);
+  }
+}
+
+// TW: the panel's element (float32, or bf16 widened here); TY: bias and output (float32 or bf16).
+template <int MR, int NV, typename TW, typename TY>
+inline void tile(const float* x, int64_t ldx, const TW* w, int64_t pstride, const TY* bias, TY* y, int64_t ldy,
+                 int K, PanelMask tail, const Prefetch& pf) {
+  static_assert(NV == 1, "AVX2 tiles take one panel");
+  (void)pstride;
+  const int cols = __builtin_popcount(tail);
+  float b16[kPanel] = {};
+  if (bias != nullptr)
+    for (int c = 0; c < cols; ++c) b16[c] = pagedllm_cpu::as_float(bias[c]);
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = _mm256_loadu_ps(b16), acc[i][1] = _mm256_loadu_ps(b16 + 8);
+  int done = 0;
+  const char* const pf_at = pf.pf;
+  const int pf_lines = pf.lines, pf_per_k = pf.per_k;
+  for (int k = 0; k < K; ++k) {
+    pagedllm_cpu::prefetch_step(pf_at, pf_lines, pf_per_k, done);
+    const __m256 b0 = load8(w + kPanel * k), b1 = load8(w + kPanel * k + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+    }
+  }
+  if constexpr (sizeof(TY) == 4) {
+    store_tile<MR>(acc, y, ldy, cols);
+  } else {  // a copy: with acc's own address passed on, GCC stored acc to the stack at every k step
+    __m256 out[MR][2];
+    for (int i = 0; i < MR; ++i) out[i][0] = acc[i][0], out[i][1] = acc[i][1];
+    store_tile<MR>(out, y, ldy, cols);
+  }
+}
+
+#define PAGEDLLM_WIDEN_BF16 1
 #endif  // __AVX512F__ / AVX2
 
 #if defined(PAGEDLLM_FLOAT_GEMM)
@@ -169,32 +211,66 @@ constexpr int kRowBlock = 0;
 constexpr int kRowBlock = 192;
 #endif
 
-// Elements of one packed panel.
+// Whether T's panels hold k pairs (bf16 for vdpbf16ps) or k rows (float32; AVX2's widened bf16).
+#if defined(PAGEDLLM_WIDEN_BF16)
+template <typename T>
+constexpr bool kPairs = false;
+#else
+template <typename T>
+constexpr bool kPairs = sizeof(T) == 2;
+#endif
+// Elements of one packed panel (the same count either way: an odd K is padded to pairs).
 template <typename T>
 inline int64_t panel_elems(int K) {
   return sizeof(T) == 4 ? int64_t{kPanel} * K : int64_t{kPanel} * 2 * ((K + 1) / 2);
 }
 
-template <typename T>
-void gemm(const T* x, int64_t ldx, const T* w_packed, const T* bias, T* y, int64_t ldy, int M, int N, int K) {
+// Inside a parallel region, this thread's panels against all M rows of x (XT: T, or float32 where
+// the tile widens bf16).
+template <typename T, typename XT>
+void thread_panels(const XT* x, int64_t ldx, const T* w_packed, const T* bias, T* y, int64_t ldy, int M, int N,
+                   int K) {
   const int64_t ps = panel_elems<T>(K);
-  const int steps = sizeof(T) == 4 ? K : (K + 1) / 2;  // k steps of a tile (bf16: pairs)
+  const int steps = kPairs<T> ? (K + 1) / 2 : K;  // k steps of a tile
   const int rb = kRowBlock > 0 && M >= 4 * kRowBlock ? kRowBlock : M;
-#pragma omp parallel
   for (int r0 = 0; r0 < M; r0 += rb) {  // each thread keeps its panels for every row block: no barrier
     const int mr = std::min(rb, M - r0);
-    const T* xr = x + r0 * ldx;
+    const XT* xr = x + r0 * ldx;
     T* yr = y + r0 * ldy;
     pagedllm_cpu::for_each_panel_run(N, [&](auto nv, int p, PanelMask tail, int next) {
       constexpr int NV = decltype(nv)::value;
       const T* b = bias ? bias + kPanel * p : nullptr;
       const T* wp = w_packed + p * ps;
       const char* pf = reinterpret_cast<const char*>(wp + NV * ps);  // the thread's next run, right after
-      pagedllm_cpu::for_each_row_tile<NV>(mr, steps, pf, next * ps * static_cast<int64_t>(sizeof(T)),
-                                          [&](auto rows, int i0, const Prefetch& pr) {
+      const int64_t pf_bytes = next * ps * static_cast<int64_t>(sizeof(T));
+      pagedllm_cpu::for_each_row_tile<NV>(mr, steps, pf, pf_bytes, [&](auto rows, int i0, const Prefetch& pr) {
         tile<decltype(rows)::value, NV>(xr + i0 * ldx, ldx, wp, ps, b, yr + i0 * ldy + kPanel * p, ldy, K, tail, pr);
       });
     });
+  }
+}
+
+template <typename T>
+void gemm(const T* x, int64_t ldx, const T* w_packed, const T* bias, T* y, int64_t ldy, int M, int N, int K) {
+#if defined(PAGEDLLM_WIDEN_BF16)
+  if constexpr (sizeof(T) == 2) {
+    // x widened once (every thread's tiles read all of it); the buffer grows, never shrinks, per
+    // calling thread
+    static thread_local std::vector<float> wide;
+    if (wide.size() < static_cast<size_t>(M) * K) wide.resize(static_cast<size_t>(M) * K);
+    float* xf = wide.data();
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+      for (int i = 0; i < M; ++i)
+        for (int k = 0; k < K; ++k) xf[int64_t{i} * K + k] = pagedllm_cpu::bf16_to_float(x[i * ldx + k]);
+      thread_panels(static_cast<const float*>(xf), int64_t{K}, w_packed, bias, y, ldy, M, N, K);  // after the barrier
+    }
+  } else
+#endif
+  {
+#pragma omp parallel
+    thread_panels(x, ldx, w_packed, bias, y, ldy, M, N, K);
   }
 }
 
@@ -209,7 +285,7 @@ void pack(const T* w, int N, int K, T* out) {
       const T* row = w + static_cast<int64_t>(p * kPanel + c) * K;
       T* dst = out + p * ps;
       for (int k = 0; k < K; ++k) {
-        if constexpr (sizeof(T) == 4) dst[int64_t{k} * kPanel + c] = row[k];
+        if constexpr (!kPairs<T>) dst[int64_t{k} * kPanel + c] = row[k];
         else dst[int64_t{k / 2} * 2 * kPanel + 2 * c + k % 2] = row[k];
       }
     }
@@ -221,9 +297,9 @@ void pack(const T* w, int N, int K, T* out) {
 extern "C" {
 
 // 1 where this build has the float32 kernel (AVX-512 or AVX2 + FMA), 2 where it also has the
-// bfloat16 one (AVX512-BF16), else 0.
+// bfloat16 one (AVX512-BF16, or AVX2's widening tile), else 0.
 int float_gemm_level() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if (defined(__AVX512F__) && defined(__AVX512BF16__)) || defined(PAGEDLLM_WIDEN_BF16)
   return 2;
 #elif defined(PAGEDLLM_FLOAT_GEMM)
   return 1;
@@ -240,7 +316,7 @@ void float_gemm_f32(const float* x, int64_t ldx, const float* w, const float* bi
                     int N, int K) {
   gemm(x, ldx, w, bias, y, ldy, M, N, K);
 }
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(PAGEDLLM_WIDEN_BF16)
 void float_gemm_pack_bf16(const uint16_t* w, int N, int K, uint16_t* out) { pack(w, N, K, out); }
 void float_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                      int64_t ldy, int M, int N, int K) {

@@ -1,5 +1,6 @@
 """The float GEMM of ``float_gemm_cpu.cpp`` for CPU linear layers: ``y = x @ W.T + b`` in float32
-(AVX-512, or AVX2 with FMA) or bfloat16 (AVX512-BF16), float32 accumulation, with ``W`` packed once after loading
+(AVX-512, or AVX2 with FMA) or bfloat16 (AVX512-BF16's bf16 products; on AVX2 without AVX-512, bf16
+values widened to float32 as they load), float32 accumulation, with ``W`` packed once after loading
 (``pack``) into 16-column panels that each thread shares out evenly.
 
 ``layers/quantization/unquantized.py`` uses it where it applies (``supported``) and oneDNN's packed

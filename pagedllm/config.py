@@ -72,6 +72,7 @@ class ModelConfig:
     dtype_reason: str = ""  # why ``dtype`` was chosen (start-up log)
     quantization: Optional[str] = None  # a name in layers.quantization.QUANTIZATION_METHODS
     attention_backend: str = "auto"  # see layers/attention/selector.py
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     @property
     def architecture(self) -> str:
@@ -224,6 +225,7 @@ class EngineArgs:
     quantization: Optional[str] = None
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    max_logprobs: int = 20
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -252,6 +254,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -320,6 +324,7 @@ class EngineArgs:
             seed=self.seed,
             quantization=None if self.quantization == "none" else self.quantization,
             attention_backend=self.attention_backend,
+            max_logprobs=self.max_logprobs,
         )
         return EngineConfig(
             model_config=model_config,

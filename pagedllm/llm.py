@@ -50,6 +50,8 @@ class LLM:
         kv_cache_dtype: "auto" (the model's dtype) or "int8" (int8 K/V with a float32 scale per token
             and KV head: at head_dim 64 and block_size 16, 3.8x the tokens of a float32 cache and 1.9x
             bfloat16's in the same memory; see ``layers/attention/kv_quant.py``).
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
+            default, 20); ``generate`` raises ValueError above it.
 
     Raises:
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
@@ -65,7 +67,7 @@ class LLM:
                  num_threads: Optional[int] = None,
                  quantization: Optional[str] = None,
                  attention_backend: str = "auto", pipeline_parallel_size: int = 1,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", max_logprobs: int = 20) -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -74,7 +76,7 @@ class LLM:
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
                           device=device, num_threads=num_threads, quantization=quantization,
                           attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-                          pipeline_parallel_size=pipeline_parallel_size)
+                          pipeline_parallel_size=pipeline_parallel_size, max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):

@@ -108,6 +108,23 @@ def test_logprobs_top_n(llm):
     assert_pool_empty(llm)
 
 
+def test_logprobs_above_max_logprobs_refused(llm, llama_dir):
+    """More logprobs or prompt_logprobs than max_logprobs (20 by default, as vLLM) is a ValueError
+    naming the field and the setting; nothing is queued, and the engine serves the next request."""
+    for kw in ({"logprobs": 21}, {"prompt_logprobs": 21}):
+        with pytest.raises(ValueError, match=rf"{next(iter(kw))}=21 is more than max_logprobs=20"):
+            greedy_out(llm, n=2, **kw)
+    assert len(greedy_out(llm, n=3, logprobs=20).logprobs[0]) == 20
+    assert_pool_empty(llm)
+    small = LLM(llama_dir, kv_cache_memory=4 << 20, max_logprobs=2)
+    with pytest.raises(ValueError, match="logprobs=3 is more than max_logprobs=2"):
+        greedy_out(small, n=2, logprobs=3)
+    assert len(greedy_out(small, n=2, logprobs=2).logprobs[0]) == 2
+    assert_pool_empty(small)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0"):
+        LLM(llama_dir, kv_cache_memory=4 << 20, max_logprobs=-1)
+
+
 def test_sampler_filters_reduce_to_greedy():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)

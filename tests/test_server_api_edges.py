@@ -26,6 +26,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NUM_SEQS = 6
 LIMIT = 24          # --limit-concurrency
 READ_TIMEOUT = 2    # --timeout-request-read, seconds
+MAX_LOGPROBS = 3    # --max-logprobs
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
@@ -35,7 +36,7 @@ def server(llama_dir, tmp_path_factory):
     args = ("--served-model-name", MODEL, "--max-model-len", "256", "--kv-cache-memory", "4MiB",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--disable-access-log", "--api-key", KEY,
             "--allowed-origins", ORIGIN, "--limit-concurrency", str(LIMIT),
-            "--timeout-request-read", str(READ_TIMEOUT))
+            "--timeout-request-read", str(READ_TIMEOUT), "--max-logprobs", str(MAX_LOGPROBS))
     with RemoteServer(llama_dir, args, log_path=log) as srv:
         yield srv
     assert srv.returncode == 0, srv.log()
@@ -222,6 +223,15 @@ def test_stop_token_ids_outside_vocabulary(http):
 def test_n_more_than_max_num_seqs(http):
     err = error_of(http.post("/v1/completions", json={"prompt": "the", "max_tokens": 2, "n": MAX_NUM_SEQS + 1}))
     assert err["param"] == "n" and "--max-num-seqs" in err["message"]
+
+
+def test_logprobs_above_max_logprobs(http):
+    """--max-logprobs below the API's own cap of 20: more is a 400 naming the flag; at it, served."""
+    for route, body, field in (("/v1/completions", {"prompt": "the", "max_tokens": 2}, "logprobs"),
+                               ("/v1/chat/completions", chat_body(logprobs=True), "top_logprobs")):
+        err = error_of(http.post(route, json={**body, field: MAX_LOGPROBS + 1}))
+        assert err["param"] == field and f"(--max-logprobs {MAX_LOGPROBS})" in err["message"], err
+        assert http.post(route, json={**body, field: MAX_LOGPROBS}).status_code == 200
 
 
 def test_max_num_seqs_holds_under_a_storm_of_n3(server, http):

@@ -185,8 +185,14 @@ class LLMEngine:
         return request_id
 
     def verify_logits_fields(self, params: SamplingParams) -> None:
-        """Check token ids against the vocabulary, tokenize ``bad_words``, compile the grammar
-        (cached). Raises ValueError saying what is wrong (the server answers 400)."""
+        """Check logprobs against max_logprobs and token ids against the vocabulary, tokenize
+        ``bad_words``, compile the grammar (cached). Raises ValueError saying what is wrong (the
+        server answers 400)."""
+        limit = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > limit:
+                raise ValueError(f"{name}={n} is more than max_logprobs={limit}")
         why = params.token_ids_out_of_vocab(self.vocab_size)
         if why:
             raise ValueError(why)

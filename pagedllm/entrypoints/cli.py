@@ -107,6 +107,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0, help="random seed (weights of --load-format dummy, sampling)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs or prompt_logprobs a request may ask for; more is refused (400). The "
+                        "server's API caps them at 20 in any case, as OpenAI's does (default: 20)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or inline template); default: the tokenizer's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

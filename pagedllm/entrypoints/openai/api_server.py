@@ -402,7 +402,8 @@ def _engine_args(args: argparse.Namespace):
         num_threads=getattr(args, "num_threads", None),
         quantization=getattr(args, "quantization", None),
         attention_backend=getattr(args, "attention_backend", "auto"),
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        max_logprobs=getattr(args, "max_logprobs", 20))
 
 
 def _run_headless(args: argparse.Namespace) -> int:

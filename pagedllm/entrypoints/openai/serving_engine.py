@@ -99,7 +99,15 @@ class OpenAIServing:
 
     async def verify_logits_fields(self, params: SamplingParams, req) -> None:
         """Token ids in the vocabulary, bad words tokenized, grammar compiled (off the event loop:
-        a large schema takes a while; cached after). RequestError naming the field otherwise."""
+        a large schema takes a while; cached after); logprobs within --max-logprobs. RequestError
+        naming the field otherwise."""
+        limit = self.llm.engine.config.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > limit:  # the field the client set (echo's prompt logprobs come from logprobs)
+                fields = ("top_logprobs", "logprobs") if name == "logprobs" else (name, "top_logprobs", "logprobs")
+                field = next((f for f in fields if getattr(req, f, None) is not None), name)
+                raise RequestError(f"{field}={n} is more than the server allows (--max-logprobs {limit})", field)
         try:
             if params.structured_outputs is not None or params.bad_words:
                 await asyncio.to_thread(self.llm.engine.verify_logits_fields, params)

@@ -54,8 +54,8 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 | phi3)
-    saved with save_pretrained."""
+    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 | phi3 |
+    phi3_partial: Phi-3 with 3/4 of each head's channels rotating, as Phi-4-mini) saved with save_pretrained."""
     import transformers
 
     tok = build_tokenizer(out_dir)
@@ -72,9 +72,13 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "phi3_partial": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
-    if arch == "phi3":  # LongRoPE past 4 positions (long factors; prompts longer than that), a 48-token window
-        half = (common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]) // 2
+    if arch == "phi3_partial":
+        common.setdefault("partial_rotary_factor", 0.75)
+    if arch.startswith("phi3"):  # LongRoPE past 4 positions (long factors; prompts longer than that), a 48-token window
+        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+        half = int(head_dim * common.get("partial_rotary_factor", 1.0)) // 2
         rng = torch.Generator().manual_seed(seed)
         common.setdefault("original_max_position_embeddings", 4)
         common.setdefault("sliding_window", 48)

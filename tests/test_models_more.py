@@ -46,8 +46,7 @@ FAMILIES = {
              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=32,
                   rope_scaling=_LONGROPE, sliding_window=48, initializer_range=0.15, tie_word_embeddings=False), {}),
-    # Half of each head's channels rotate (Phi-4-mini rotates 3/4): PartialRotaryEmbedding, not the
-    # shared full-rotation table.
+    # Half of each head's channels rotate (Phi-4-mini rotates 3/4): RotaryEmbedding's rotary_dim.
     "phi3_partial": ("Phi3Config", "Phi3ForCausalLM",
                      dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=512, partial_rotary_factor=0.5,

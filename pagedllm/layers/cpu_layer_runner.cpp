@@ -56,10 +56,11 @@ struct RunnerKernels {
   Int8LinearFn int8_linear;    // the int8 linears (--quantization int8)
 };
 
-// The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim.
+// The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+// rotary_dim: the channels of a head that rotate (head_dim, or fewer: partial rotary).
 // soft_cap: attention's logit soft-cap (0: none; Gemma 2).
 struct RunnerDims {
-  int64_t elem_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+  int64_t elem_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, rotary_dim;
   float scale, soft_cap;
 };
 
@@ -91,7 +92,7 @@ struct RunnerStep {
   void* residual;
   void* x_out;
   int64_t has_residual;
-  const void* cos_sin[2];  // [N, 2, 1, head_dim] each: the RoPE tables (Gemma 3: one per layer type)
+  const void* cos_sin[2];  // [N, 2, 1, rotary_dim] each: the RoPE tables (Gemma 3: one per layer type)
   const int64_t* slot_mapping;
   const int32_t *block_tables, *seq_lens, *query_start_loc;
   int64_t bt_stride, num_seqs;
@@ -145,8 +146,8 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
     k->rms_norm_heads(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, w.k_norm, w.k_eps);
   }
   const void* cos_sin = s->cos_sin[w.rope];
-  k->rotary(qkv, qkv_cols, hd, n, d->num_heads, hd, cos_sin);
-  k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, cos_sin);
+  k->rotary(qkv, qkv_cols, hd, n, d->num_heads, d->rotary_dim, cos_sin);  // the first rotary_dim of each head
+  k->rotary(k_new, qkv_cols, hd, n, d->num_kv_heads, d->rotary_dim, cos_sin);
   clock.done(2);
   if (k->kv_write_int8 != nullptr)
     k->kv_write_int8(k_new, qkv_cols, v_new, qkv_cols, s->slot_mapping, n, d->num_kv_heads, hd, d->block_size,

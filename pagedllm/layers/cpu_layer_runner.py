@@ -8,8 +8,8 @@ interpreter in between.
 
 It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
 CPU; ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE, with or without
-Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3; Phi-3 where every channel rotates, LongRoPE
-tables and its sliding window included) or Gemma 2/3's decoder layer (four norms a
+Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3; Phi-3 and Phi-4-mini, LongRoPE tables, partial
+rotary and the sliding window included) or Gemma 2/3's decoder layer (four norms a
 layer, GELU-tanh, sliding windows, soft-capped scores, a RoPE table per layer type); every linear
 packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
 panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
@@ -49,7 +49,8 @@ class _Kernels(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("elem_size", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                          "intermediate", "block_size")] + [("scale", _f32), ("soft_cap", _f32)]
+                                          "intermediate", "block_size", "rotary_dim")] + \
+              [("scale", _f32), ("soft_cap", _f32)]
 
 
 # A layer's norms: (struct name, attribute path); q/k and the feed-forward pair only where a model has them.
@@ -172,6 +173,8 @@ def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
             ropes.append(rot)
     if len(ropes) > 2:
         return [], "more than 2 RoPE tables"
+    if len({r.rotary_dim for r in ropes}) > 1:
+        return [], "RoPE tables of different widths"
     return ropes, ""
 
 
@@ -267,7 +270,8 @@ class CpuLayerRunner:
         dims = _Dims(elem_size=torch.empty(0, dtype=dtype).element_size(),
                      hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                     intermediate=first.mlp.down_proj.input_size, block_size=0, scale=attn.scale, soft_cap=soft_cap)
+                     intermediate=first.mlp.down_proj.input_size, block_size=0, rotary_dim=ropes[0].rotary_dim,
+                     scale=attn.scale, soft_cap=soft_cap)
         runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, gemma)
         runner.max_rows = max_rows
         return runner, ""
@@ -319,7 +323,7 @@ class CpuLayerRunner:
         """All layers on x [N, hidden] (and the residual stream [N, hidden], or None before the
         first layer) -> (the last layer's MLP output, the residual stream), as the Python loop
         returns them; None, nothing touched, when this step is not one it covers. ``cos_sin``: the
-        RoPE table at the step's positions [N, 2, 1, head_dim], or (Gemma) id(RotaryEmbedding) ->
+        RoPE table at the step's positions [N, 2, 1, rotary_dim], or (Gemma) id(RotaryEmbedding) ->
         its table. Gemma: x is the residual stream, updated in place (the first item is scratch)."""
         if (meta.block_tables is None or cos_sin is None or x.dtype != self.dtype or not x.is_cpu or x.dim() != 2
                 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())
@@ -337,7 +341,8 @@ class CpuLayerRunner:
         tables = [t.contiguous() for t in tables]
         slots = meta.slot_mapping.contiguous()
         if (bt.dtype != torch.int32 or sl.dtype != torch.int32 or qsl.dtype != torch.int32
-                or slots.dtype != torch.int64 or not bt.is_contiguous() or any(t.dtype != self.dtype for t in tables)):
+                or slots.dtype != torch.int64 or not bt.is_contiguous()
+                or any(t.dtype != self.dtype or t.shape != (x.shape[0], 2, 1, self.dims.rotary_dim) for t in tables)):
             return None
         n, hidden = x.shape
         d = self.dims

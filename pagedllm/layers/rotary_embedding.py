@@ -52,21 +52,30 @@ class RotaryEmbedding(nn.Module):
     In rotate-half form, rot(x) = x * cos + [-x2, x1] * sin. The fast path computes
     [-x2, x1] * sin as roll(x, D/2) * [-sin, sin]: the same products and the same single add, so
     float32 results equal transformers' bit for bit.
+
+    Partial rotary (``rotary_dim`` R < D, Phi-4-mini's ``partial_rotary_factor``): the first R
+    channels of each head rotate (rotate-half over R), the rest pass through, as transformers'
+    ``apply_rotary_pos_emb`` does on ``q[..., :R]``; the table and ``cos_sin`` are R wide.
     """
 
     def __init__(self, head_dim: int, max_position: int, rope: dict, dtype: torch.dtype, *,
-                 inv_freq: Optional[torch.Tensor] = None, attention_factor: float = 1.0) -> None:
-        """``inv_freq`` [head_dim / 2] float32: frequencies computed elsewhere (LongRoPE's; None:
+                 inv_freq: Optional[torch.Tensor] = None, attention_factor: float = 1.0,
+                 rotary_dim: Optional[int] = None) -> None:
+        """``inv_freq`` [rotary_dim / 2] float32: frequencies computed elsewhere (LongRoPE's; None:
         from ``rope``); ``attention_factor`` scales cos and sin (LongRoPE's, as transformers does
-        in float32 before the cast to ``dtype``)."""
+        in float32 before the cast to ``dtype``); ``rotary_dim`` (even, at most head_dim; None:
+        head_dim) the channels that rotate."""
         super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
         if inv_freq is None:
-            inv_freq = compute_inv_freq(head_dim, rope)
+            inv_freq = compute_inv_freq(rotary_dim, rope)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.head_dim = head_dim
-        # [max_position, 2, D]: cos and [-sin(f), sin(f)] side by side, gathered with one index.
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        # [max_position, 2, R]: cos and [-sin(f), sin(f)] side by side, gathered with one index.
         cos, sin = emb.cos(), freqs.sin()
         if attention_factor != 1.0:  # (-s) * a == -(s * a): the sign fold stays exact
             cos, sin = cos * attention_factor, sin * attention_factor
@@ -74,15 +83,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.stack((cos, signed_sin), dim=1).to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
-        """[N, 2, 1, D]: cos and sign-folded sin at ``positions`` [N]; compute once per step."""
+        """[N, 2, 1, R]: cos and sign-folded sin at ``positions`` [N]; compute once per step."""
         return self.cos_sin_cache.index_select(0, positions).unsqueeze(2)
 
     def apply_(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [N, h, D] (any strides, last dim contiguous) in place; returns x."""
-        if x.device.type == "cpu" and cpu_fused_ops.rotary_(x, cos_sin):  # one C pass, if it applies
+        r = x if self.rotary_dim == self.head_dim else x[..., :self.rotary_dim]
+        if x.device.type == "cpu" and cpu_fused_ops.rotary_(r, cos_sin):  # one C pass, if it applies
             return x
-        rot = x.roll(self.head_dim // 2, -1).mul_(cos_sin[:, 1])
-        return x.mul_(cos_sin[:, 0]).add_(rot)
+        rot = r.roll(self.rotary_dim // 2, -1).mul_(cos_sin[:, 1])
+        r.mul_(cos_sin[:, 0]).add_(rot)
+        return x
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

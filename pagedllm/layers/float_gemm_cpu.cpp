@@ -130,7 +130,7 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pstr
 // float32's ([P][K][16], not pairs), and the tile widens each k row of 16 columns as it loads it
 // (zero extension and a shift per 8: bf16 bits are the top half of a float's). The products and
 // float32 sums are those of the float32 tile on the widened values; half the weight bytes make it
-// 1.7x the float32 tile at 1 row and 1.05-1.1x at 48 (benchmarks/README.md section 17).
+// 1.5-1.7x the float32 tile at 1 row and 1.05-1.1x at 48 (benchmarks/README.md section 17).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(

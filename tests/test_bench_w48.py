@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.benchmarks import datasets as ds
 
@@ -70,3 +71,19 @@ def test_throughput_on_w48_and_matmul_bench(llama_dir, tmp_path):
     assert (qkv["in"], qkv["out"]) == (64, 64 + 2 * 2 * 16)  # hidden 64; 4 q heads and 2 kv heads of 16
     assert all(row["fp32_ms"] > 0 and row["bf16_ms"] > 0 for row in m["rows"])
     assert m["auto_dtype"] in ("float32", "bfloat16") and set(m["step"]) == {"1", "4"}
+
+
+def test_matmul_bench_times_the_engines_linear():
+    """``bench matmul`` times the engine's own CPU linear (the packed GEMM where the engine uses it),
+    which computes x @ W.T: float32 to float rounding, bfloat16 within a bf16 step."""
+    import torch.nn.functional as F
+
+    from pagedllm.benchmarks.matmul import engine_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(256, 64, generator=g), torch.randn(5, 64, generator=g)
+    for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        y = engine_linear(w.to(dtype))(x.to(dtype))
+        ref = F.linear(x.to(dtype).double(), w.to(dtype).double())
+        assert y.dtype == dtype and y.shape == (5, 256)
+        assert torch.allclose(y.double(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())

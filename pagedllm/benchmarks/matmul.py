@@ -1,8 +1,11 @@
 """Does bf16 pay on this CPU? Times the model's linear layers at decode shapes in float32 and bfloat16.
 
 For each linear layer of the model (qkv, o, gate_up, down, LM head) and each ``--batch-sizes`` value
-(tokens in the step), ``F.linear(x [B, in], W [out, in])`` is timed in both dtypes, interleaved in
-the same run (fp32 rep, bf16 rep, ...) so that machine load hits both alike; each figure is the
+(tokens in the step), ``x [B, in] @ W [out, in].T`` is timed in both dtypes through the engine's own
+CPU linear (``UnquantizedLinearMethod``: the weight packed once for ``float_gemm_cpu``, or for
+oneDNN, or plain ``F.linear``, whichever the engine would run; on an AVX2 CPU bf16 runs our GEMM on
+widened values, where ``F.linear`` emulates it at a fraction of fp32's speed), interleaved in the
+same run (fp32 rep, bf16 rep, ...) so that machine load hits both alike; each figure is the
 minimum over ``--reps`` repetitions. Reports the fp32/bf16 time ratio per shape and for a whole
 decode step (the sum of the layers times ``num_hidden_layers``, plus the LM head), next to what
 ``--dtype auto`` picks here (``pagedllm.config.resolve_dtype``: bf16 where the CPU has native bf16
@@ -14,7 +17,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
@@ -49,13 +51,29 @@ def _min_time(fn, reps: int) -> float:
     return best
 
 
+def engine_linear(w: torch.Tensor):
+    """x [B, in] -> x @ w.T through the engine's CPU linear layer on w [out, in] (packed as the
+    engine packs it after loading)."""
+    from torch import nn
+
+    from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    layer, method = nn.Module(), UnquantizedLinearMethod()
+    method.create_weights(layer, w.shape[1], w.shape[0], False, w.dtype)
+    layer.weight.data.copy_(w)
+    method.process_weights_after_loading(layer)
+    return lambda x: method.apply(layer, x)
+
+
 def time_linear(batch: int, d_in: int, d_out: int, reps: int) -> dict[str, float]:
-    """Seconds of one F.linear in float32 and bfloat16 (minimum over ``reps``, interleaved)."""
+    """Seconds of one engine linear (``engine_linear``) in float32 and bfloat16 (minimum over
+    ``reps``, interleaved)."""
     g = torch.Generator().manual_seed(0)
     w32 = torch.randn(d_out, d_in, generator=g) / d_in ** 0.5
     x32 = torch.randn(batch, d_in, generator=g)
     w16, x16 = w32.bfloat16(), x32.bfloat16()
-    fns = {"float32": lambda: F.linear(x32, w32), "bfloat16": lambda: F.linear(x16, w16)}
+    lin32, lin16 = engine_linear(w32), engine_linear(w16)
+    fns = {"float32": lambda: lin32(x32), "bfloat16": lambda: lin16(x16)}
     for fn in fns.values():  # warm-up (oneDNN primitive creation)
         fn(), fn()
     best = {k: float("inf") for k in fns}
@@ -117,7 +135,7 @@ def _plot(rows: list[dict], model):
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], layers)
     ax.set_ylabel("fp32 time / bf16 time")
-    ax.set_title(f"{model or 'demo model'}: F.linear at decode shapes (> 1: bf16 faster)", fontsize=9)
+    ax.set_title(f"{model or 'demo model'}: the engine's linear at decode shapes (> 1: bf16 faster)", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return fig

@@ -108,6 +108,17 @@ def test_logprobs_top_n(llm):
     assert_pool_empty(llm)
 
 
+def test_prompt_logprobs_one_entry_per_prompt_token(llm):
+    """prompt_logprobs has one entry per prompt token, the first None, for a one-token prompt too
+    (it was [] there: no logits are ever collected for it)."""
+    for ids in ([7], [7, 9], [7, 9, 11, 13]):
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+        plp = out.prompt_logprobs
+        assert len(plp) == len(ids) and plp[0] is None
+        assert all(ids[i] in plp[i] and len(plp[i]) >= 2 for i in range(1, len(ids)))
+    assert_pool_empty(llm)
+
+
 def test_logprobs_above_max_logprobs_refused(llm, llama_dir):
     """More logprobs or prompt_logprobs than max_logprobs (20 by default, as vLLM) is a ValueError
     naming the field and the setting; nothing is queued, and the engine serves the next request."""

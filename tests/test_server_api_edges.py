@@ -232,6 +232,7 @@ def test_logprobs_above_max_logprobs(http):
         err = error_of(http.post(route, json={**body, field: MAX_LOGPROBS + 1}))
         assert err["param"] == field and f"(--max-logprobs {MAX_LOGPROBS})" in err["message"], err
         assert http.post(route, json={**body, field: MAX_LOGPROBS}).status_code == 200
+        assert error_of(http.post(route, json={**body, field: -1}))["message"] == f"{field} must be >= 0, got -1"
 
 
 def test_max_num_seqs_holds_under_a_storm_of_n3(server, http):

@@ -336,8 +336,6 @@ class LLMEngine:
         logprobs = logits.log_softmax(dim=-1)
         row = 0
         for req, first_pos, count in plan.prompt_logprob_spans:
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)
             k = req.sampling_params.prompt_logprobs
             for j in range(count):
                 tok = req.prompt_token_ids[first_pos + j]

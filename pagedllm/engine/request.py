@@ -63,7 +63,9 @@ class Request:
         # Logprobs, filled by the output processor.
         self.cumulative_logprob = 0.0
         self.logprobs: list = []
-        self.prompt_logprobs: list = []  # one entry per prompt position (first is None)
+        # One entry per prompt position, the first None (no logits before it; vLLM's convention), so
+        # a one-token prompt's list is [None] though no logits are ever collected for it.
+        self.prompt_logprobs: list = [None] if sampling_params.prompt_logprobs is not None else []
         self.generator: Optional[torch.Generator] = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -108,8 +108,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--seed", type=int, default=0, help="random seed (weights of --load-format dummy, sampling)")
     p.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs or prompt_logprobs a request may ask for; more is refused (400). The "
-                        "server's API caps them at 20 in any case, as OpenAI's does (default: 20)")
+                   help="the most logprobs (top_logprobs on chat) or prompt_logprobs a request may ask for; more "
+                        "is refused (400). The default, 20, is OpenAI's cap (default: 20)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or inline template); default: the tokenizer's")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

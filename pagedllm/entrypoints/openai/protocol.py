@@ -18,7 +18,6 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128                 # completions per prompt
-MAX_LOGPROBS = 20           # top-N logprobs per position
 MAX_CHOICES = 1024          # prompts x n in one request
 MAX_STOP = 256              # stop strings per request (each is matched against every new token's text)
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N   # torch.Generator range, room for seed + i
@@ -344,8 +343,10 @@ class _SamplingRequest(_DocumentedFields):
 
 
 def _check_logprobs(value: Optional[int], name: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+    """At least 0; the most is the server's --max-logprobs (20 by default, OpenAI's cap), checked
+    with the engine (serving_engine.verify_logits_fields)."""
+    if value is not None and value < 0:
+        raise RequestError(f"{name} must be >= 0, got {value}", name)
 
 
 # ---- /v1/completions -------------------------------------------------------------------------

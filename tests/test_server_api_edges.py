@@ -150,7 +150,7 @@ def test_min_tokens_holds_back_stop_strings(client):
 
 # ---- nothing accepted and silently ignored -------------------------------------------------
 REFUSED_COMMON = [("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
-                  ("prompt_logprobs", 1), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
+                  ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
                   ("return_token_ids", True), ("cache_salt", "s"), ("kv_transfer_params", {}),
                   ("vllm_xargs", {"a": 1}), ("store", True), ("service_tier", "flex"),
                   ("spaces_between_special_tokens", False)]
@@ -233,6 +233,40 @@ def test_logprobs_above_max_logprobs(http):
         assert err["param"] == field and f"(--max-logprobs {MAX_LOGPROBS})" in err["message"], err
         assert http.post(route, json={**body, field: MAX_LOGPROBS}).status_code == 200
         assert error_of(http.post(route, json={**body, field: -1}))["message"] == f"{field} must be >= 0, got -1"
+
+
+def test_prompt_logprobs_on_chat_and_completions(http):
+    """vLLM's prompt_logprobs: per prompt token None (the first) or token id -> {logprob, rank,
+    decoded_token}, the token itself among them; on completions per choice (the same numbers as
+    echo with logprobs), on chat beside the choices; refused when streamed, above --max-logprobs,
+    or beside echo's logprobs of another size."""
+    prompt = "the king said to the queen"
+    body = {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2, **{"temperature": 0.0}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    plp = choice["prompt_logprobs"]
+    echo = http.post("/v1/completions", json={**body, "prompt_logprobs": None, "echo": True, "logprobs": 2,
+                                              "max_tokens": 0}).json()["choices"][0]
+    assert choice["logprobs"] is None and echo.get("prompt_logprobs") is None
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert len(plp) == n_prompt == len(echo["logprobs"]["token_logprobs"]) and plp[0] is None
+    for j in range(1, n_prompt):
+        entries = plp[j]
+        assert 2 <= len(entries) <= 3 and all(e["logprob"] <= 0 and e["rank"] >= 1 for e in entries.values())
+        own = [e for e in entries.values() if e["decoded_token"] == echo["logprobs"]["tokens"][j]]
+        assert own and own[0]["logprob"] == pytest.approx(echo["logprobs"]["token_logprobs"][j], abs=1e-5)
+    scored = http.post("/v1/completions", json={**body, "echo": True, "max_tokens": 0}).json()["choices"][0]
+    assert scored["logprobs"] is None and scored["prompt_logprobs"] == plp  # prompt scoring, no generation
+    chat = http.post("/v1/chat/completions", json=chat_body(prompt_logprobs=1)).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(1 <= len(e) <= 2 for e in chat["prompt_logprobs"][1:])
+    assert http.post("/v1/chat/completions", json=chat_body()).json().get("prompt_logprobs") is None
+    for bad in ({"stream": True}, {"prompt_logprobs": MAX_LOGPROBS + 1}, {"echo": True, "logprobs": 1},
+                {"prompt_logprobs": -1}):
+        assert error_of(http.post("/v1/completions", json={**body, **bad}))["param"] == "prompt_logprobs", bad
+    assert error_of(http.post("/v1/chat/completions", json=chat_body(prompt_logprobs=1, stream=True)))["param"] \
+        == "prompt_logprobs"
 
 
 def test_max_num_seqs_holds_under_a_storm_of_n3(server, http):

@@ -254,8 +254,6 @@ class _DocumentedFields(OpenAIBaseModel):
                                "length_penalty applies to beam search, which is not supported"),
             "spaces_between_special_tokens": (not self.spaces_between_special_tokens,
                                               "spaces_between_special_tokens=false is not supported"),
-            "prompt_logprobs": (self.prompt_logprobs is not None,
-                                "prompt_logprobs is not supported; on /v1/completions use echo=true with logprobs"),
             "priority": (self.priority != 0, "priority is not supported: requests are served first come, first served"),
             "logits_processors": (self.logits_processors is not None, "logits_processors is not supported"),
             "return_tokens_as_token_ids": (bool(self.return_tokens_as_token_ids),
@@ -328,6 +326,9 @@ class _SamplingRequest(_DocumentedFields):
                                "stream_options.continuous_usage_stats")
         if self.n > MAX_N:
             raise RequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
+        _check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: 0 asks for nothing to stream
+            raise RequestError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise RequestError(f"stop must have at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
         kwargs: dict[str, Any] = dict(
@@ -382,7 +383,11 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("prompt_embeds is not supported; send the prompt as text or token ids", "prompt_embeds")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None  # echo's prompt logprobs
+        if self.prompt_logprobs is not None and echoed is not None and self.prompt_logprobs != echoed:
+            raise RequestError(f"prompt_logprobs ({self.prompt_logprobs}) and echo with logprobs ({echoed}) must ask "
+                               f"for as many logprobs", "prompt_logprobs")
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else echoed
         return self.make_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
@@ -399,12 +404,35 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob (at least -9999.0: JSON has no
+    -inf), its rank (1: the most likely) and its text."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or token id -> PromptLogprob (the
+# token itself and the top prompt_logprobs others).
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
+def prompt_logprobs_of(positions: Optional[list]) -> Optional[PromptLogprobs]:
+    """The engine's prompt logprobs (``RequestOutput.prompt_logprobs``) as the response carries them."""
+    if positions is None:
+        return None
+    return [None if pos is None else {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                                       decoded_token=lp.decoded_token) for t, lp in pos.items()}
+            for pos in positions]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's, when the request asks for them
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -535,7 +563,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.make_sampling_params(max_tokens, logprobs)
+        return self.make_sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -573,6 +601,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's, when the request asks for them
 
 
 class DeltaMessage(OpenAIBaseModel):

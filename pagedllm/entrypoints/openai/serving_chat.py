@@ -12,7 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
-    ChatMessageParam, DeltaMessage, RequestError, UsageInfo, random_id)
+    ChatMessageParam, DeltaMessage, RequestError, UsageInfo, prompt_logprobs_of, random_id)
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
@@ -111,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
                                                         stop_reason=c.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                           total_tokens=len(ids) + completion_tokens)
-        resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        plp = prompt_logprobs_of(out.prompt_logprobs) if req.prompt_logprobs is not None else None
+        resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage, prompt_logprobs=plp)
         return Response(resp.model_dump_json(), media_type="application/json")
 
     def tool_call_output(self, req: ChatCompletionRequest, params) -> ToolCallOutput:

@@ -10,7 +10,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
     MAX_CHOICES, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, RequestError, UsageInfo, random_id)
+    CompletionStreamResponse, RequestError, UsageInfo, prompt_logprobs_of, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, OpenAIServing, merge_streams, run_unless_disconnected, sse, sse_error)
 from pagedllm.outputs import PositionLogprobs, RequestOutput
@@ -82,8 +82,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset)
                 if req.echo:
                     text = prompt_texts[i] + text
+                plp = prompt_logprobs_of(out.prompt_logprobs) if req.prompt_logprobs is not None else None
                 choices.append(CompletionResponseChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
-                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                        prompt_logprobs=plp))
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=num_prompt_tokens + completion_tokens)
@@ -93,11 +95,12 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _score_prompts(self, req: CompletionRequest, raw_request: Request, prompt_ids: list[list[int]],
                              prompt_texts: list, params: list) -> Response:
         """echo with max_tokens 0: each prompt back, with its logprobs when asked (prompt scoring, as the
-        legacy OpenAI completions API allowed). The engine runs only when logprobs are wanted."""
+        legacy OpenAI completions API allowed). The engine runs only when logprobs (or vLLM's
+        prompt_logprobs) are wanted."""
         request_id = random_id("cmpl")
         response_id = self.response_id(req, request_id)
         finals: list = [None] * len(prompt_ids)
-        if req.logprobs is not None:
+        if req.logprobs is not None or req.prompt_logprobs is not None:
             gens = []
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 sp = sp.clone()
@@ -112,13 +115,16 @@ class OpenAIServingCompletion(OpenAIServing):
             await run_unless_disconnected(raw_request, collect())
         choices = []
         for i, ids in enumerate(prompt_ids):
-            logprobs = None
-            if finals[i] is not None:
+            logprobs, plp = None, None
+            if finals[i] is not None and req.logprobs is not None:
                 logprobs = CompletionLogProbs()
                 self._add_logprobs(logprobs, ids, finals[i].prompt_logprobs, 0)
+            if finals[i] is not None and req.prompt_logprobs is not None:
+                plp = prompt_logprobs_of(finals[i].prompt_logprobs)
             for j in range(req.n):
                 choices.append(CompletionResponseChoice(index=i * req.n + j, text=prompt_texts[i],
-                                                        logprobs=logprobs, finish_reason="length"))
+                                                        logprobs=logprobs, finish_reason="length",
+                                                        prompt_logprobs=plp))
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens)
         model = self.served_model_name

@@ -71,7 +71,8 @@ class _EngineCollector:
                                  ("free", snap.num_free_blocks - snap.num_cached_free_blocks)):
                 blocks.add_metric(samples[0][0] + [state], value)
             yield blocks
-        yield counter("pagedllm:prompt_tokens", "Prompt tokens prefilled.", lambda sn: sn.prompt_tokens_total)
+        yield counter("pagedllm:prompt_tokens", "Prompt tokens of requests whose prefill completed (prefix-cache "
+                      "hits included).", lambda sn: sn.prompt_tokens_total)
         yield counter("pagedllm:generation_tokens", "Tokens generated.", lambda sn: sn.generation_tokens_total)
         yield counter("pagedllm:num_preemptions", "Preemptions (sequences evicted and recomputed).",
                       lambda sn: sn.stats.num_preemptions)

@@ -51,6 +51,22 @@ def test_second_request_computes_only_uncached_tokens(llama_dir, monkeypatch):
     assert_pool_empty(llm)
 
 
+def test_prompt_tokens_total_counts_whole_prompts(llama_dir):
+    """pagedllm:prompt_tokens_total counts each request's whole prompt once, cached tokens included
+    (as vLLM's counter): the second request's prefix comes from the cache and still counts; an n = 3
+    request counts its prompt once."""
+    llm = LLM(llama_dir, kv_cache_memory=4 << 20)
+    engine = llm.llm_engine
+    a, b = questions(2, seed=1)
+    llm.generate([a], greedy(n=4), use_tqdm=False)
+    assert engine.num_prompt_tokens_total == len(a)
+    out = llm.generate([b], greedy(n=4), use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0 and engine.num_prompt_tokens_total == len(a) + len(b)
+    llm.generate([a], SamplingParams(n=3, temperature=1.0, max_tokens=3, seed=1), use_tqdm=False)
+    assert engine.num_prompt_tokens_total == 2 * len(a) + len(b)
+    assert_pool_empty(llm)
+
+
 def _peak_blocks(llm, prompts, params) -> int:
     engine = llm.llm_engine
     ids = [engine.add_request(None, p, params) for p in prompts]

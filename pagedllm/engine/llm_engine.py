@@ -301,9 +301,11 @@ class LLMEngine:
         if plan.prompt_logprob_spans:
             self._collect_prompt_logprobs(plan, logits[num_sample:])
 
+        # A request's whole prompt (prefix-cache hits included) once, in the step its prefill
+        # completes, as vLLM counts prompt tokens: not again after a preemption, nor per n > 1 sample.
         self.num_prompt_tokens_total += sum(
-            max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens) - r.num_computed_tokens)
-            for r, n in sched_out.scheduled)
+            r.num_prompt_tokens for r, n in sched_out.scheduled
+            if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched_out, sampled)
         self.num_generation_tokens_total += len(updated)
         stopped = self.output_processor.process(updated)

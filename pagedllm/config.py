@@ -162,6 +162,15 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+def cpu_bf16_gemm() -> bool:
+    """Whether ``float_gemm_cpu`` has a bf16 GEMM on this CPU (AVX512-BF16, or AVX2 widening bf16 to
+    float32; builds the library on first use, as loading a model would)."""
+    from pagedllm.layers import float_gemm_cpu
+
+    lib, _ = float_gemm_cpu._LIBRARY.get()
+    return lib is not None and lib.float_gemm_level() >= 2
+
+
 def resolve_dtype(dtype: Any, hf_config: Any, device: str) -> tuple[torch.dtype, str]:
     """(weight/activation/KV-cache dtype, why it was chosen, for the start-up log).
 
@@ -184,7 +193,10 @@ def resolve_dtype(dtype: Any, hf_config: Any, device: str) -> tuple[torch.dtype,
                 return _DTYPES[forced], f"auto: PAGEDLLM_CPU_AUTO_DTYPE={forced}"
             if cpu_has_native_bf16():
                 return torch.bfloat16, "auto: this CPU has native bf16 matmuls (avx512_bf16/amx_bf16)"
-            return torch.float32, "auto: no native bf16 matmuls on this CPU (avx512_bf16/amx_bf16 absent)"
+            why = "auto: no native bf16 matmuls on this CPU (avx512_bf16/amx_bf16 absent)"
+            if cpu_bf16_gemm():
+                why += "; --dtype bfloat16 halves the weights and runs on our GEMM here (widened to float32)"
+            return torch.float32, why
         cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(cfg, str):
             cfg = _DTYPES.get(cfg)

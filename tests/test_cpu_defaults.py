@@ -28,6 +28,8 @@ def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native, want):
     monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: native)
     dtype, why = resolve_dtype("auto", _Cfg(), "cpu")
     assert dtype == want and why.startswith("auto: this CPU has") == native
+    # without native bf16 the start-up line points at --dtype bfloat16 where our GEMM takes it
+    assert ("--dtype bfloat16" in why) == (not native and config_mod.cpu_bf16_gemm())
     assert resolve_dtype("float32", _Cfg(), "cpu") == (torch.float32, "given")
     assert resolve_dtype("auto", _Cfg(), "cuda")[0] == torch.bfloat16  # CUDA: the checkpoint's dtype
 

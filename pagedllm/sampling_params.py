@@ -180,6 +180,11 @@ class SamplingParams:
                 return f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab_size})"
         return None
 
+    def logprobs_above(self, limit: int) -> Optional[str]:
+        """The first of ``logprobs``, ``prompt_logprobs`` that asks for more than ``limit``, else None."""
+        return next((name for name in ("logprobs", "prompt_logprobs")
+                     if getattr(self, name) is not None and getattr(self, name) > limit), None)
+
     @property
     def has_logits_processors(self) -> bool:
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)

@@ -189,10 +189,9 @@ class LLMEngine:
         ``bad_words``, compile the grammar (cached). Raises ValueError saying what is wrong (the
         server answers 400)."""
         limit = self.model_config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
-            if n is not None and n > limit:
-                raise ValueError(f"{name}={n} is more than max_logprobs={limit}")
+        name = params.logprobs_above(limit)
+        if name:
+            raise ValueError(f"{name}={getattr(params, name)} is more than max_logprobs={limit}")
         why = params.token_ids_out_of_vocab(self.vocab_size)
         if why:
             raise ValueError(why)

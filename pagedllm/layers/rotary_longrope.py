@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq
 
 
 LONGROPE_TYPES = ("longrope", "su")  # "su" is the name older Phi-3 configs use
@@ -27,7 +27,7 @@ LONGROPE_TYPES = ("longrope", "su")  # "su" is the name older Phi-3 configs use
 
 def _inv_freq(rotary_dim: int, base: float, factors: Optional[list[float]]) -> torch.Tensor:
     """[rotary_dim / 2] float32: RoPE's frequencies, divided by LongRoPE's ``factors`` if given."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = compute_inv_freq(rotary_dim, {"rope_theta": base})
     return inv_freq if factors is None else inv_freq / torch.tensor(factors, dtype=torch.float32)
 
 

@@ -404,9 +404,14 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+def json_logprob(value: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token ruled out) becomes -9999.0, as in vLLM."""
+    return max(value, -9999.0)
+
+
 class PromptLogprob(OpenAIBaseModel):
-    """One entry of vLLM's ``prompt_logprobs``: a token's logprob (at least -9999.0: JSON has no
-    -inf), its rank (1: the most likely) and its text."""
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob (``json_logprob``), its rank (1:
+    the most likely) and its text."""
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None
@@ -421,7 +426,7 @@ def prompt_logprobs_of(positions: Optional[list]) -> Optional[PromptLogprobs]:
     """The engine's prompt logprobs (``RequestOutput.prompt_logprobs``) as the response carries them."""
     if positions is None:
         return None
-    return [None if pos is None else {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+    return [None if pos is None else {t: PromptLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
                                                        decoded_token=lp.decoded_token) for t, lp in pos.items()}
             for pos in positions]
 

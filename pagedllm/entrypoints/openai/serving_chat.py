@@ -12,7 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
-    ChatMessageParam, DeltaMessage, RequestError, UsageInfo, prompt_logprobs_of, random_id)
+    ChatMessageParam, DeltaMessage, RequestError, UsageInfo, json_logprob, prompt_logprobs_of, random_id)
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
@@ -137,10 +137,10 @@ class OpenAIServingChat(OpenAIServing):
             tok = entry.decoded_token if entry.decoded_token is not None else self.token_text(tid)
             tops = sorted(pos.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
             top = [ChatLogProb(token=(v.decoded_token if v.decoded_token is not None else self.token_text(t)),
-                               logprob=max(v.logprob, -9999.0),
+                               logprob=json_logprob(v.logprob),
                                bytes=list((v.decoded_token or "").encode("utf-8")))
                    for t, v in tops]
-            out.append(ChatLogProbsContent(token=tok, logprob=max(entry.logprob, -9999.0),
+            out.append(ChatLogProbsContent(token=tok, logprob=json_logprob(entry.logprob),
                                            bytes=list(tok.encode("utf-8")), top_logprobs=top))
         return out
 

@@ -10,7 +10,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
     MAX_CHOICES, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, RequestError, UsageInfo, prompt_logprobs_of, random_id)
+    CompletionStreamResponse, RequestError, UsageInfo, json_logprob, prompt_logprobs_of, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, OpenAIServing, merge_streams, run_unless_disconnected, sse, sse_error)
 from pagedllm.outputs import PositionLogprobs, RequestOutput
@@ -159,11 +159,11 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 tok = pos[tid].decoded_token if pos[tid].decoded_token is not None else self.token_text(tid)
                 lp.tokens.append(tok)
-                lp.token_logprobs.append(max(pos[tid].logprob, -9999.0))
+                lp.token_logprobs.append(json_logprob(pos[tid].logprob))
                 top: dict[str, float] = {}
                 for t, v in sorted(pos.items(), key=lambda kv: kv[1].rank or 0):
                     s = v.decoded_token if v.decoded_token is not None else self.token_text(t)
-                    top.setdefault(s, max(v.logprob, -9999.0))
+                    top.setdefault(s, json_logprob(v.logprob))
                 lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(tok)

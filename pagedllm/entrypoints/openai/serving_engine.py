@@ -102,12 +102,12 @@ class OpenAIServing:
         a large schema takes a while; cached after); logprobs within --max-logprobs. RequestError
         naming the field otherwise."""
         limit = self.llm.engine.config.model_config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
-            if n is not None and n > limit:  # the field the client set (echo's prompt logprobs come from logprobs)
-                fields = ("top_logprobs", "logprobs") if name == "logprobs" else (name, "top_logprobs", "logprobs")
-                field = next((f for f in fields if getattr(req, f, None) is not None), name)
-                raise RequestError(f"{field}={n} is more than the server allows (--max-logprobs {limit})", field)
+        name = params.logprobs_above(limit)
+        if name:  # named as the client set it (echo's prompt logprobs come from logprobs)
+            fields = ("top_logprobs", "logprobs") if name == "logprobs" else (name, "top_logprobs", "logprobs")
+            field = next((f for f in fields if getattr(req, f, None) is not None), name)
+            raise RequestError(f"{field}={getattr(params, name)} is more than the server allows "
+                               f"(--max-logprobs {limit})", field)
         try:
             if params.structured_outputs is not None or params.bad_words:
                 await asyncio.to_thread(self.llm.engine.verify_logits_fields, params)

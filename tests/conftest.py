@@ -54,8 +54,9 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma2 | gemma3 | phi3 |
-    phi3_partial: Phi-3 with 3/4 of each head's channels rotating, as Phi-4-mini) saved with save_pretrained."""
+    """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3 |
+    granite | smollm3 | olmo2 | phi3 | phi3_partial: Phi-3 with 3/4 of each head's channels rotating, as
+    Phi-4-mini) saved with save_pretrained."""
     import transformers
 
     tok = build_tokenizer(out_dir)
@@ -73,7 +74,18 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "phi3_partial": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     }[arch]
+    if arch == "gemma":
+        common.setdefault("head_dim", 16)
+    if arch == "granite":  # each of Granite's four scalars away from 1 (and the scale from head_dim ** -0.5)
+        common.update(embedding_multiplier=2.5, attention_multiplier=0.2, residual_multiplier=0.7,
+                      logits_scaling=1.7)
+    if arch == "smollm3":  # NoPE on every other layer (SmolLM3 3B: every 4th)
+        common.setdefault("no_rope_layers", [int(i % 2 == 0) for i in range(common["num_hidden_layers"])])
     if arch == "phi3_partial":
         common.setdefault("partial_rotary_factor", 0.75)
     if arch.startswith("phi3"):  # LongRoPE past 4 positions (long factors; prompts longer than that), a 48-token window

@@ -32,14 +32,16 @@ def _runner_or_skip() -> None:
         pytest.skip("no float32 packed GEMM on this CPU (needs AVX-512 or AVX2 with FMA)")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_partial"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite", "smollm3",
+                                                "phi3", "phi3_partial"])
 def wide_dir(request, tmp_path_factory):
     """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer), Qwen3 (RMSNorms on q and k per head,
     before RoPE), Gemma 2 (sliding windows on alternate layers, soft-capped scores, four norms a layer,
     GELU-tanh), Gemma 3 (q/k norms, a RoPE table per layer type), Phi-3 (LongRoPE's scaled table,
-    a 48-token window on every layer through its SlidingWindowBackend) and Phi-3 with 3/4 of each
-    head's channels rotating (Phi-4-mini's partial rotary)."""
-    extra = dict(head_dim=64) if request.param in ("qwen3", "gemma2", "gemma3") else {}
+    a 48-token window on every layer through its SlidingWindowBackend), Phi-3 with 3/4 of each
+    head's channels rotating (Phi-4-mini's partial rotary), Gemma 1 (two norms, plain residual adds),
+    Granite (residual multiplier, attention multiplier as the scale) and SmolLM3 (NoPE layers)."""
+    extra = dict(head_dim=64) if request.param in ("qwen3", "gemma", "gemma2", "gemma3") else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
 

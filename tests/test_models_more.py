@@ -1,11 +1,12 @@
-"""OPT, GPT-2, Phi-3, Gemma 2 and Gemma 3: fp32 greedy ids equal transformers' on tiny random
+"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and SmolLM3: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
 ``save_pretrained``) and transformers' greedy ids for it are computed once per prompt set.
 Variants cover each family's options: OPT with ``project_in``/``project_out`` and OPT-350m's
 post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE factors on both sides
-of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window.
+of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window; Granite's
+multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch.
 """
 from __future__ import annotations
 
@@ -66,6 +67,24 @@ FAMILIES = {
                                      "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                         "rope_theta": 1000000.0}},
                     max_position_embeddings=512, initializer_range=0.1), {}),
+    # Gemma 1: heads x head_dim (96) differs from hidden_size, as in Gemma 7B.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=24, max_position_embeddings=512, initializer_range=0.2), {}),
+    # Granite's four scalars away from 1 (Granite 3 2B: 12, 1/128, 0.22, 8), biases on.
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, embedding_multiplier=4.0, attention_multiplier=0.3,
+                     residual_multiplier=0.6, logits_scaling=2.5, attention_bias=True, mlp_bias=True,
+                     max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True), {}),
+    # OLMo 2: norms after each branch and over the whole q and k projections.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15), {}),
+    # SmolLM3's default NoPE pattern: the 4th layer of 4 applies no RoPE.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15), {}),
 }
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
 PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
@@ -177,7 +196,24 @@ def test_prefix_caching_matches_transformers(family):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma2", "gemma3"], indirect=True)
+@pytest.mark.parametrize("family", ALL, indirect=True)
+def test_logprobs_match_transformers(family):
+    """Each token's logprob within 1e-4 of transformers' log_softmax of its logits: what greedy ids
+    cannot show (Granite's logits_scaling, Gemma's final soft-cap)."""
+    name, _, model, _ = family
+    prompts = prompts_for(name, model.config.vocab_size, seed=5)[-2:]
+    llm = make_llm(family, kv_cache_memory=2 << 20)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for p, out in zip(prompts, llm.generate(prompts, sp, use_tqdm=False)):
+        toks, ref = hf_greedy(model, p, MAX_TOKENS)
+        comp = out.outputs[0]
+        assert comp.token_ids == toks
+        assert max(abs(comp.logprobs[i][t].logprob - r) for i, (t, r) in enumerate(zip(toks, ref))) < 1e-4
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "smollm3"],
+                         indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
     prompts = prompts_for(name, model.config.vocab_size, seed=3)[-3:]
@@ -203,8 +239,9 @@ def test_phi3_short_factors_within_original_length(tokenizer_dir, tmp_path_facto
 def test_registry_lists_and_imports_on_first_use(monkeypatch):
     from pagedllm.models import registry
 
-    assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-            "Gemma3ForCausalLM"} <= set(supported_architectures())
+    assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM"} <= \
+        set(supported_architectures())
     config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
     calls: list[str] = []
     real = registry.importlib.import_module
@@ -237,3 +274,9 @@ def test_learned_positions_bound_max_model_len(tokenizer_dir, tmp_path_factory):
     d, _, _ = build("gpt2", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
     with pytest.raises(ValueError, match="learns 512 positions; max_model_len=600"):
         LLM(d, max_model_len=600, kv_cache_memory=1 << 20)
+
+
+def test_olmo2_refuses_tensor_parallel_before_starting(tokenizer_dir, tmp_path_factory):
+    d, _, _ = build("olmo2", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
+    with pytest.raises(ValueError, match="tensor parallelism is not implemented for Olmo2ForCausalLM"):
+        LLM(d, tensor_parallel_size=2, kv_cache_memory=1 << 20)

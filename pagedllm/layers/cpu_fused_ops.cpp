@@ -173,8 +173,9 @@ void rms_norm_heads(T* x, int64_t tok_stride, int64_t head_stride, int64_t n, in
 }
 
 // Gemma's norms around the residual stream, per row: with w_add, residual <- rnd(residual +
-// rnd(gnorm(x, w_add))) (transformers' `residual + post_norm(branch)`); then, with w_out, out <-
-// rnd(gnorm(r, w_out)), r the new residual (without w_add: x). gnorm: gemma_norm_row.
+// rnd(gnorm(x, w_add))) (transformers' `residual + post_norm(branch)`); without w_add but with a
+// residual, residual <- rnd(residual + x) (Gemma 1's plain add); then, with w_out, out <-
+// rnd(gnorm(r, w_out)), r the new residual (without either: x). gnorm: gemma_norm_row.
 template <typename T>
 void gemma_rms_norm(const T* x, int64_t x_stride, const T* w_add, float eps_add, T* residual, const T* w_out,
                     float eps_out, T* out, int64_t rows, int hidden) {
@@ -188,6 +189,13 @@ void gemma_rms_norm(const T* x, int64_t x_stride, const T* w_add, float eps_add,
       gemma_norm_row(buf, w_add, o, hidden, eps_add);
       for (int c = 0; c < hidden; ++c) {
         const float v = rnd<T>(as_float(rr[c]) + rnd<T>(o[c]));
+        put(&rr[c], v);
+        buf[c] = v;
+      }
+    } else if (residual != nullptr) {
+      T* rr = residual + i * hidden;
+      for (int c = 0; c < hidden; ++c) {
+        const float v = rnd<T>(as_float(rr[c]) + buf[c]);
         put(&rr[c], v);
         buf[c] = v;
       }

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_math.h"
+
 extern "C" {
 
 typedef void (*NormFn)(const void* x, int64_t x_stride, void* residual, const void* w, void* out, int64_t rows,
@@ -58,10 +60,11 @@ struct RunnerKernels {
 
 // The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
 // rotary_dim: the channels of a head that rotate (head_dim, or fewer: partial rotary).
-// soft_cap: attention's logit soft-cap (0: none; Gemma 2).
+// soft_cap: attention's logit soft-cap (0: none; Gemma 2). residual_scale: what each attention and
+// MLP output is multiplied by before its residual add (Granite's residual_multiplier; 1: none).
 struct RunnerDims {
   int64_t elem_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, rotary_dim;
-  float scale, soft_cap;
+  float scale, soft_cap, residual_scale;
 };
 
 // One linear: its weight packed for GemmFn, or (scale not null) int8 panels for Int8LinearFn with
@@ -177,9 +180,25 @@ void mlp_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w
   clock.done(9);
 }
 
+// x [n, d->hidden] *= d->residual_scale in place, rounded to the element type as torch's mul_ by a
+// Python float rounds (float32 product, then bf16 round-to-nearest-even); nothing when it is 1.
+void scale_rows(const RunnerDims* d, void* x, int64_t n) {
+  const float m = d->residual_scale;
+  if (m == 1.0f) return;
+  const int64_t count = n * d->hidden;
+  if (d->elem_size == 4) {
+    float* f = static_cast<float*>(x);
+    for (int64_t i = 0; i < count; ++i) f[i] *= m;
+    return;
+  }
+  uint16_t* b = static_cast<uint16_t*>(x);
+  for (int64_t i = 0; i < count; ++i) b[i] = pagedllm_cpu::float_to_bf16(pagedllm_cpu::bf16_to_float(b[i]) * m);
+}
+
 }  // namespace
 
-// Llama, Mistral, Qwen2, Qwen3 (models/llama.py: LlamaDecoderLayer.forward_fused).
+// Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite (models/llama.py: LlamaDecoderLayer.forward_fused;
+// models/granite.py: GraniteDecoderLayer.forward_fused, its residual_scale).
 void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
                         const RunnerStep* s) {
   const int64_t n = s->num_tokens, hidden = d->hidden;
@@ -192,16 +211,20 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
     k->add_rms_norm(x, hidden, add ? s->residual : nullptr, w.in_norm, s->h, n, hidden, w.in_eps);
     clock.done(0);
     attention_block(k, d, w, s, clock);
+    scale_rows(d, s->x_out, n);
     // post_attention_layernorm (residual += o), then the MLP: down(silu(gate) * up)
     k->add_rms_norm(s->x_out, hidden, s->residual, w.post_norm, s->h, n, hidden, w.post_eps);
     clock.done(6);
     mlp_block(k, d, w, s, clock);
+    scale_rows(d, s->x_out, n);
     x = s->x_out;
   }
 }
 
 // Gemma 2 and 3 (models/gemma2.py: Gemma2DecoderLayer.forward): the residual stream is s->residual
 // (== x, the scaled embeddings), updated in place; each post-norm's add fused with the next norm.
+// Gemma 1 (models/gemma.py): no post_norm / post_ff_norm (null: a plain add), its pre-MLP norm in
+// pre_ff_norm.
 void run_gemma_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
                       const RunnerStep* s) {
   const int64_t n = s->num_tokens, hidden = d->hidden;

@@ -1,4 +1,4 @@
-"""All decoder layers of a Llama-family or Gemma 2/3 model in one C call per step on the CPU
+"""All decoder layers of a Llama-family or Gemma model in one C call per step on the CPU
 (``cpu_layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
 the packed float or int8 GEMM, q/k norms, RoPE, the KV write, paged attention, SiLU * up), in the
 same order on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer
@@ -9,8 +9,9 @@ interpreter in between.
 It applies where every piece of a layer already runs one of those kernels: float32 or bfloat16 on a
 CPU; ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoPE, with or without
 Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3; Phi-3 and Phi-4-mini, LongRoPE tables, partial
-rotary and the sliding window included) or Gemma 2/3's decoder layer (four norms a
-layer, GELU-tanh, sliding windows, soft-capped scores, a RoPE table per layer type); every linear
+rotary and the sliding window included; SmolLM3's NoPE layers on an identity table; Granite's
+residual multiplier) or Gemma 2/3's decoder layer (four norms a layer, GELU-tanh, sliding windows,
+soft-capped scores, a RoPE table per layer type) or Gemma 1's (two norms, plain residual adds); every linear
 packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
 panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
 int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
@@ -50,10 +51,11 @@ class _Kernels(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("elem_size", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                           "intermediate", "block_size", "rotary_dim")] + \
-              [("scale", _f32), ("soft_cap", _f32)]
+              [("scale", _f32), ("soft_cap", _f32), ("residual_scale", _f32)]
 
 
 # A layer's norms: (struct name, attribute path); q/k and the feed-forward pair only where a model has them.
+# A layer class may map slots to other paths (or None) in ``runner_norms`` (Gemma 1's pre-MLP norm).
 _NORMS = (("in", "input_layernorm"), ("post", "post_attention_layernorm"), ("q", "self_attn.q_norm"),
           ("k", "self_attn.k_norm"), ("pre_ff", "pre_feedforward_layernorm"), ("post_ff", "post_feedforward_layernorm"))
 
@@ -122,10 +124,16 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def _norm(layer: Any, path: str) -> Any:
-    for part in path.split("."):
+def _norm(layer: Any, path: Optional[str]) -> Any:
+    for part in path.split(".") if path else ():
         layer = getattr(layer, part, None)
-    return layer
+    return layer if path else None
+
+
+def _layer_norms(layer: Any) -> list[tuple[str, Any]]:
+    """(struct slot, norm module or None) for each of _NORMS' slots, through the layer's ``runner_norms``."""
+    paths = {**dict(_NORMS), **getattr(layer, "runner_norms", {})}
+    return [(slot, _norm(layer, paths[slot])) for slot, _ in _NORMS]
 
 
 def _backend_window(attn: Any) -> tuple[Any, int]:
@@ -141,29 +149,30 @@ def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
     layer (its forward not overridden), else ([], why not)."""
     from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
     from pagedllm.layers.rotary_embedding import RotaryEmbedding
-    from pagedllm.models import gemma2, llama
+    from pagedllm.models import gemma as gemma1, gemma2, granite, llama
     ropes: list = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if gemma:
-            plain = (type(layer).forward is gemma2.Gemma2DecoderLayer.forward
+            plain = (type(layer).forward in (gemma2.Gemma2DecoderLayer.forward, gemma1.GemmaDecoderLayer.forward)
                      and type(attn).forward is gemma2.Gemma2Attention.forward)
             dense = type(mlp).forward is gemma2.GemmaMLP.forward
             if dense and not mlp.gelu_tanh:
                 return [], "a Gemma MLP whose activation is not GELU-tanh"
             norm_cls = GemmaRMSNorm
         else:
-            plain = (type(layer).forward_fused is llama.LlamaDecoderLayer.forward_fused
+            plain = (type(layer).forward_fused in (llama.LlamaDecoderLayer.forward_fused,
+                                                   granite.GraniteDecoderLayer.forward_fused)
                      and type(attn).forward is llama.LlamaAttention.forward)
-            if plain and attn.rotary_emb is not model.rotary_emb:
-                return [], "a layer's RoPE is not the model's shared table"
+            if plain and all(attn.rotary_emb is not r for r in model.rotary_embs()):
+                return [], "a layer's RoPE is not one of the model's step tables"
             dense = type(mlp).forward is llama.LlamaMLP.forward
             norm_cls = RMSNorm
         if not plain:
             return [], f"{type(layer).__name__} is not the plain {'Gemma' if gemma else 'Llama'} decoder layer"
         if not dense:
             return [], f"MLP {type(mlp).__name__}, not the dense {'GELU-tanh' if gemma else 'SwiGLU'} one"
-        norms = [n for n in (_norm(layer, path) for _, path in _NORMS) if n is not None]
+        norms = [n for _, n in _layer_norms(layer) if n is not None]
         if any(type(n) is not norm_cls for n in norms):
             return [], f"norm {next(type(n).__name__ for n in norms if type(n) is not norm_cls)}"
         rot = attn.rotary_emb
@@ -218,6 +227,7 @@ class CpuLayerRunner:
         if dtype not in _SUFFIX:
             return None, f"dtype {dtype}"
         soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
+        residual_scale = getattr(first, "residual_multiplier", 1.0)  # Granite's
         # any int8 or float linears; the most rows a step may have (the int8 ones' panel_max_rows)
         int8, float_linears, max_rows = False, False, None
         for layer in layers:
@@ -225,8 +235,9 @@ class CpuLayerRunner:
             backend = _backend_window(attn)[0]
             if not isinstance(backend, cpu_kernel.CpuPagedAttention) or backend.LONG_PREFILL is not None:
                 return None, f"attention backend {type(backend).__name__}"
-            if attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap:
-                return None, "attention scales or soft-caps that differ between layers"
+            if (attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap
+                    or getattr(layer, "residual_multiplier", 1.0) != residual_scale):
+                return None, "attention scales, soft-caps or residual multipliers that differ between layers"
             for lin in _linears(layer):
                 w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
                 if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or panels):
@@ -235,7 +246,7 @@ class CpuLayerRunner:
                 if panels and lin.panel_max_rows is not None:
                     max_rows = min(max_rows or lin.panel_max_rows, lin.panel_max_rows)
                 int8, float_linears = int8 or panels, float_linears or not panels
-            params = [n.weight for n in (_norm(layer, path) for _, path in _NORMS) if n is not None]
+            params = [n.weight for _, n in _layer_norms(layer) if n is not None]
             params += [lin.bias for lin in _linears(layer) if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
                 return None, "RMSNorm weights or biases not contiguous in the model's dtype"
@@ -271,7 +282,7 @@ class CpuLayerRunner:
                      hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                      intermediate=first.mlp.down_proj.input_size, block_size=0, rotary_dim=ropes[0].rotary_dim,
-                     scale=attn.scale, soft_cap=soft_cap)
+                     scale=attn.scale, soft_cap=soft_cap, residual_scale=residual_scale)
         runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, gemma)
         runner.max_rows = max_rows
         return runner, ""
@@ -295,8 +306,7 @@ class CpuLayerRunner:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             half = cache.stride(0) * cache.element_size()
-            for name, path in _NORMS:
-                norm = _norm(layer, path)
+            for name, norm in _layer_norms(layer):
                 if norm is not None:  # (null: none)
                     held.append(norm.weight)
                     setattr(s, f"{name}_norm", _ptr(norm.weight))
@@ -336,7 +346,7 @@ class CpuLayerRunner:
             return None
         bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
         tables = [cos_sin.get(id(r)) for r in self.ropes] if isinstance(cos_sin, dict) else [cos_sin]
-        if any(t is None for t in tables):
+        if any(t is None for t in tables) or len(tables) != len(self.ropes):
             return None
         tables = [t.contiguous() for t in tables]
         slots = meta.slot_mapping.contiguous()

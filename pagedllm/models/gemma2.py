@@ -88,7 +88,7 @@ class Gemma2Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if self.qk_norm else None
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if self.qk_norm else None
         self.rotary_emb = rotary  # shared by the layers of one type
-        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5  # Gemma 1: head_dim
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
         self.logits_soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.backend = backend

@@ -124,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    decoder_layer_cls = LlamaDecoderLayer
     # Pipeline parallelism (worker/pp_runner.py): a subclass whose __init__/forward touch every layer says False.
     supports_pp = True
     # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
@@ -145,8 +146,8 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = make_rotary_embedding(config, head_dim, dtype)  # one table for every layer
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype),
-                               rotary_emb=self.rotary_emb)
+            [self.decoder_layer_cls(config, dtype, backend, qkv_bias, self.qk_norm, self.make_mlp(config, i, dtype),
+                                    rotary_emb=self.rotary_emb)
              if self.start_layer <= i < self.end_layer else PPMissingLayer()
              for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else PPMissingLayer()
@@ -177,21 +178,35 @@ class LlamaForCausalLM(nn.Module):
                 intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         """``intermediate``: the previous pipeline stage's (hidden states, residual stream), each
         [N, hidden] (every stage but the first); a stage but the last returns that pair for the next."""
-        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        # once per step, shared by the layers (a model with its own RoPE variant rotates per layer)
-        cos_sin = self.rotary_emb.cos_sin(positions) if isinstance(self.rotary_emb, RotaryEmbedding) else None
-        ran = cpu_layer_runner.run_layers(self, x, residual, cos_sin, kv_caches, meta)  # CPU: one C call
+        x, residual = (self.embed_input(input_ids), None) if intermediate is None else intermediate
+        tables = self.rope_tables(positions)
+        ran = cpu_layer_runner.run_layers(self, x, residual, tables, kv_caches, meta)  # CPU: one C call
         if ran is not None:
             x, residual = ran
         else:
             for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
                                        kv_caches[self.start_layer:self.end_layer]):
+                cos_sin = tables.get(id(layer.self_attn.rotary_emb)) if isinstance(tables, dict) else tables
                 x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta, cos_sin)
         if isinstance(self.norm, PPMissingLayer):
             return x, residual
         if residual is None:
             return self.norm(x)
         return self.norm(x, residual)[0]
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] (int64) -> the first layer's input [N, hidden] (a new tensor)."""
+        return self.embed_tokens(input_ids)
+
+    def rotary_embs(self) -> list:
+        """The RotaryEmbeddings whose tables ``rope_tables`` gathers (each layer's is one of them)."""
+        return [self.rotary_emb]
+
+    def rope_tables(self, positions: torch.Tensor) -> Any:
+        """The step's RoPE table [N, 2, 1, R], gathered once and shared by the layers; None for a
+        model whose RoPE variant rotates per layer (Phi-3's LongRoPE). A model whose layers take
+        several tables returns id(RotaryEmbedding) -> its table (SmolLM3's NoPE layers)."""
+        return self.rotary_emb.cos_sin(positions) if isinstance(self.rotary_emb, RotaryEmbedding) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden).float()

@@ -219,11 +219,16 @@ class MultiprocExecutor(Executor):
         self._lock = threading.RLock()  # the server checks health from another thread
         self._prev_threads = torch.get_num_threads()
         validate_tensor_parallel(config.model_config.hf_config, tp)
-        if config.parallel_config.pipeline_parallel_size > 1:  # fail before any process starts
-            from pagedllm.models.registry import get_model_class
+        from pagedllm.models.registry import get_model_class
+
+        model_cls = get_model_class(config.model_config.hf_config, config.model_config.max_model_len)
+        if tp > 1 and not getattr(model_cls, "supports_tp", True):  # fail before any process starts
+            raise ValueError(f"tensor parallelism is not implemented for {model_cls.__name__}; use "
+                             f"--tensor-parallel-size 1 (or --pipeline-parallel-size)")
+        if config.parallel_config.pipeline_parallel_size > 1:
             from pagedllm.worker.pp_runner import check_pp_support
 
-            check_pp_support(get_model_class(config.model_config.hf_config, config.model_config.max_model_len))
+            check_pp_support(model_cls)
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process (another "
                                "tensor-parallel engine?); shut it down before starting a new one")

@@ -1,4 +1,4 @@
-"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and SmolLM3: fp32 greedy ids equal transformers' on tiny random
+"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2, EXAONE 4 and SmolLM3: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -6,7 +6,7 @@ Each family's checkpoint is built once per module (transformers config with smal
 Variants cover each family's options: OPT with ``project_in``/``project_out`` and OPT-350m's
 post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE factors on both sides
 of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window; Granite's
-multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch.
+multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows.
 """
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15), {}),
+    # EXAONE 4 hybrid: 3 sliding layers (16-token window, RoPE) then a global NoPE one; OLMo 2's
+    # post-norms with per-head q/k norms.
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",
+                dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, sliding_window=16, sliding_window_pattern=4,
+                     max_position_embeddings=512, initializer_range=0.15), {}),
     # SmolLM3's default NoPE pattern: the 4th layer of 4 applies no RoPE.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -212,7 +218,8 @@ def test_logprobs_match_transformers(family):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "smollm3"],
+@pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "exaone4",
+                                    "smollm3"],
                          indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
@@ -240,7 +247,8 @@ def test_registry_lists_and_imports_on_first_use(monkeypatch):
     from pagedllm.models import registry
 
     assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-            "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM"} <= \
+            "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Exaone4ForCausalLM",
+            "SmolLM3ForCausalLM"} <= \
         set(supported_architectures())
     config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
     calls: list[str] = []

@@ -46,12 +46,14 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
-    """x + post_attention_layernorm(attn(x)), then + post_feedforward_layernorm(mlp(x))."""
+    """x + post_attention_layernorm(attn(x)), then + post_feedforward_layernorm(mlp(x)).
+    ``qk_norm``: per-head q/k norms in LlamaAttention (EXAONE 4) instead of OLMo 2's whole-projection ones."""
 
     def __init__(self, config: Any, dtype, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool,
                  mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(config, dtype, backend, qkv_bias, rotary_emb)
+        self.self_attn = (LlamaAttention(config, dtype, backend, qkv_bias, True, rotary_emb) if qk_norm
+                          else Olmo2Attention(config, dtype, backend, qkv_bias, rotary_emb))
         self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
                                                         getattr(config, "mlp_bias", False), dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -55,7 +55,7 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3 |
-    granite | smollm3 | olmo2 | phi3 | phi3_partial: Phi-3 with 3/4 of each head's channels rotating, as
+    granite | smollm3 | olmo2 | exaone4 | phi3 | phi3_partial: Phi-3 with 3/4 of each head's channels rotating, as
     Phi-4-mini) saved with save_pretrained."""
     import transformers
 
@@ -78,7 +78,11 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
     }[arch]
+    if arch == "exaone4":  # hybrid: sliding layers (24-token window, RoPE) around a global NoPE one
+        common.setdefault("sliding_window", 24)
+        common.setdefault("sliding_window_pattern", 2)
     if arch == "gemma":
         common.setdefault("head_dim", 16)
     if arch == "granite":  # each of Granite's four scalars away from 1 (and the scale from head_dim ** -0.5)

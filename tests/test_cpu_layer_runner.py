@@ -1,7 +1,8 @@
 """The CPU layer runner (layers/cpu_layer_runner.py: all decoder layers in one C call a step)
 against the Python layer loop it replaces: bit-identical logprobs in batches that mix decodes with
 chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
-transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 2 and 3, Phi-3), every block back
+transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 1, 2 and 3, Phi-3, Granite,
+SmolLM3, OLMo 2, EXAONE 4), every block back
 in the pool; and the models and steps it must leave to the loop."""
 from __future__ import annotations
 
@@ -33,14 +34,16 @@ def _runner_or_skip() -> None:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite", "smollm3",
-                                                "phi3", "phi3_partial"])
+                                                "olmo2", "exaone4", "phi3", "phi3_partial"])
 def wide_dir(request, tmp_path_factory):
     """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer), Qwen3 (RMSNorms on q and k per head,
     before RoPE), Gemma 2 (sliding windows on alternate layers, soft-capped scores, four norms a layer,
     GELU-tanh), Gemma 3 (q/k norms, a RoPE table per layer type), Phi-3 (LongRoPE's scaled table,
     a 48-token window on every layer through its SlidingWindowBackend), Phi-3 with 3/4 of each
     head's channels rotating (Phi-4-mini's partial rotary), Gemma 1 (two norms, plain residual adds),
-    Granite (residual multiplier, attention multiplier as the scale) and SmolLM3 (NoPE layers)."""
+    Granite (residual multiplier, attention multiplier as the scale), SmolLM3 (NoPE layers), OLMo 2
+    (norms after each branch, q/k norms over all heads) and EXAONE 4 (OLMo 2's layer, per-head q/k
+    norms, sliding layers around a global NoPE one)."""
     extra = dict(head_dim=64) if request.param in ("qwen3", "gemma", "gemma2", "gemma3") else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
@@ -155,7 +158,11 @@ def test_runner_phase_timings(wide_dir):
     wall = time.perf_counter() - t0
     assert timed == plain
     phases = runner.phase_seconds()
-    assert list(phases) == list(cpu_layer_runner.GEMMA_PHASES if runner.gemma else cpu_layer_runner.PHASES)
+    kind = ("post_norm" if any(f in wide_dir for f in ("olmo2", "exaone4")) else
+            "gemma" if "gemma" in wide_dir else "llama")
+    names = {"llama": cpu_layer_runner.PHASES, "gemma": cpu_layer_runner.GEMMA_PHASES,
+             "post_norm": cpu_layer_runner.POST_NORM_PHASES[1:]}[kind]
+    assert list(phases) == list(names)
     assert all(v > 0 for v in phases.values()), phases
     assert sum(phases.values()) < wall
     assert_pool_empty(llm)

@@ -1,6 +1,7 @@
-// The decoder layers of a Llama-family or Gemma 2/3 model, all of them in one call on the CPU: the
-// same kernels, in the same order and on the same buffers' values as the Python layer loop
-// (models/llama.py: LlamaDecoderLayer.forward_fused; models/gemma2.py: Gemma2DecoderLayer.forward),
+// The decoder layers of a Llama-family, Gemma or OLMo 2 / EXAONE 4 model, all of them in one call on the
+// CPU: the same kernels, in the same order and on the same buffers' values as the Python layer loop
+// (models/llama.py: LlamaDecoderLayer.forward_fused; models/gemma2.py: Gemma2DecoderLayer.forward;
+// models/olmo2.py: Olmo2DecoderLayer.forward_fused),
 // so the output is bit-identical; what goes is the Python between them (~0.7 ms a layer on a 2-core
 // host: module calls, checks, a new tensor per op). It plays, for a CPU step, the part a CUDA graph
 // plays on a GPU.
@@ -62,9 +63,11 @@ struct RunnerKernels {
 // rotary_dim: the channels of a head that rotate (head_dim, or fewer: partial rotary).
 // soft_cap: attention's logit soft-cap (0: none; Gemma 2). residual_scale: what each attention and
 // MLP output is multiplied by before its residual add (Granite's residual_multiplier; 1: none).
+// qk_norm_whole: the q/k norms span the whole projection (OLMo 2's), not each head.
 struct RunnerDims {
   int64_t elem_size, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, rotary_dim;
   float scale, soft_cap, residual_scale;
+  int64_t qk_norm_whole;
 };
 
 // One linear: its weight packed for GemmFn, or (scale not null) int8 panels for Int8LinearFn with
@@ -133,18 +136,21 @@ inline void linear(const RunnerKernels* k, const RunnerLinear& lin, const void* 
     k->gemm(x, ldx, lin.w, lin.b, y, n, static_cast<int>(m), static_cast<int>(n), static_cast<int>(kdim));
 }
 
-// self_attn on h [N, hidden] -> s->x_out: qkv_proj, the q/k norms (Qwen3, Gemma 3) and RoPE on q and
-// k in place, K/V into the cache, attention, o_proj. Phases 1-5.
+// self_attn on `in` [N, hidden] -> s->x_out: qkv_proj, the q/k norms (Qwen3, Gemma 3, OLMo 2) and
+// RoPE on q and k in place, K/V into the cache, attention, o_proj. Phases 1-5.
 void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
-                     PhaseClock& clock) {
+                     PhaseClock& clock, const void* in) {
   const int64_t n = s->num_tokens, es = d->elem_size, hidden = d->hidden, hd = d->head_dim;
   const int64_t q_size = d->num_heads * hd, kv_size = d->num_kv_heads * hd, qkv_cols = q_size + 2 * kv_size;
   char* const qkv = static_cast<char*>(s->qkv);
   char* const k_new = qkv + q_size * es;
   char* const v_new = qkv + (q_size + kv_size) * es;
-  linear(k, w.qkv, s->h, hidden, qkv, n, qkv_cols, hidden);
+  linear(k, w.qkv, in, hidden, qkv, n, qkv_cols, hidden);
   clock.done(1);
-  if (w.q_norm != nullptr) {
+  if (w.q_norm != nullptr && d->qk_norm_whole) {  // one row of q_size (kv_size) a token
+    k->rms_norm_heads(qkv, qkv_cols, q_size, n, 1, q_size, w.q_norm, w.q_eps);
+    k->rms_norm_heads(k_new, qkv_cols, kv_size, n, 1, kv_size, w.k_norm, w.k_eps);
+  } else if (w.q_norm != nullptr) {
     k->rms_norm_heads(qkv, qkv_cols, hd, n, d->num_heads, hd, w.q_norm, w.q_eps);
     k->rms_norm_heads(k_new, qkv_cols, hd, n, d->num_kv_heads, hd, w.k_norm, w.k_eps);
   }
@@ -168,11 +174,11 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
   clock.done(5);
 }
 
-// The MLP on h -> s->x_out: gate_up_proj, act(gate) * up, down_proj. Phases 7-9.
+// The MLP on `in` -> s->x_out: gate_up_proj, act(gate) * up, down_proj. Phases 7-9.
 void mlp_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
-               PhaseClock& clock) {
+               PhaseClock& clock, const void* in) {
   const int64_t n = s->num_tokens, hidden = d->hidden, inter = d->intermediate;
-  linear(k, w.gate_up, s->h, hidden, s->gate_up, n, 2 * inter, hidden);
+  linear(k, w.gate_up, in, hidden, s->gate_up, n, 2 * inter, hidden);
   clock.done(7);
   k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
   clock.done(8);
@@ -195,6 +201,21 @@ void scale_rows(const RunnerDims* d, void* x, int64_t n) {
   for (int64_t i = 0; i < count; ++i) b[i] = pagedllm_cpu::float_to_bf16(pagedllm_cpu::bf16_to_float(b[i]) * m);
 }
 
+// r [n, d->hidden] += x, rounded as torch's add_ rounds (float32 sum, then bf16).
+void add_rows(const RunnerDims* d, void* r, const void* x, int64_t n) {
+  const int64_t count = n * d->hidden;
+  if (d->elem_size == 4) {
+    float* rf = static_cast<float*>(r);
+    const float* xf = static_cast<const float*>(x);
+    for (int64_t i = 0; i < count; ++i) rf[i] += xf[i];
+    return;
+  }
+  uint16_t* rb = static_cast<uint16_t*>(r);
+  const uint16_t* xb = static_cast<const uint16_t*>(x);
+  for (int64_t i = 0; i < count; ++i)
+    rb[i] = pagedllm_cpu::float_to_bf16(pagedllm_cpu::bf16_to_float(rb[i]) + pagedllm_cpu::bf16_to_float(xb[i]));
+}
+
 }  // namespace
 
 // Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite (models/llama.py: LlamaDecoderLayer.forward_fused;
@@ -210,12 +231,12 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
     const bool add = l > 0 || s->has_residual;
     k->add_rms_norm(x, hidden, add ? s->residual : nullptr, w.in_norm, s->h, n, hidden, w.in_eps);
     clock.done(0);
-    attention_block(k, d, w, s, clock);
+    attention_block(k, d, w, s, clock, s->h);
     scale_rows(d, s->x_out, n);
     // post_attention_layernorm (residual += o), then the MLP: down(silu(gate) * up)
     k->add_rms_norm(s->x_out, hidden, s->residual, w.post_norm, s->h, n, hidden, w.post_eps);
     clock.done(6);
-    mlp_block(k, d, w, s, clock);
+    mlp_block(k, d, w, s, clock, s->h);
     scale_rows(d, s->x_out, n);
     x = s->x_out;
   }
@@ -234,13 +255,40 @@ void run_gemma_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerL
     const RunnerLayer& w = layers[l];
     k->gemma_rms_norm(res, hidden, nullptr, 0.0f, nullptr, w.in_norm, w.in_eps, s->h, n, hidden);
     clock.done(0);
-    attention_block(k, d, w, s, clock);
+    attention_block(k, d, w, s, clock, s->h);
     // residual += post_attention_layernorm(o); h = pre_feedforward_layernorm(residual)
     k->gemma_rms_norm(s->x_out, hidden, w.post_norm, w.post_eps, res, w.pre_ff_norm, w.pre_ff_eps, s->h, n, hidden);
     clock.done(6);
-    mlp_block(k, d, w, s, clock);
+    mlp_block(k, d, w, s, clock, s->h);
     // residual += post_feedforward_layernorm(down)
     k->gemma_rms_norm(s->x_out, hidden, w.post_ff_norm, w.post_ff_eps, res, nullptr, 0.0f, nullptr, n, hidden);
+    clock.done(10);
+  }
+}
+
+// OLMo 2 and EXAONE 4 (models/olmo2.py: Olmo2DecoderLayer.forward_fused): no norm before attention
+// or the MLP, which read the stream s->residual (== x) itself; each branch's output normed
+// (post_norm, post_ff_norm) and added to the stream, but the last layer's normed MLP output, which
+// goes to x_out for the caller's final norm to add (as the loop returns it). With has_residual, x is
+// the previous stage's branch output, added first. Phases 1-5, 6, 7-9, 10 (no 0).
+void run_post_norm_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
+                          const RunnerStep* s) {
+  const int64_t n = s->num_tokens, hidden = d->hidden, es = d->elem_size;
+  void* const res = s->residual;
+  PhaseClock clock(s->timings);
+  if (s->has_residual) add_rows(d, res, s->x, n);
+  for (int l = 0; l < num_layers; ++l) {
+    const RunnerLayer& w = layers[l];
+    attention_block(k, d, w, s, clock, res);
+    k->add_rms_norm(s->x_out, hidden, nullptr, w.post_norm, s->h, n, hidden, w.post_eps);
+    add_rows(d, res, s->h, n);
+    clock.done(6);
+    mlp_block(k, d, w, s, clock, res);
+    k->add_rms_norm(s->x_out, hidden, nullptr, w.post_ff_norm, s->h, n, hidden, w.post_ff_eps);
+    if (l + 1 < num_layers)
+      add_rows(d, res, s->h, n);
+    else
+      std::memcpy(s->x_out, s->h, n * hidden * es);
     clock.done(10);
   }
 }

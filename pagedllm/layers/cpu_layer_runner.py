@@ -11,7 +11,9 @@ CPU; ``LlamaDecoderLayer``/``LlamaAttention``/``LlamaMLP`` as defined (plain RoP
 Qwen3's q/k RMSNorms: Llama, Mistral, Qwen2, Qwen3; Phi-3 and Phi-4-mini, LongRoPE tables, partial
 rotary and the sliding window included; SmolLM3's NoPE layers on an identity table; Granite's
 residual multiplier) or Gemma 2/3's decoder layer (four norms a layer, GELU-tanh, sliding windows,
-soft-capped scores, a RoPE table per layer type) or Gemma 1's (two norms, plain residual adds); every linear
+soft-capped scores, a RoPE table per layer type) or Gemma 1's (two norms, plain residual adds) or
+OLMo 2's (norms after each branch, none before; q/k norms over all heads; EXAONE 4's per head, its
+sliding and NoPE layers); every linear
 packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
 panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
 int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
@@ -51,7 +53,7 @@ class _Kernels(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("elem_size", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                           "intermediate", "block_size", "rotary_dim")] + \
-              [("scale", _f32), ("soft_cap", _f32), ("residual_scale", _f32)]
+              [("scale", _f32), ("soft_cap", _f32), ("residual_scale", _f32), ("qk_norm_whole", _i64)]
 
 
 # A layer's norms: (struct name, attribute path); q/k and the feed-forward pair only where a model has them.
@@ -95,6 +97,12 @@ PHASES = ("input_layernorm", "qkv_proj", "rotary (+ q/k norms)", "kv_write", "at
           "post_attention_layernorm", "gate_up_proj", "silu_and_mul", "down_proj")
 GEMMA_PHASES = PHASES[:6] + ("post_attention_layernorm + pre_feedforward_layernorm", "gate_up_proj",
                              "gelu_tanh_and_mul", "down_proj", "post_feedforward_layernorm")
+# OLMo 2 / EXAONE 4: no norm before attention or the MLP (no phase 0)
+POST_NORM_PHASES = (None,) + PHASES[1:6] + ("post_attention_layernorm + add", "gate_up_proj",
+                                                         "silu_and_mul", "down_proj", "post_feedforward_layernorm + add")
+# The layer layouts the runner covers -> (its C entry point, its phase names)
+_KINDS = {"llama": ("run_decoder_layers", PHASES), "gemma": ("run_gemma_layers", GEMMA_PHASES),
+          "post_norm": ("run_post_norm_layers", POST_NORM_PHASES)}
 
 
 class _Step(ctypes.Structure):
@@ -106,7 +114,7 @@ class _Step(ctypes.Structure):
 
 def _build() -> ctypes.CDLL:
     lib = build_library(SOURCE, BASE_FLAGS)
-    for fn in (lib.run_decoder_layers, lib.run_gemma_layers):
+    for fn in (getattr(lib, entry) for entry, _ in _KINDS.values()):
         fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Dims), ctypes.POINTER(_Layer), ctypes.c_int,
                        ctypes.POINTER(_Step)]
         fn.restype = None
@@ -144,12 +152,13 @@ def _backend_window(attn: Any) -> tuple[Any, int]:
     return backend, window
 
 
-def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
-    """(the layers' distinct RotaryEmbeddings, "") when every layer is the family's plain decoder
-    layer (its forward not overridden), else ([], why not)."""
+def _check_layers(model: Any, kind: str) -> tuple[list, str]:
+    """(the layers' distinct RotaryEmbeddings, "") when every layer is the plain decoder layer of
+    its ``kind`` (_KINDS; its forward not overridden), else ([], why not)."""
     from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
     from pagedllm.layers.rotary_embedding import RotaryEmbedding
-    from pagedllm.models import gemma as gemma1, gemma2, granite, llama
+    from pagedllm.models import gemma as gemma1, gemma2, granite, llama, olmo2
+    gemma = kind == "gemma"
     ropes: list = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -161,15 +170,16 @@ def _check_layers(model: Any, gemma: bool) -> tuple[list, str]:
                 return [], "a Gemma MLP whose activation is not GELU-tanh"
             norm_cls = GemmaRMSNorm
         else:
-            plain = (type(layer).forward_fused in (llama.LlamaDecoderLayer.forward_fused,
-                                                   granite.GraniteDecoderLayer.forward_fused)
-                     and type(attn).forward is llama.LlamaAttention.forward)
+            layer_forwards = ((olmo2.Olmo2DecoderLayer.forward_fused,) if kind == "post_norm" else
+                              (llama.LlamaDecoderLayer.forward_fused, granite.GraniteDecoderLayer.forward_fused))
+            plain = (type(layer).forward_fused in layer_forwards
+                     and type(attn).forward in (llama.LlamaAttention.forward, olmo2.Olmo2Attention.forward))
             if plain and all(attn.rotary_emb is not r for r in model.rotary_embs()):
                 return [], "a layer's RoPE is not one of the model's step tables"
             dense = type(mlp).forward is llama.LlamaMLP.forward
             norm_cls = RMSNorm
         if not plain:
-            return [], f"{type(layer).__name__} is not the plain {'Gemma' if gemma else 'Llama'} decoder layer"
+            return [], f"{type(layer).__name__} is not the plain {kind} decoder layer"
         if not dense:
             return [], f"MLP {type(mlp).__name__}, not the dense {'GELU-tanh' if gemma else 'SwiGLU'} one"
         norms = [n for _, n in _layer_norms(layer) if n is not None]
@@ -191,13 +201,13 @@ class CpuLayerRunner:
     """The runner for one model; ``build`` says whether it applies. ``run`` does one step."""
 
     def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: dict, dims: _Dims,
-                 ropes: list, gemma: bool) -> None:
+                 ropes: list, kind: str) -> None:
         self.model, self.dtype, self.lib = model, dtype, lib
         self.kernel_sets, self.dims = kernels, dims  # cache dtype ("auto" | "int8") -> _Kernels
         self.kernels: Optional[_Kernels] = None
-        self.ropes, self.gemma = ropes, gemma  # the RoPE tables the layers index; Gemma 2/3 or Llama
-        self.run_layers = lib.run_gemma_layers if gemma else lib.run_decoder_layers
-        self.phases = GEMMA_PHASES if gemma else PHASES
+        self.ropes, self.gemma = ropes, kind == "gemma"  # the RoPE tables the layers index; Gemma 1/2/3
+        entry, self.phases = _KINDS[kind]
+        self.run_layers = getattr(lib, entry)
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
         self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
@@ -213,17 +223,23 @@ class CpuLayerRunner:
     def build(cls, model: Any) -> tuple[Optional["CpuLayerRunner"], str]:
         """(runner, "") for a model it covers, else (None, why not)."""
         from pagedllm.models.gemma2 import Gemma2ForCausalLM
+        from pagedllm.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer
         if not ENABLED:
             return None, "PAGEDLLM_CPU_LAYER_RUNNER=0"
         layers = list(model.layers)
         if not layers or getattr(model, "start_layer", 0) != 0 or getattr(model, "end_layer", len(layers)) != len(layers):
             return None, "pipeline parallelism"
-        gemma = isinstance(model, Gemma2ForCausalLM)
-        ropes, why = _check_layers(model, gemma)
+        kind = ("gemma" if isinstance(model, Gemma2ForCausalLM) else
+                "post_norm" if isinstance(layers[0], Olmo2DecoderLayer) else "llama")
+        gemma = kind == "gemma"
+        ropes, why = _check_layers(model, kind)
         if why:
             return None, why
         first = layers[0]
-        dtype = first.input_layernorm.weight.dtype
+        dtype = first.post_attention_layernorm.weight.dtype
+        hidden = first.post_attention_layernorm.weight.shape[0]
+        # OLMo 2's q/k norms span all heads: one row of num_heads * head_dim a token
+        qk_whole = isinstance(first.self_attn, Olmo2Attention)
         if dtype not in _SUFFIX:
             return None, f"dtype {dtype}"
         soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
@@ -236,7 +252,8 @@ class CpuLayerRunner:
             if not isinstance(backend, cpu_kernel.CpuPagedAttention) or backend.LONG_PREFILL is not None:
                 return None, f"attention backend {type(backend).__name__}"
             if (attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap
-                    or getattr(layer, "residual_multiplier", 1.0) != residual_scale):
+                    or getattr(layer, "residual_multiplier", 1.0) != residual_scale
+                    or isinstance(attn, Olmo2Attention) != qk_whole):
                 return None, "attention scales, soft-caps or residual multipliers that differ between layers"
             for lin in _linears(layer):
                 w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
@@ -251,8 +268,8 @@ class CpuLayerRunner:
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
                 return None, "RMSNorm weights or biases not contiguous in the model's dtype"
         head_dim = first.self_attn.head_dim
-        if (first.input_layernorm.weight.shape[0] > cpu_fused_ops.MAX_HIDDEN or head_dim % 2
-                or head_dim > cpu_fused_ops.MAX_HEAD_DIM):
+        if (hidden > cpu_fused_ops.MAX_HIDDEN or head_dim % 2 or head_dim > cpu_fused_ops.MAX_HEAD_DIM
+                or (qk_whole and first.self_attn.num_heads * head_dim > cpu_fused_ops.MAX_HIDDEN)):
             return None, "hidden size or head_dim outside the fused kernels' range"
         sfx = _SUFFIX[dtype]
         libs = {}
@@ -279,11 +296,11 @@ class CpuLayerRunner:
                                     attention=_addr(libs["attention"], f"paged_attention_{sfx}_i8"))}
         attn = first.self_attn
         dims = _Dims(elem_size=torch.empty(0, dtype=dtype).element_size(),
-                     hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
+                     hidden=hidden, num_heads=attn.num_heads,
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                      intermediate=first.mlp.down_proj.input_size, block_size=0, rotary_dim=ropes[0].rotary_dim,
-                     scale=attn.scale, soft_cap=soft_cap, residual_scale=residual_scale)
-        runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, gemma)
+                     scale=attn.scale, soft_cap=soft_cap, residual_scale=residual_scale, qk_norm_whole=int(qk_whole))
+        runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, kind)
         runner.max_rows = max_rows
         return runner, ""
 
@@ -385,7 +402,7 @@ class CpuLayerRunner:
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per phase (``self.phases``: PHASES, or GEMMA_PHASES) since ``timing_on``, summed
         over layers and steps."""
-        return dict(zip(self.phases, self.timings)) if self.timings is not None else {}
+        return {p: t for p, t in zip(self.phases, self.timings) if p} if self.timings is not None else {}
 
 
 def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,

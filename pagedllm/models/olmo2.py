@@ -36,8 +36,10 @@ class Olmo2Attention(LlamaAttention):
                 meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj.split_heads(self.qkv_proj(x))
-        q = self.q_norm(q.reshape(n, -1)).view(n, self.num_heads, self.head_dim)
-        k = self.k_norm(k.reshape(n, -1)).view(n, self.num_kv_heads, self.head_dim)
+        # each token's q (k) as one row over all heads; in place through the CPU kernel where it
+        # applies (the one the layer runner calls), else a new tensor
+        q = self.q_norm.forward_heads_(q.view(n, 1, -1)).view(n, self.num_heads, self.head_dim)
+        k = self.k_norm.forward_heads_(k.view(n, 1, -1)).view(n, self.num_kv_heads, self.head_dim)
         if cos_sin is None:
             cos_sin = self.rotary_emb.cos_sin(positions)
         q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)  # in place

@@ -56,6 +56,12 @@ def get_rope_parameters(hf_config: Any) -> dict:
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     params["rope_type"] = rope_type
+    if rope_type == "yarn":  # transformers 5 fills these in rope_parameters; 4.x configs may not
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings",
+                          original or getattr(hf_config, "max_position_embeddings", None))
+        if params.get("factor") is None:  # DeepSeek-V3: the ratio of the two lengths
+            params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 

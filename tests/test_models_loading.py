@@ -32,6 +32,7 @@ def _assert_matches_hf(model_dir: str, **llm_kw) -> LLM:
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
     {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
 ])
 def test_rope_scaling_and_tied_embeddings(tmp_path, rope):
     d = build_checkpoint(str(tmp_path), "llama", seed=3, rope_scaling=rope, tie_word_embeddings=True,
@@ -39,6 +40,28 @@ def test_rope_scaling_and_tied_embeddings(tmp_path, rope):
     cfg = json.load(open(os.path.join(d, "config.json")))
     assert cfg["tie_word_embeddings"] is True
     _assert_matches_hf(d)
+
+
+@pytest.mark.parametrize("extra", [{}, {"truncate": False, "beta_fast": 16, "beta_slow": 2},
+                                   {"mscale": 0.707, "mscale_all_dim": 0.707}, {"mscale": 1.0, "mscale_all_dim": 0.5},
+                                   {"attention_factor": 0.8}, {"factor": 40.0}])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(extra):
+    """YaRN's table against transformers' own ``_compute_yarn_parameters``, bit for bit, over its
+    options (truncation, betas, DeepSeek's mscale pair, an explicit attention factor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from pagedllm.config import get_rope_parameters
+    from pagedllm.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, rope_attention_factor
+
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "rope_theta": 1e6, **extra}
+    config = transformers.Qwen3Config(hidden_size=128, num_attention_heads=2, head_dim=64,
+                                      max_position_embeddings=8192, rope_parameters=dict(rope))
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    params = get_rope_parameters(config)
+    assert torch.equal(compute_inv_freq(64, params), ref_inv_freq)
+    assert rope_attention_factor(params) == ref_factor
+    table = RotaryEmbedding(64, 300, params, torch.float32).cos_sin_cache  # [positions, 2, 64]
+    angles = torch.outer(torch.arange(300).float(), ref_inv_freq).repeat(1, 2)
+    assert torch.equal(table[:, 0], angles.cos() * ref_factor)
 
 
 def test_sharded_checkpoint(tmp_path):

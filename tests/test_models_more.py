@@ -6,7 +6,8 @@ Each family's checkpoint is built once per module (transformers config with smal
 Variants cover each family's options: OPT with ``project_in``/``project_out`` and OPT-350m's
 post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE factors on both sides
 of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window; Granite's
-multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows.
+multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows; Qwen3
+with YaRN.
 """
 from __future__ import annotations
 
@@ -87,6 +88,13 @@ FAMILIES = {
                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, sliding_window=16, sliding_window_pattern=4,
                      max_position_embeddings=512, initializer_range=0.15), {}),
+    # Qwen3 with YaRN (its long-context setting): factor 4 over an original 64 positions, so both
+    # the frequencies' ramp and the attention factor (0.1 ln 4 + 1) act within these prompts.
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "rope_theta": 10000.0}), {}),
     # SmolLM3's default NoPE pattern: the 4th layer of 4 applies no RoPE.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

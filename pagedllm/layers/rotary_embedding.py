@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE; Su et al., 2021, "RoFormer") in the rotate-half (GPT-NeoX)
-layout used by Llama/Qwen checkpoints, with the ``linear`` and ``llama3`` frequency scalings.
+layout used by Llama/Qwen checkpoints, with the ``linear``, ``llama3`` and ``yarn`` (Peng et al.,
+2023, "YaRN: Efficient Context Window Extension of Large Language Models") frequency scalings.
 Frequencies follow transformers' ``modeling_rope_utils`` so fp32 results match it."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from pagedllm.layers import cpu_fused_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def compute_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
@@ -38,7 +39,47 @@ def compute_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope, base)
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def _yarn_inv_freq(dim: int, rope: dict, base: float) -> torch.Tensor:
+    """YaRN's frequencies: interpolated (divided by ``factor``) below the correction range of
+    dimensions, extrapolated (unchanged) above it, a linear ramp between; the range is where a
+    dimension turns beta_fast to beta_slow times over ``original_max_position_embeddings``
+    (transformers' ``_compute_yarn_parameters``, the same float32 operations)."""
+    factor, old_len = float(rope["factor"]), rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope: dict) -> float:
+    """What cos and sin are multiplied by: YaRN's ``attention_factor``, by default 0.1 ln(factor) + 1
+    (or the ratio of that with ``mscale`` and ``mscale_all_dim``, DeepSeek's); 1 for the others."""
+    if rope.get("rope_type") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = float(rope["factor"]), rope.get("mscale"), rope.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,6 +112,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
         if inv_freq is None:
             inv_freq = compute_inv_freq(rotary_dim, rope)
+            attention_factor *= rope_attention_factor(rope)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

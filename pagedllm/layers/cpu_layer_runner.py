@@ -258,6 +258,11 @@ class CpuLayerRunner:
             for lin in _linears(layer):
                 w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
                 if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or panels):
+                    cols = getattr(lin, "output_size", None)
+                    if w is None and not panels and cols is not None and not float_gemm_cpu.fills_threads(cols):
+                        return None, (f"a {type(lin).__name__} of {cols} output columns is too narrow to "
+                                      f"pack for float_gemm_cpu on {torch.get_num_threads()} threads (64 columns a "
+                                      f"thread); it stays on oneDNN")
                     return None, (f"a {type(lin).__name__} is neither a {dtype} linear packed for float_gemm_cpu "
                                   f"nor an int8 one on packed panels, on one rank")
                 if panels and lin.panel_max_rows is not None:

@@ -188,7 +188,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
             conn.send(("error", msg))
         except Exception:  # noqa: BLE001 - the driver may be gone
             pass
-        sys.stderr.write(f"pagedllm tensor-parallel rank {rank} failed:\n{msg}")
+        sys.stderr.write(f"pagedllm worker rank {rank} failed:\n{msg}")
         sys.stderr.flush()
         os._exit(1)
     try:
@@ -287,16 +287,16 @@ class MultiprocExecutor(Executor):
                 if msg is not None and msg[0] == "ready":
                     del pending[rank]
                 elif msg is not None and msg[0] == "error":
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{msg[1]}")
+                    raise RuntimeError(f"worker rank {rank} failed to start:\n{msg[1]}")
                 elif msg is not None or not self.procs[rank - 1].is_alive():
                     self.procs[rank - 1].join(timeout=5)
                     raise RuntimeError(
-                        f"tensor-parallel rank {rank} exited during start-up (exit code "
+                        f"worker rank {rank} exited during start-up (exit code "
                         f"{self.procs[rank - 1].exitcode}); its error is on stderr. Worker processes are "
                         f"spawned: a script that creates the engine must guard its entry point with "
                         f"`if __name__ == '__main__':`")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel ranks {sorted(pending)} did not start within "
+                raise RuntimeError(f"worker ranks {sorted(pending)} did not start within "
                                    f"{STARTUP_TIMEOUT_S:.0f} s")
 
     def _dead_workers(self) -> list[str]:

@@ -241,6 +241,21 @@ def test_tensor_parallel_2_matches_transformers(family):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3"], indirect=True)
+def test_pipeline_parallel_2_matches_transformers(family):
+    """Two stages: Gemma's stages pass the residual stream on; the Llama subclasses' stages split
+    their layers as Llama's do (a NoPE table, OLMo 2's post-norm stream, Granite's multipliers)."""
+    name, _, model, _ = family
+    prompts = prompts_for(name, model.config.vocab_size, seed=6)[-3:]
+    llm = make_llm(family, pipeline_parallel_size=2, kv_cache_memory=2 << 20, max_num_batched_tokens=64)
+    try:
+        outs = generate(llm, prompts)
+        assert [o.outputs[0].token_ids for o in outs] == expected(family, prompts)
+        assert_pool_empty(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_phi3_short_factors_within_original_length(tokenizer_dir, tmp_path_factory):
     """max_model_len <= original_max_position_embeddings: short factors, as transformers uses there."""
     d, model, _ = build("phi3", tokenizer_dir, str(tmp_path_factory.getbasetemp()))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
+from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
 from pagedllm.layers import cpu_fused_ops, cpu_layer_runner
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
@@ -28,7 +29,7 @@ from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.llama import LlamaForCausalLM, PPMissingLayer
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # the tanh approximation's names (activation.py)
@@ -141,7 +142,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)  # Llama's checkpoint layout and loader, not its blocks
         self.config = config
         backend = backend or TorchPagedAttention()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # Pipeline parallelism: this rank builds only its stage's layers (others are placeholders).
+        self.start_layer, self.end_layer = get_pp_layer_range(config.num_hidden_layers)
+        first, last = is_first_pp_rank(), is_last_pp_rank()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first \
+            else PPMissingLayer()
         # transformers keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype.
         self.register_buffer("normalizer", torch.tensor(config.hidden_size ** 0.5, dtype=dtype), persistent=False)
         types = layer_types(config, self.sliding_window_pattern)
@@ -149,10 +154,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         positions = max_model_len or config.max_position_embeddings
         rotary = {t: RotaryEmbedding(gemma_head_dim(config), positions, self.rope_for(config, t), dtype)
                   for t in sorted(set(types))}
-        self.layers = nn.ModuleList([self.decoder_layer_cls(config, t, rotary[t], dtype, backend) for t in types])
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if getattr(config, "tie_word_embeddings", True):
+        self.layers = nn.ModuleList([self.decoder_layer_cls(config, t, rotary[t], dtype, backend)
+                                     if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                                     for i, t in enumerate(types)])
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else PPMissingLayer()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if last else PPMissingLayer()
+        if getattr(config, "tie_word_embeddings", True) and first and last:
             self.lm_head.weight = self.embed_tokens.weight
         self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
 
@@ -168,19 +175,28 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cls.__name__}: use_bidirectional_attention=True (an embedding model) is not supported")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.normalizer  # a new tensor: the layers update it in place
+                meta: AttentionMetadata, intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``intermediate``: the previous pipeline stage's (residual stream, the same) (every stage
+        but the first); a stage but the last returns that pair for the next (the stream is all
+        Gemma's layers pass on; the pair keeps the stages' protocol)."""
+        if intermediate is None:
+            x = self.embed_tokens(input_ids) * self.normalizer  # a new tensor: the layers update it in place
+        else:
+            x = intermediate[0]
         cos_sin = self.cos_sin(positions)
         ran = cpu_layer_runner.run_layers(self, x, None, cos_sin, kv_caches, meta)  # CPU: one C call
         if ran is None:
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
+                                       kv_caches[self.start_layer:self.end_layer]):
                 x = layer(positions, x, kv_cache, meta, cos_sin[id(layer.self_attn.rotary_emb)])
+        if isinstance(self.norm, PPMissingLayer):
+            return x, x
         return self.norm(x)
 
     def cos_sin(self, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """id(RotaryEmbedding) -> its table at ``positions``: one gather per layer type a step."""
         tables: dict[int, torch.Tensor] = {}
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer:self.end_layer]:
             rot = layer.self_attn.rotary_emb
             if id(rot) not in tables:
                 tables[id(rot)] = rot.cos_sin(positions)

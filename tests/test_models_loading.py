@@ -86,12 +86,17 @@ def test_unsupported_architecture_is_named(tmp_path, llama_dir):
         LLM(d, kv_cache_memory=1 << 20)
 
 
-def test_mistral_sliding_window_refused(tmp_path):
-    d = build_checkpoint(str(tmp_path), "mistral", sliding_window=128)
-    with pytest.raises(ValueError, match="sliding_window=128.*max_model_len"):
-        LLM(d, kv_cache_memory=1 << 20)
-    llm = _assert_matches_hf(d, max_model_len=128)  # within the window: plain causal attention
-    assert llm.llm_engine.model_config.max_model_len == 128
+@pytest.mark.parametrize("arch,window", [("mistral", {"sliding_window": 16}),
+                                         ("qwen2", {"sliding_window": 16, "use_sliding_window": True,
+                                                    "max_window_layers": 1})])
+def test_sliding_windows_match_transformers(tmp_path, arch, window):
+    """Mistral's window on every layer; Qwen2's from max_window_layers on (layer 1 of 2): prompts of
+    30 and 70 tokens reach past the 16-token window."""
+    d = build_checkpoint(str(tmp_path), arch, **window)
+    llm = _assert_matches_hf(d)
+    model = llm.llm_engine.executor.runner.model
+    windows = [getattr(layer.self_attn.backend, "window", None) for layer in model.layers]
+    assert windows == ([16, 16] if arch == "mistral" else [None, 16])
 
 
 def test_dummy_weights_and_bfloat16(llama_dir):

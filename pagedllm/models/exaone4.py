@@ -41,11 +41,8 @@ class Exaone4ForCausalLM(NoPELayers, LlamaForCausalLM):
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:
-        """Sliding windows are implemented, so only the RoPE table's length bounds ``max_model_len``."""
-        table = getattr(config, "max_position_embeddings", None)
-        if table and max_model_len > table:
-            raise ValueError(f"{cls.__name__} has max_position_embeddings={table}; max_model_len={max_model_len} "
-                             f"exceeds it (set max_model_len <= {table})")
+        """As Llama's; ``layer_types`` must give one type per layer."""
+        super().verify_config(config, max_model_len)
         if len(sliding_layers(config)) != config.num_hidden_layers:
             raise ValueError(f"{cls.__name__}: layer_types has {len(sliding_layers(config))} entries for "
                              f"{config.num_hidden_layers} layers")

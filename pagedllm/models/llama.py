@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_
 from pagedllm.layers import cpu_layer_runner
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from pagedllm.layers.attention.backend import SlidingWindowBackend
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                     default_weight_loader)
@@ -127,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
     decoder_layer_cls = LlamaDecoderLayer
     # Pipeline parallelism (worker/pp_runner.py): a subclass whose __init__/forward touch every layer says False.
     supports_pp = True
-    # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag.
+    # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag (Mistral's).
     sliding_window_by_default = False
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
@@ -154,18 +155,30 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if last else PPMissingLayer()
         if getattr(config, "tie_word_embeddings", False) and first and last:
             self.lm_head.weight = self.embed_tokens.weight
+        for layer, window in zip(self.layers, self.layer_windows(config)):
+            if window and not isinstance(layer, PPMissingLayer):
+                layer.self_attn.backend = SlidingWindowBackend(layer.self_attn.backend, window)
+
+    @classmethod
+    def layer_windows(cls, config: Any) -> list[Optional[int]]:
+        """Each layer's sliding window (None: it attends to the whole context), as transformers
+        reads the config: Mistral's ``sliding_window`` on every layer; where ``use_sliding_window``
+        is set (Qwen2/3, SmolLM3), the layers ``layer_types`` calls sliding, else those from
+        ``max_window_layers`` on."""
+        n = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        if not window or not getattr(config, "use_sliding_window", cls.sliding_window_by_default):
+            return [None] * n
+        types = getattr(config, "layer_types", None)
+        if types:
+            return [window if t == "sliding_attention" else None for t in types]
+        first = getattr(config, "max_window_layers", 0) if hasattr(config, "use_sliding_window") else 0
+        return [window if i >= first else None for i in range(n)]
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:
-        """Raise ValueError when a sliding window would be shorter than ``max_model_len``: these
-        blocks attend to the whole context, which equals the window's result only within it."""
-        window = getattr(config, "sliding_window", None)
-        uses_window = getattr(config, "use_sliding_window", cls.sliding_window_by_default)
-        if window and uses_window and window < max_model_len:
-            arch = (getattr(config, "architectures", None) or [cls.__name__])[0]
-            raise ValueError(
-                f"{arch} uses sliding-window attention (sliding_window={window}), which pagedllm does not "
-                f"implement for this family; set max_model_len <= {window} (got {max_model_len})")
+        """Raise ValueError when ``max_model_len`` exceeds the RoPE table (sliding windows are
+        implemented: ``layer_windows``)."""
         # The RoPE cos/sin tables hold max_position_embeddings positions (vLLM refuses a longer
         # max_model_len too); past them a step would index out of the table.
         table = getattr(config, "max_position_embeddings", None)

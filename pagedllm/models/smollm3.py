@@ -54,8 +54,7 @@ class SmolLM3ForCausalLM(NoPELayers, LlamaForCausalLM):
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:
-        """Sliding windows (``use_sliding_window``, off in SmolLM3's configs) are refused as Llama's
-        are; ``no_rope_layers`` must give one flag per layer."""
+        """As Llama's; ``no_rope_layers`` must give one flag per layer."""
         super().verify_config(config, max_model_len)
         if len(rope_layers(config)) != config.num_hidden_layers:
             raise ValueError(f"SmolLM3ForCausalLM: no_rope_layers has {len(rope_layers(config))} entries for "

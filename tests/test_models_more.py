@@ -1,4 +1,4 @@
-"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2, EXAONE 4 and SmolLM3: fp32 greedy ids equal transformers' on tiny random
+"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2, EXAONE 4, SmolLM3 and StarCoder2: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -7,7 +7,7 @@ Variants cover each family's options: OPT with ``project_in``/``project_out`` an
 post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE factors on both sides
 of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window; Granite's
 multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows; Qwen3
-with YaRN.
+with YaRN; StarCoder2's LayerNorms, biases and window.
 """
 from __future__ import annotations
 
@@ -95,11 +95,18 @@ FAMILIES = {
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15,
                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                          "rope_theta": 10000.0}), {}),
+    # StarCoder2: LayerNorms with biases, a plain GELU-tanh MLP, biases everywhere, a 16-token window.
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                   dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=16, max_position_embeddings=512,
+                        initializer_range=0.15), {}),
     # SmolLM3's default NoPE pattern: the 4th layer of 4 applies no RoPE.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15), {}),
 }
+# Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
+RANDOM_BIASES = {"granite", "starcoder2"}
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
 PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
 
@@ -125,6 +132,11 @@ def build(name: str, tokenizer_dir: str, root: str):
                                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
         torch.manual_seed(sum(map(ord, name)))
         model = getattr(transformers, model_cls)(config).eval()
+        if name in RANDOM_BIASES:  # transformers zero-initializes biases: random ones show up
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith(".bias"):
+                        p.normal_(0, 0.5)
         model.save_pretrained(d)
         _BUILT[name] = (d, model, {})
     return _BUILT[name]
@@ -227,7 +239,7 @@ def test_logprobs_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "exaone4",
-                                    "smollm3"],
+                                    "smollm3", "starcoder2"],
                          indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
@@ -271,7 +283,7 @@ def test_registry_lists_and_imports_on_first_use(monkeypatch):
 
     assert {"OPTForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
             "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Exaone4ForCausalLM",
-            "SmolLM3ForCausalLM"} <= \
+            "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"} <= \
         set(supported_architectures())
     config = transformers.GPT2Config(architectures=["Nope", "GPT2LMHeadModel"])
     calls: list[str] = []

@@ -72,8 +72,14 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if affine else None
         self.hidden_size, self.eps = hidden_size, eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """With ``residual``, RMSNorm's fused-add API: (norm(residual + x), residual + x), the
+        residual updated in place (transformers' ``residual + hidden_states``, rounded alike)."""
+        if residual is None:
+            return torch.nn.functional.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        residual.add_(x)
+        return torch.nn.functional.layer_norm(residual, (self.hidden_size,), self.weight, self.bias, self.eps), residual
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -29,6 +29,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
 }
 
 

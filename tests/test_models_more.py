@@ -253,10 +253,12 @@ def test_tensor_parallel_2_matches_transformers(family):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3"], indirect=True)
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "phi3"],
+                         indirect=True)
 def test_pipeline_parallel_2_matches_transformers(family):
     """Two stages: Gemma's stages pass the residual stream on; the Llama subclasses' stages split
-    their layers as Llama's do (a NoPE table, OLMo 2's post-norm stream, Granite's multipliers)."""
+    their layers as Llama's do (a NoPE table, OLMo 2's post-norm stream, Granite's multipliers,
+    Phi-3's LongRoPE and window)."""
     name, _, model, _ = family
     prompts = prompts_for(name, model.config.vocab_size, seed=6)[-3:]
     llm = make_llm(family, pipeline_parallel_size=2, kv_cache_memory=2 << 20, max_num_batched_tokens=64)

@@ -18,14 +18,12 @@ from pagedllm.layers.attention import AttentionBackend, TorchPagedAttention
 from pagedllm.layers.attention.backend import SlidingWindowBackend
 from pagedllm.layers.linear import load_narrow, loaded_shape
 from pagedllm.layers.rotary_longrope import get_phi3_rope
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.llama import LlamaForCausalLM, PPMissingLayer
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Every layer attends within ``config.sliding_window`` when the config sets one (Phi-3-mini-4k:
     2047), as transformers' Phi-3 does."""
-
-    supports_pp = False  # __init__ walks every layer (pipeline stages hold placeholders)
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None,
                  max_model_len: Optional[int] = None) -> None:
@@ -43,12 +41,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         window = getattr(config, "sliding_window", None)
         super().__init__(plain, dtype, SlidingWindowBackend(backend, window) if window else backend)
         self.config = config
-        attn = self.layers[0].self_attn
+        attn = self.layers[self.start_layer].self_attn  # (the first layer of this pipeline stage)
         rotary = get_phi3_rope(attn.head_dim, config.max_position_embeddings, rope, dtype,
                                max_model_len or config.max_position_embeddings)
         self.rotary_emb = rotary
         for layer in self.layers:
-            layer.self_attn.rotary_emb = rotary
+            if not isinstance(layer, PPMissingLayer):  # another pipeline stage's layer
+                layer.self_attn.rotary_emb = rotary
 
     @classmethod
     def verify_config(cls, config: Any, max_model_len: int) -> None:

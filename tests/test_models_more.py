@@ -325,3 +325,28 @@ def test_olmo2_refuses_tensor_parallel_before_starting(tokenizer_dir, tmp_path_f
     d, _, _ = build("olmo2", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
     with pytest.raises(ValueError, match="tensor parallelism is not implemented for Olmo2ForCausalLM"):
         LLM(d, tensor_parallel_size=2, kv_cache_memory=1 << 20)
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (a SigLIP tower beside the language
+    model): text prompts run its language model, equal to transformers' image-text model on text."""
+    d = str(tmp_path / "gemma3_mm")
+    shutil.copytree(tokenizer_dir, d)
+    vocab = len(transformers.AutoTokenizer.from_pretrained(d))
+    kw = FAMILIES["gemma3"][2]
+    text = transformers.Gemma3TextConfig(vocab_size=vocab, **kw)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                       initializer_range=0.1)
+    torch.manual_seed(7)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(d)
+    prompts = prompts_for("gemma3", vocab, seed=7)[1:4]
+    llm = LLM(d, kv_cache_memory=2 << 20)
+    assert llm.llm_engine.model_config.architecture == "Gemma3ForCausalLM"
+    outs = generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
+    assert_pool_empty(llm)
+

@@ -119,7 +119,9 @@ class LLMEngine:
             "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache%s: %d blocks x %d tokens = %.1f MiB "
             "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB%s | "
             "prefix caching %s%s",
-            mc.model, mc.architecture, str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
+            mc.model, mc.architecture + (f" (the text model of {text_of}; images are not supported)"
+                                         if (text_of := getattr(mc.hf_config, "text_only_of", None)) else ""),
+            str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
             self.config.device, pc.tensor_parallel_size, pc.pipeline_parallel_size,
             " (int8)" if cc.cache_dtype == "int8" else "", num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
             mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from pagedllm.models.gguf import find_gguf_file, load_gguf_config, load_gguf_tokenizer, one_line
 
@@ -55,12 +55,47 @@ def load_hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - unknown model_type, bad values, ...
         from pagedllm.models.registry import supported_architectures
 
         raise ValueError(f"cannot load the config of {path} ({one_line(e)}); supported architectures: "
                          f"{', '.join(supported_architectures())}") from None
+    return text_only_config(config)
+
+
+# Image-text checkpoints served for text: architecture -> its language model's architecture. Their
+# config's text_config is that model's; its weights sit under a prefix beside the vision tower's.
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
+def text_only_config(config: Any) -> Any:
+    """``config``, or for an image-text checkpoint (TEXT_ONLY) its text model's config, with
+    ``architectures`` naming the text model and ``text_only_of`` the checkpoint's architecture (the
+    loader then maps the language model's weight names and leaves the vision tower's)."""
+    arch = next((a for a in getattr(config, "architectures", None) or [] if a in TEXT_ONLY), None)
+    if arch is None or getattr(config, "text_config", None) is None:
+        return config
+    text = config.text_config
+    text.architectures = [TEXT_ONLY[arch]]
+    text.text_only_of = arch
+    return text
+
+
+def text_only_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """An image-text checkpoint's language-model weights under the text model's names; the vision
+    tower's and the projector's are left out."""
+    for name, w in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, w
 
 
 def load_tokenizer(path: str) -> Any:

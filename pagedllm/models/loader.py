@@ -20,6 +20,7 @@ from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, get_quantization_config, process_weights_after_loading
 from pagedllm.layers.quantization.smoothquant import smooth_for_quantization
+from pagedllm.models.checkpoint import text_only_weights
 from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 
@@ -142,6 +143,8 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
             raw = iterate_weights(path)
+            if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
+                raw = text_only_weights(raw)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)

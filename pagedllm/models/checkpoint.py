@@ -66,8 +66,12 @@ def load_hf_config(path: str) -> Any:
 
 # Image-text checkpoints served for text: architecture -> its language model's architecture. Their
 # config's text_config is that model's; its weights sit under a prefix beside the vision tower's.
-TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# Qwen2-VL / Qwen2.5-VL: for text alone their M-RoPE is plain RoPE (the three position streams agree).
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+             "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+             "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
+                    "model.multi_modal_projector.", "model.visual.")
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 
@@ -82,6 +86,9 @@ def text_only_config(config: Any) -> Any:
     text = config.text_config
     text.architectures = [TEXT_ONLY[arch]]
     text.text_only_of = arch
+    tied = config.to_dict().get("tie_word_embeddings")  # kept on the outer config by some (Qwen2.5-VL)
+    if tied is not None:
+        text.tie_word_embeddings = tied
     return text
 
 

@@ -351,20 +351,22 @@ def test_gemma3_image_text_checkpoint_serves_its_text_model(tokenizer_dir, tmp_p
     assert_pool_empty(llm)
 
 
-def test_qwen2_5_vl_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path):
-    """Qwen2.5-VL (vision tower under ``visual.``, M-RoPE, tied embeddings on the outer config):
-    text prompts run its Qwen2 language model, equal to transformers' image-text model on text."""
-    d = str(tmp_path / "qwen25vl")
+@pytest.mark.parametrize("version", ["Qwen2VL", "Qwen2_5_VL"])
+def test_qwen_vl_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, version):
+    """Qwen2-VL / Qwen2.5-VL (vision tower under ``visual.``, M-RoPE, tied embeddings on the outer
+    config): text prompts run the Qwen2 language model, equal to transformers' image-text model on text."""
+    d = str(tmp_path / version)
     shutil.copytree(tokenizer_dir, d)
     tok = transformers.AutoTokenizer.from_pretrained(d)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
                 initializer_range=0.15,
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0])
-    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    vision = (dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0])
+              if version == "Qwen2_5_VL" else dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2))
+    config = getattr(transformers, f"{version}Config")(text_config=text, vision_config=vision, tie_word_embeddings=True)
     torch.manual_seed(8)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{version}ForConditionalGeneration")(config).eval()
     with torch.no_grad():  # transformers zero-initializes biases (q/k/v): random ones show up
         for name, p in model.named_parameters():
             if name.endswith(".bias"):

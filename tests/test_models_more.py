@@ -380,3 +380,34 @@ def test_qwen_vl_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, versi
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
     assert_pool_empty(llm)
 
+
+@pytest.mark.parametrize("name", ["mistral3", "llava"])
+def test_llava_style_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, name):
+    """Mistral 3 (Pixtral tower) and LLaVA (CLIP tower, a Llama language model named by its
+    text_config's model_type, its own lm_head): text prompts run the language model."""
+    d = str(tmp_path / name)
+    shutil.copytree(tokenizer_dir, d)
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    text = dict(model_type="mistral" if name == "mistral3" else "llama", vocab_size=len(tok), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, initializer_range=0.15, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if name == "mistral3":
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
+        config = transformers.Mistral3Config(text_config=text, vision_config=vision)
+    else:
+        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+        config = transformers.LlavaConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(9)
+    model = getattr(transformers, f"{'Mistral3' if name == 'mistral3' else 'Llava'}ForConditionalGeneration")(config)
+    model.eval().save_pretrained(d)
+    prompts = prompts_for("llama", len(tok), seed=9)[1:4]
+    llm = LLM(d, kv_cache_memory=2 << 20)
+    assert llm.llm_engine.model_config.architecture == ("MistralForCausalLM" if name == "mistral3" else "LlamaForCausalLM")
+    outs = generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
+    assert_pool_empty(llm)
+

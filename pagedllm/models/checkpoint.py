@@ -67,9 +67,14 @@ def load_hf_config(path: str) -> Any:
 # Image-text checkpoints served for text: architecture -> its language model's architecture. Their
 # config's text_config is that model's; its weights sit under a prefix beside the vision tower's.
 # Qwen2-VL / Qwen2.5-VL: for text alone their M-RoPE is plain RoPE (the three position streams agree).
+# LLaVA: the language model named by its text_config's model_type.
 TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
              "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
-             "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+             "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+             "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+             "LlavaForConditionalGeneration": None}
+_TEXT_ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
                     "model.multi_modal_projector.", "model.visual.")
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -84,7 +89,11 @@ def text_only_config(config: Any) -> Any:
     if arch is None or getattr(config, "text_config", None) is None:
         return config
     text = config.text_config
-    text.architectures = [TEXT_ONLY[arch]]
+    text_arch = TEXT_ONLY[arch] or _TEXT_ARCH_OF_TYPE.get(getattr(text, "model_type", None))
+    if text_arch is None:
+        raise ValueError(f"{arch} with a {getattr(text, 'model_type', None)!r} language model is not supported; its "
+                         f"text model may be one of: {', '.join(sorted(_TEXT_ARCH_OF_TYPE))}")
+    text.architectures = [text_arch]
     text.text_only_of = arch
     tied = config.to_dict().get("tie_word_embeddings")  # kept on the outer config by some (Qwen2.5-VL)
     if tied is not None:

@@ -253,12 +253,13 @@ def test_tensor_parallel_2_matches_transformers(family):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "phi3"],
-                         indirect=True)
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "phi3", "opt_post_norm",
+                                    "gpt2"], indirect=True)
 def test_pipeline_parallel_2_matches_transformers(family):
     """Two stages: Gemma's stages pass the residual stream on; the Llama subclasses' stages split
     their layers as Llama's do (a NoPE table, OLMo 2's post-norm stream, Granite's multipliers,
-    Phi-3's LongRoPE and window)."""
+    Phi-3's LongRoPE and window); OPT-350m's shape (projections in and out, post-norm) and GPT-2
+    (tied head on the last stage) pass their hidden states."""
     name, _, model, _ = family
     prompts = prompts_for(name, model.config.vocab_size, seed=6)[-3:]
     llm = make_llm(family, pipeline_parallel_size=2, kv_cache_memory=2 << 20, max_num_batched_tokens=64)

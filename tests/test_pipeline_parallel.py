@@ -215,9 +215,17 @@ def test_models_without_stage_support_are_refused():
     from pagedllm.models.phi3 import Phi3ForCausalLM
     from pagedllm.worker.pp_runner import check_pp_support
 
-    for cls in (LlamaForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM):
+    for cls in (LlamaForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM, OPTForCausalLM):
         check_pp_support(cls)
-    for cls in (OPTForCausalLM,):
+
+    class NoStages(LlamaForCausalLM):  # a forward that does not take the previous stage's tensors
+        def forward(self, input_ids, positions, kv_caches, meta):
+            return super().forward(input_ids, positions, kv_caches, meta)
+
+    class Flagged(LlamaForCausalLM):
+        supports_pp = False
+
+    for cls in (NoStages, Flagged):
         with pytest.raises(ValueError, match=f"not implemented for {cls.__name__}"):
             check_pp_support(cls)
 

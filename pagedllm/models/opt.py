@@ -15,12 +15,14 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.position_embedding import LearnedPositionEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.llama import PPMissingLayer
 from pagedllm.models.weights import check_all_loaded, load_param
 
 
@@ -113,33 +115,48 @@ class OPTForCausalLM(nn.Module):
             raise ValueError(f"{cls.__name__} learns {limit} positions; max_model_len={max_model_len} exceeds them "
                              f"(set max_model_len <= {limit})")
 
+    supports_pp = True  # (worker/pp_runner.py) each stage builds its layers, the first and last their ends
+
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         super().__init__()
         self.config = config
         spec = self.spec = self.decoder_spec(config)
         backend = backend or TorchPagedAttention()
+        self.start_layer, self.end_layer = get_pp_layer_range(spec.num_layers)
+        first, self.last = is_first_pp_rank(), is_last_pp_rank()
         embed_dim = spec.embed_dim or spec.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, embed_dim, dtype)
-        self.embed_positions = LearnedPositionEmbedding(spec.max_positions, spec.hidden_size, dtype,
-                                                        spec.position_offset)
         projected = embed_dim != spec.hidden_size
-        self.project_in = ReplicatedLinear(embed_dim, spec.hidden_size, dtype=dtype) if projected else None
-        self.project_out = ReplicatedLinear(spec.hidden_size, embed_dim, dtype=dtype) if projected else None
-        self.layers = nn.ModuleList([OPTDecoderLayer(spec, i, dtype, backend) for i in range(spec.num_layers)])
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, embed_dim, dtype) if first else PPMissingLayer()
+        self.embed_positions = LearnedPositionEmbedding(spec.max_positions, spec.hidden_size, dtype,
+                                                        spec.position_offset) if first else PPMissingLayer()
+        self.project_in = ReplicatedLinear(embed_dim, spec.hidden_size, dtype=dtype) if projected and first else None
+        self.project_out = ReplicatedLinear(spec.hidden_size, embed_dim, dtype=dtype) if projected and self.last \
+            else None
+        self.layers = nn.ModuleList([OPTDecoderLayer(spec, i, dtype, backend)
+                                     if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                                     for i in range(spec.num_layers)])
         self.final_layer_norm = (LayerNorm(spec.hidden_size, spec.eps, dtype, spec.norm_affine)
-                                 if spec.final_norm else None)
-        self.lm_head = ParallelLMHead(spec.vocab_size, embed_dim, dtype)
-        if spec.tie_word_embeddings:
+                                 if spec.final_norm and self.last else None)
+        self.lm_head = ParallelLMHead(spec.vocab_size, embed_dim, dtype) if self.last else PPMissingLayer()
+        if spec.tie_word_embeddings and first and self.last:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+                meta: AttentionMetadata, intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``intermediate``: the previous pipeline stage's (hidden states, the same) (every stage but
+        the first); a stage but the last returns that pair for the next."""
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)
+            if self.project_in is not None:
+                x = self.project_in(x)
+            x = x + self.embed_positions(positions)
+        else:
+            x = intermediate[0]
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
+                                   kv_caches[self.start_layer:self.end_layer]):
             x = layer(x, kv_cache, meta)
+        if not self.last:
+            return x, x
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -165,12 +182,15 @@ class OPTForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         tied = self.spec.tie_word_embeddings
+        shared = tied and "embed_tokens.weight" in params and "lm_head.weight" in params  # one tensor here
         for ckpt_name, w in weights:
             for name, tensor, shard in self.checkpoint_entries(ckpt_name, w):
                 if tied and name == "lm_head.weight":
                     continue
+                if tied and name == "embed_tokens.weight" and "embed_tokens.weight" not in params:
+                    name = "lm_head.weight"  # the last pipeline stage's tied head, without the embedding
                 load_param(params, loaded, name, tensor, shard)
-        if tied:
+        if shared:
             loaded.add("lm_head.weight")
         check_all_loaded(params, loaded)
         return loaded

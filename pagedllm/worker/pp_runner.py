@@ -36,8 +36,8 @@ def check_pp_support(model_cls: type) -> None:
     """Raise ValueError unless the model's forward takes the previous stage's tensors."""
     if not getattr(model_cls, "supports_pp", False) or \
             "intermediate" not in inspect.signature(model_cls.forward).parameters:
-        raise ValueError(f"pipeline parallelism is not implemented for {model_cls.__name__} (supported: the "
-                         f"Llama-family models in models/llama.py and their subclasses that keep its forward)")
+        raise ValueError(f"pipeline parallelism is not implemented for {model_cls.__name__} (its forward does "
+                         f"not take the previous stage's tensors); use --pipeline-parallel-size 1")
 
 
 class PendingLogits:

@@ -328,6 +328,17 @@ def test_olmo2_refuses_tensor_parallel_before_starting(tokenizer_dir, tmp_path_f
         LLM(d, tensor_parallel_size=2, kv_cache_memory=1 << 20)
 
 
+def assert_text_model_matches(d: str, model, prompts, arch: str) -> None:
+    """The image-text checkpoint saved in ``d`` (transformers' ``model``) serves its language model
+    ``arch`` for text: greedy ids equal the image-text model's on ``prompts``, every block back."""
+    llm = LLM(d, kv_cache_memory=2 << 20)
+    assert llm.llm_engine.model_config.architecture == arch
+    outs = generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
+    assert_pool_empty(llm)
+
+
 def test_gemma3_image_text_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path):
     """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (a SigLIP tower beside the language
     model): text prompts run its language model, equal to transformers' image-text model on text."""
@@ -344,12 +355,7 @@ def test_gemma3_image_text_checkpoint_serves_its_text_model(tokenizer_dir, tmp_p
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     model.save_pretrained(d)
     prompts = prompts_for("gemma3", vocab, seed=7)[1:4]
-    llm = LLM(d, kv_cache_memory=2 << 20)
-    assert llm.llm_engine.model_config.architecture == "Gemma3ForCausalLM"
-    outs = generate(llm, prompts)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
-    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
-    assert_pool_empty(llm)
+    assert_text_model_matches(d, model, prompts, "Gemma3ForCausalLM")
 
 
 @pytest.mark.parametrize("version", ["Qwen2VL", "Qwen2_5_VL"])
@@ -374,12 +380,7 @@ def test_qwen_vl_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, versi
                 p.normal_(0, 0.5)
     model.save_pretrained(d)
     prompts = prompts_for("qwen2", len(tok), seed=8)[1:4]
-    llm = LLM(d, kv_cache_memory=2 << 20)
-    assert llm.llm_engine.model_config.architecture == "Qwen2ForCausalLM"
-    outs = generate(llm, prompts)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
-    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
-    assert_pool_empty(llm)
+    assert_text_model_matches(d, model, prompts, "Qwen2ForCausalLM")
 
 
 @pytest.mark.parametrize("name", ["mistral3", "llava"])
@@ -405,10 +406,5 @@ def test_llava_style_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, n
     model = getattr(transformers, f"{'Mistral3' if name == 'mistral3' else 'Llava'}ForConditionalGeneration")(config)
     model.eval().save_pretrained(d)
     prompts = prompts_for("llama", len(tok), seed=9)[1:4]
-    llm = LLM(d, kv_cache_memory=2 << 20)
-    assert llm.llm_engine.model_config.architecture == ("MistralForCausalLM" if name == "mistral3" else "LlamaForCausalLM")
-    outs = generate(llm, prompts)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
-    assert len({t for o in outs for t in o.outputs[0].token_ids}) > len(prompts)  # not a degenerate model
-    assert_pool_empty(llm)
+    assert_text_model_matches(d, model, prompts, ("MistralForCausalLM" if name == "mistral3" else "LlamaForCausalLM"))
 

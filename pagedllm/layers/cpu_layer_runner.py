@@ -157,7 +157,7 @@ def _check_layers(model: Any, kind: str) -> tuple[list, str]:
     its ``kind`` (_KINDS; its forward not overridden), else ([], why not)."""
     from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
     from pagedllm.layers.rotary_embedding import RotaryEmbedding
-    from pagedllm.models import gemma as gemma1, gemma2, granite, llama, olmo2
+    from pagedllm.models import gemma as gemma1, gemma2, llama, olmo2
     gemma = kind == "gemma"
     ropes: list = []
     for layer in model.layers:
@@ -170,9 +170,8 @@ def _check_layers(model: Any, kind: str) -> tuple[list, str]:
                 return [], "a Gemma MLP whose activation is not GELU-tanh"
             norm_cls = GemmaRMSNorm
         else:
-            layer_forwards = ((olmo2.Olmo2DecoderLayer.forward_fused,) if kind == "post_norm" else
-                              (llama.LlamaDecoderLayer.forward_fused, granite.GraniteDecoderLayer.forward_fused))
-            plain = (type(layer).forward_fused in layer_forwards
+            layer_forward = (olmo2.Olmo2DecoderLayer if kind == "post_norm" else llama.LlamaDecoderLayer).forward_fused
+            plain = (type(layer).forward_fused is layer_forward
                      and type(attn).forward in (llama.LlamaAttention.forward, olmo2.Olmo2Attention.forward))
             if plain and all(attn.rotary_emb is not r for r in model.rotary_embs()):
                 return [], "a layer's RoPE is not one of the model's step tables"

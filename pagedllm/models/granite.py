@@ -20,24 +20,14 @@ from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    """LlamaDecoderLayer whose attention and MLP outputs are scaled by ``residual_multiplier``
-    before they join the residual stream (the add itself stays fused into the next RMSNorm), and
-    whose attention scale is ``attention_multiplier``."""
+    """LlamaDecoderLayer with the config's ``residual_multiplier`` (its forward_fused scales the
+    attention and MLP outputs before their residual adds) and ``attention_multiplier`` as the
+    attention scale."""
 
     def __init__(self, config: Any, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self.residual_multiplier = float(config.residual_multiplier)
         self.self_attn.scale = float(config.attention_multiplier)
-
-    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-                      kv_cache, meta, cos_sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin).mul_(self.residual_multiplier)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x).mul_(self.residual_multiplier), residual
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -90,7 +90,11 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block).
     ``forward(positions, x, kv_cache, meta)`` -> hidden states (the plain API); ``forward_fused(...)``
     -> (x, residual), the residual stream kept apart as in vLLM so each residual add happens inside
-    the next RMSNorm call. ``rotary_emb``: a RoPE table shared by all layers (None: one of its own)."""
+    the next RMSNorm call. ``rotary_emb``: a RoPE table shared by all layers (None: one of its own).
+    ``residual_multiplier``: what the attention and MLP outputs are multiplied by before they join the
+    residual stream (Granite's; 1: nothing done)."""
+
+    residual_multiplier = 1.0
 
     def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
                  mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
@@ -115,8 +119,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, kv_cache, meta, cos_sin)
+        if self.residual_multiplier != 1.0:
+            x.mul_(self.residual_multiplier)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x.mul_(self.residual_multiplier)
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -22,7 +22,8 @@ def compute_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         ValueError: an unsupported ``rope_type``.
     """
     base = float(rope.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / pos_freqs
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
@@ -40,15 +41,16 @@ def compute_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     if rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, rope, base)
+        return _yarn_inv_freq(head_dim, rope, base, pos_freqs)
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
-def _yarn_inv_freq(dim: int, rope: dict, base: float) -> torch.Tensor:
-    """YaRN's frequencies: interpolated (divided by ``factor``) below the correction range of
-    dimensions, extrapolated (unchanged) above it, a linear ramp between; the range is where a
-    dimension turns beta_fast to beta_slow times over ``original_max_position_embeddings``
-    (transformers' ``_compute_yarn_parameters``, the same float32 operations)."""
+def _yarn_inv_freq(dim: int, rope: dict, base: float, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies from ``pos_freqs`` = base ** (2i / dim): interpolated (divided by
+    ``factor``) below the correction range of dimensions, extrapolated (unchanged) above it, a
+    linear ramp between; the range is where a dimension turns beta_fast to beta_slow times over
+    ``original_max_position_embeddings`` (transformers' ``_compute_yarn_parameters``, the same
+    float32 operations)."""
     factor, old_len = float(rope["factor"]), rope["original_max_position_embeddings"]
     beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
 
@@ -62,7 +64,6 @@ def _yarn_inv_freq(dim: int, rope: dict, base: float) -> torch.Tensor:
     if low == high:
         high += 0.001  # no division by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
     extrapolation = 1 - ramp
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 

@@ -110,6 +110,9 @@ class CacheConfig:
     # layers/attention/kv_quant.py); vLLM's --kv-cache-dtype.
     cache_dtype: str = "auto"
     num_blocks: int = 0  # set once the KV cache is allocated
+    # Set with num_blocks: W when every layer has the sliding window W < max_model_len (blocks behind
+    # it are freed as a request advances: engine/kv_cache_manager.py), else None.
+    sliding_window: Optional[int] = None
 
 
 @dataclass

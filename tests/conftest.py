@@ -149,8 +149,9 @@ def assert_pool_empty(llm) -> None:
     pool = engine.kv_cache_manager.block_pool
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.req_to_blocks == {}
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks if b is not pool.null_block)
+    assert pool.null_block is None or pool.null_block.ref_cnt == 1
     assert pool.num_cached_free_blocks == sum(b.block_hash is not None for b in pool.blocks)
 
 

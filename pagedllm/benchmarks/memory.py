@@ -5,7 +5,7 @@ too unless ``--skip-forward``, which stubs the forward pass: with forced output 
 schedule is the same). After every step it records
 
 - live tokens: the sum of ``num_computed_tokens`` of the running requests (tokens whose K/V are
-  in the cache),
+  in the cache; with a sliding window W on every layer, at most the W - 1 a next query still reads),
 - reserved tokens: blocks held by requests x ``block_size``,
 - requests held (running).
 
@@ -72,6 +72,8 @@ def run_paged(args: argparse.Namespace, s: Setup) -> tuple[list[dict], dict]:
     for i, r in enumerate(s.requests):
         engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids},
                            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+    # With a sliding window W on every layer, only a request's last W - 1 tokens are still read.
+    keep = kv.sliding_window - 1 if kv.sliding_window else float("inf")
     steps = []
     generated = {}
     t0 = time.perf_counter()
@@ -80,10 +82,10 @@ def run_paged(args: argparse.Namespace, s: Setup) -> tuple[list[dict], dict]:
             for out in engine.step():
                 if out.finished:
                     generated[out.request_id] = len(out.outputs[0].token_ids)
-            held = pool.num_blocks - pool.get_num_free_blocks()
-            live = sum(r.num_computed_tokens for r in sched.running)
+            held = pool.num_usable_blocks - pool.get_num_free_blocks()
+            live = sum(min(r.num_computed_tokens, keep) for r in sched.running)
             # Cross-check: blocks the running requests' tables hold (shared blocks once).
-            table_blocks = len({b.block_id for blocks in kv.req_to_blocks.values() for b in blocks})
+            table_blocks = len({b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b is not kv.null_block})
             steps.append({"t": time.perf_counter() - t0, "running": len(sched.running), "waiting": len(sched.waiting),
                           "live": live, "reserved": held * kv.block_size, "table_blocks": table_blocks})
     finally:

@@ -43,7 +43,7 @@ class EngineSnapshot:
     stats: SchedulerStats
     prompt_tokens_total: int
     generation_tokens_total: int
-    num_blocks: int = 0                # KV blocks in the pool (0: not reported)
+    num_blocks: int = 0                # KV blocks requests can hold (0: not reported)
     num_free_blocks: int = 0           # free, including the cached evictable ones
     num_cached_free_blocks: int = 0    # free but holding prefix-cached K/V
     # Data parallelism: one snapshot per replica (the fields above are then their totals).
@@ -210,7 +210,7 @@ class AsyncLLM:
         e = self.engine
         pool = e.kv_cache_manager.block_pool
         return EngineSnapshot(e.get_stats(), e.num_prompt_tokens_total, e.num_generation_tokens_total,
-                              pool.num_blocks, pool.get_num_free_blocks(), pool.num_cached_free_blocks)
+                              pool.num_usable_blocks, pool.get_num_free_blocks(), pool.num_cached_free_blocks)
 
     def _drain_inbox(self) -> None:
         with self._lock:

@@ -42,14 +42,18 @@ class KVCacheBlock:
 class BlockPool:
     """Owns ``num_blocks`` blocks.
 
+    With ``reserve_null_block`` block 0 is taken out of the pool for good (``null_block``): it
+    fills block-table entries whose K/V were freed (tokens behind a sliding window), as vLLM's
+    null block. Attention never reads it unmasked; it is never freed, cached or handed out.
+
     Raises:
         ValueError: ``num_blocks`` < 1.
         RuntimeError: asked for more new blocks than are free (callers check first).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -59,14 +63,20 @@ class BlockPool:
         # Free blocks that still hold prefix-cached K/V (evictable), kept as a count so that
         # metrics and the dashboard read it in O(1).
         self.num_cached_free_blocks = 0
+        self.null_block: Optional[KVCacheBlock] = None
+        if reserve_null_block:
+            _, self.null_block = self.free_block_queue.popitem(last=False)
+            self.null_block.ref_cnt = 1
+        # Blocks that can ever be handed out (all but the null block).
+        self.num_usable_blocks = num_blocks - reserve_null_block
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, possibly holding evictable cached K/V)."""
         return len(self.free_block_queue)
 
     def get_usage(self) -> float:
-        """Fraction of blocks held by requests (0.0 - 1.0)."""
-        return 1.0 - len(self.free_block_queue) / self.num_blocks
+        """Fraction of the usable blocks held by requests (0.0 - 1.0)."""
+        return 1.0 - len(self.free_block_queue) / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue (evicting their cache entry)."""

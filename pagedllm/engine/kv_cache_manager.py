@@ -1,7 +1,11 @@
 """KV-cache manager: each request's block table, slot allocation, prefix-cache lookups, freeing.
 
 Where are blocks freed? ``KVCacheManager.free`` - called by the scheduler when a request
-finishes, is aborted or is preempted.
+finishes, is aborted or is preempted. With a sliding window on every layer (Mistral 7B v0.1,
+StarCoder2, Phi-3-mini), also ``allocate_slots``: blocks whose every token has left the window
+of the queries still to come go back to the pool during the request, their table entries pointing
+to the null block (vLLM v1's ``SlidingWindowManager``), so a sequence holds about
+window + chunk tokens of K/V however long it grows.
 """
 from __future__ import annotations
 
@@ -13,6 +17,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_blocks_per_seq(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                       max_num_batched_tokens: int | None = None) -> int:
+    """The most blocks one sequence holds at once: all of ``max_model_len``; with a sliding window
+    W on every layer, the W - 1 tokens a step's first query sees before it plus the step's at most
+    ``max_num_batched_tokens`` new ones, over at most one more block than they fill (the range need
+    not start at a block boundary); vLLM sizes sliding-window layers the same way."""
+    whole = cdiv(max_model_len, block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, cdiv(sliding_window - 1 + max_num_batched_tokens, block_size) + 1)
+
+
 class KVCacheManager:
     """Maps requests to physical blocks of one ``BlockPool``.
 
@@ -20,12 +36,17 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_caching: automatic prefix caching (reuse full blocks with equal hashed prefixes).
+        sliding_window: W when every layer attends only to its last W positions (j > p - W):
+            blocks behind the window are freed as a request advances (None: never).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.sliding_window = sliding_window
+        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block=sliding_window is not None)
+        self.null_block = self.block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed + cached
         # Copy-on-write copies (src block id, dst block id) the runner must do before the next forward.
@@ -39,7 +60,8 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The block table of a request: logical block i -> physical block id."""
+        """The block table of a request: logical block i -> physical block id (the null block's id
+        where a sliding window left block i behind)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request) -> None:
@@ -82,6 +104,8 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if self.sliding_window is not None:
+            new_computed_blocks = self._drop_behind_window(blocks, new_computed_blocks, num_computed)
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
         # Cache hits that sit in the free queue are taken out of it, so they count too.
@@ -99,7 +123,7 @@ class KVCacheManager:
             blocks[write_idx] = self.block_pool.get_new_blocks(1)[0]
             self.pending_copies.append((shared.block_id, blocks[write_idx].block_id))
             self.block_pool.free_blocks([shared])
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(b for b in new_computed_blocks if b is not self.null_block)
         blocks.extend(new_computed_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
@@ -107,12 +131,27 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
 
+    def _drop_behind_window(self, blocks: list[KVCacheBlock], hits: list[KVCacheBlock],
+                            num_computed: int) -> list[KVCacheBlock]:
+        """Free the leading blocks of ``blocks`` that no query from position ``num_computed`` on
+        can see (each of their positions is < num_computed - W + 1), pointing their entries to the
+        null block; prefix-cache ``hits`` that far back are not taken (null entries instead).
+        Returns the hits with those replaced."""
+        num_behind = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        behind = [b for b in blocks[:num_behind] if b is not self.null_block]
+        if behind:
+            blocks[:num_behind] = [self.null_block] * min(num_behind, len(blocks))
+            self.block_pool.free_blocks(behind)
+        skip = min(max(0, num_behind - len(blocks)), len(hits))
+        return [self.null_block] * skip + hits[skip:] if skip else hits
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self.num_cached_blocks.get(request.request_id, 0)
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not self.null_block:  # (a hit left behind the window: not ours to cache)
+                self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -120,7 +159,8 @@ class KVCacheManager:
         sampling shares the prompt's K/V; a shared block is copied before it is written."""
         blocks = list(self.req_to_blocks.get(parent.request_id, ()))
         for b in blocks:
-            b.ref_cnt += 1
+            if b is not self.null_block:
+                b.ref_cnt += 1
         self.req_to_blocks[child.request_id] = blocks
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
@@ -133,7 +173,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

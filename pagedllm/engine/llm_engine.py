@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.engine.kv_cache_manager import KVCacheManager, max_blocks_per_seq
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler, SchedulerStats
@@ -71,7 +71,8 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                              cc.sliding_window)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager,
                                    self.executor.max_concurrent_batches)
         # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
@@ -98,17 +99,28 @@ class LLMEngine:
         budget, how = self.executor.determine_kv_budget()
         per_block = self.executor.bytes_per_block()
         num_blocks = budget // per_block if budget > 0 else 0
-        blocks_per_seq = cdiv(mc.max_model_len, cc.block_size)
+        windows = self.executor.sliding_windows()
+        # One window on every layer, shorter than a sequence: blocks behind it can be freed, unless
+        # the pool holds a whole sequence but not the window's blocks and the null block as well.
+        if windows[0] is not None and windows[0] < mc.max_model_len and windows.count(windows[0]) == len(windows):
+            windowed = max_blocks_per_seq(mc.max_model_len, cc.block_size, windows[0], sc.max_num_batched_tokens)
+            if not windowed + 1 > num_blocks >= max_blocks_per_seq(mc.max_model_len, cc.block_size):
+                cc.sliding_window = windows[0]
+        blocks_per_seq = max_blocks_per_seq(mc.max_model_len, cc.block_size, cc.sliding_window,
+                                            sc.max_num_batched_tokens)
+        reserved = int(cc.sliding_window is not None)  # the null block (block 0), never handed out
         if self.config.device == "cpu" and cc.kv_cache_memory is None:
-            num_blocks = min(num_blocks, sc.max_num_seqs * blocks_per_seq)
-        if num_blocks < blocks_per_seq:
+            num_blocks = min(num_blocks, sc.max_num_seqs * blocks_per_seq + reserved)
+        if num_blocks < blocks_per_seq + reserved:
             # gpu_memory_utilization is the knob on a GPU; on a CPU give the cache bytes directly
+            window = (f" (sliding window {cc.sliding_window}, one step of {sc.max_num_batched_tokens} tokens and "
+                      f"the null block)" if reserved else "")
             raise_what = ("gpu_memory_utilization or kv_cache_memory" if self.config.device.startswith("cuda")
                           else "kv_cache_memory")
             raise ValueError(
                 f"the KV cache ({max(budget, 0) / 2**20:.1f} MiB from {how}) holds {num_blocks} blocks of "
-                f"{cc.block_size} tokens, fewer than the {blocks_per_seq} one sequence of max_model_len="
-                f"{mc.max_model_len} needs; raise {raise_what}, or lower max_model_len")
+                f"{cc.block_size} tokens, fewer than the {blocks_per_seq + reserved} one sequence of max_model_len="
+                f"{mc.max_model_len} needs{window}; raise {raise_what}, or lower max_model_len")
         cc.num_blocks = num_blocks
         self.executor.allocate_kv_cache(num_blocks)
         kv_bytes = num_blocks * per_block * self.config.parallel_config.world_size
@@ -117,14 +129,16 @@ class LLMEngine:
         threads = f" | threads {pc.num_threads} ({pc.num_threads_reason})" if pc.num_threads else ""
         logger.info(
             "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache%s: %d blocks x %d tokens = %.1f MiB "
-            "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences | weights %.1f MiB%s | "
+            "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences%s | weights %.1f MiB%s | "
             "prefix caching %s%s",
             mc.model, mc.architecture + (f" (the text model of {text_of}; images are not supported)"
                                          if (text_of := getattr(mc.hf_config, "text_only_of", None)) else ""),
             str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
             self.config.device, pc.tensor_parallel_size, pc.pipeline_parallel_size,
             " (int8)" if cc.cache_dtype == "int8" else "", num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
-            mc.max_model_len, num_blocks / blocks_per_seq, self.executor.weight_bytes() / 2**20,
+            mc.max_model_len, (num_blocks - reserved) / blocks_per_seq,
+            f" (sliding window {cc.sliding_window} on every layer: blocks behind it are freed)" if reserved else "",
+            self.executor.weight_bytes() / 2**20,
             f" ({mc.quantization})" if mc.quantization else "",
             "on" if cc.enable_prefix_caching else "off", threads)
 

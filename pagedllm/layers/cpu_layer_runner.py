@@ -34,7 +34,7 @@ import torch
 
 from pagedllm.layers import cpu_fused_ops, float_gemm_cpu, int8_gemm_cpu
 from pagedllm.layers.attention import cpu_kernel, kv_quant
-from pagedllm.layers.attention.backend import SlidingWindowBackend
+from pagedllm.layers.attention.backend import SlidingWindowBackend, attention_window
 from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("cpu_layer_runner.cpp")
@@ -146,10 +146,8 @@ def _layer_norms(layer: Any) -> list[tuple[str, Any]]:
 
 def _backend_window(attn: Any) -> tuple[Any, int]:
     """(attn's attention backend, its sliding window; 0: none), through Phi-3's SlidingWindowBackend."""
-    backend, window = attn.backend, getattr(attn, "sliding_window", None) or 0
-    if isinstance(backend, SlidingWindowBackend):
-        backend, window = backend.inner, backend.window or 0
-    return backend, window
+    backend = attn.backend
+    return (backend.inner if isinstance(backend, SlidingWindowBackend) else backend), attention_window(attn) or 0
 
 
 def _check_layers(model: Any, kind: str) -> tuple[list, str]:

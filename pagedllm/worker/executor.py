@@ -2,6 +2,8 @@
 process per rank (``worker/multiproc_executor.py``). The engine only talks to this interface."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagedllm.config import EngineConfig
@@ -42,6 +44,10 @@ class Executor:
         raise NotImplementedError
 
     def weight_bytes(self) -> int:
+        raise NotImplementedError
+
+    def sliding_windows(self) -> list[Optional[int]]:
+        """The sliding window of every layer (None: whole context), over every rank's layers."""
         raise NotImplementedError
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -86,6 +92,9 @@ class UniProcExecutor(Executor):
 
     def weight_bytes(self) -> int:
         return self.runner.weight_bytes
+
+    def sliding_windows(self) -> list[Optional[int]]:
+        return self.runner.sliding_windows()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

@@ -7,11 +7,13 @@ with the block's scales in a few more token rows, for ``--kv-cache-dtype int8``:
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
+from pagedllm.layers.attention.backend import attention_window
 from pagedllm.models.loader import load_model
 from pagedllm.worker import cpu_malloc
 from pagedllm.worker.input_batch import ModelInput
@@ -55,6 +57,10 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer, on this rank."""
         return 2 * self.num_layers * self.kv_block_rows * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
+
+    def sliding_windows(self) -> list[Optional[int]]:
+        """The sliding window of each of this rank's layers, in tokens (None: whole context)."""
+        return [attention_window(layer.self_attn) for layer in self.model.layers[self.start_layer:self.end_layer]]
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -35,7 +35,7 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -464,6 +464,11 @@ class MultiprocExecutor(Executor):
 
     def weight_bytes(self) -> int:
         return self.driver.weight_bytes()  # per rank (rank 0)
+
+    def sliding_windows(self) -> list[Optional[int]]:
+        if self.config.parallel_config.pipeline_parallel_size == 1:
+            return self.driver.sliding_windows()  # every rank holds every layer
+        return [w for stage in self._call("sliding_windows") for w in stage]  # (TP ranks repeat their stage's)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)

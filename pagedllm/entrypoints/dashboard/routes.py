@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.engine.kv_cache_manager import max_blocks_per_seq
 from pagedllm.entrypoints.dashboard.snapshot import History, PoolSampler
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -33,13 +34,16 @@ def startup_facts(llm) -> dict:
     """Model, dtype, device, KV blocks and block size, and how many max_model_len sequences fit."""
     cfg = llm.engine.config
     mc, cc = cfg.model_config, cfg.cache_config
-    blocks_per_seq = -(-mc.max_model_len // cc.block_size)
+    blocks_per_seq = max_blocks_per_seq(mc.max_model_len, cc.block_size, cc.sliding_window,
+                                        cfg.scheduler_config.max_num_batched_tokens)
+    usable = cc.num_blocks - (cc.sliding_window is not None)  # (the null block)
     return {"model": mc.served_model_name, "path": str(mc.model), "architecture": mc.architecture,
             "dtype": str(mc.dtype).replace("torch.", ""), "device": cfg.device,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
             "num_blocks": cc.num_blocks, "block_size": cc.block_size, "max_model_len": mc.max_model_len,
             "kv_cache_dtype": "int8" if cc.cache_dtype == "int8" else str(mc.dtype).replace("torch.", ""),
-            "max_concurrency": cc.num_blocks / blocks_per_seq, "prefix_caching": bool(cc.enable_prefix_caching)}
+            "max_concurrency": max(usable, 0) / blocks_per_seq,
+            "sliding_window": cc.sliding_window, "prefix_caching": bool(cc.enable_prefix_caching)}
 
 
 def add_dashboard(app: FastAPI, llm, metrics) -> None:

@@ -63,7 +63,7 @@ def take_pool_snapshot(engine, version: int) -> PoolSnapshot:
     def entry(r) -> QueueEntry:
         blocks = tables.get(r.request_id)
         return (r.request_id, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, r.num_preemptions,
-                [b.block_id for b in blocks] if blocks else [])
+                [b.block_id for b in blocks if b is not kv.null_block] if blocks else [])
 
     pool = kv.block_pool
     stats = engine.get_stats()

@@ -52,6 +52,15 @@ class SlidingWindowBackend(AttentionBackend):
         return self.inner.forward(q, k, v, kv_cache, meta, scale, **{"sliding_window": self.window, **kw})
 
 
+def attention_window(attn: Any) -> Optional[int]:
+    """The sliding window of attention module ``attn``: its backend's (``SlidingWindowBackend``),
+    else its ``sliding_window`` attribute (Gemma 2/3's); None: it sees the whole context."""
+    backend = getattr(attn, "backend", None)
+    if isinstance(backend, SlidingWindowBackend):
+        return backend.window or None
+    return getattr(attn, "sliding_window", None) or None
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V [N, Hkv, D] into their slots of the paged cache (before reading, so a
     sequence's new tokens attend to themselves through the cache); an int8 cache quantizes them

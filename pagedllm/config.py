@@ -46,11 +46,17 @@ def resolve_model_path(model: Optional[str]) -> str:
                          f"the Hugging Face hub ({type(e).__name__}: {one_line(e)})") from None
 
 
-def get_rope_parameters(hf_config: Any) -> dict:
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def get_rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict:
     """RoPE settings as one dict with ``rope_theta`` and ``rope_type`` (transformers 4.x keeps
-    them in ``rope_theta``/``rope_scaling``, 5.x in ``rope_parameters``)."""
+    them in ``rope_theta``/``rope_scaling``, 5.x in ``rope_parameters``; a config with one dict per
+    layer type, OLMo 3's and Gemma 3's, gives ``layer_type``'s)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     scaling = getattr(hf_config, "rope_scaling", None) or {}
+    if any(t in params for t in LAYER_TYPES):
+        params, scaling = dict(params.get(layer_type) or {}), {}
     for k, v in scaling.items():
         params.setdefault(k, v)
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))

@@ -55,8 +55,8 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3 |
-    granite | smollm3 | olmo2 | exaone4 | phi3 | phi3_partial: Phi-3 with 3/4 of each head's channels rotating, as
-    Phi-4-mini) saved with save_pretrained."""
+    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | seed_oss | ernie4_5 | phi3 | phi3_partial: Phi-3 with 3/4 of
+    each head's channels rotating, as Phi-4-mini) saved with save_pretrained."""
     import transformers
 
     tok = build_tokenizer(out_dir)
@@ -79,7 +79,28 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
+        "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+        "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
+        "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
+        "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
     }[arch]
+    if arch == "ernie4_5":  # interleaved RoPE, biases on every linear
+        common.setdefault("head_dim", 16)
+        common.setdefault("use_bias", True)
+    if arch == "olmo3":  # sliding layers (24-token window) around global ones, a RoPE per layer type
+        common.setdefault("sliding_window", 24)
+        n = common["num_hidden_layers"]
+        common.setdefault("layer_types", ["full_attention" if i % 3 == 1 else "sliding_attention" for i in range(n)])
+        common.setdefault("rope_parameters", {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}})
+    if arch == "ministral3":  # YaRN past 64 positions; Llama 4's query scaling past them too
+        common.setdefault("head_dim", 16)
+        common.setdefault("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0,
+                                              "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.3})
+    if arch == "seed_oss":  # biases on q/k/v and the MLP, none on o_proj
+        common.setdefault("head_dim", 16)
+        common.setdefault("mlp_bias", True)
     if arch == "exaone4":  # hybrid: sliding layers (24-token window, RoPE) around a global NoPE one
         common.setdefault("sliding_window", 24)
         common.setdefault("sliding_window_pattern", 2)

@@ -34,7 +34,8 @@ def _runner_or_skip() -> None:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite", "smollm3",
-                                                "olmo2", "exaone4", "phi3", "phi3_partial"])
+                                                "olmo2", "exaone4", "phi3", "phi3_partial", "olmo3", "seed_oss",
+                                                "ernie4_5"])
 def wide_dir(request, tmp_path_factory):
     """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer), Qwen3 (RMSNorms on q and k per head,
     before RoPE), Gemma 2 (sliding windows on alternate layers, soft-capped scores, four norms a layer,
@@ -43,8 +44,10 @@ def wide_dir(request, tmp_path_factory):
     head's channels rotating (Phi-4-mini's partial rotary), Gemma 1 (two norms, plain residual adds),
     Granite (residual multiplier, attention multiplier as the scale), SmolLM3 (NoPE layers), OLMo 2
     (norms after each branch, q/k norms over all heads) and EXAONE 4 (OLMo 2's layer, per-head q/k
-    norms, sliding layers around a global NoPE one)."""
-    extra = dict(head_dim=64) if request.param in ("qwen3", "gemma", "gemma2", "gemma3") else {}
+    norms, sliding layers around a global NoPE one), OLMo 3 (OLMo 2's layer, sliding layers, a RoPE
+    table per layer type), Seed-OSS (biases on q/k/v and the MLP, none on o_proj) and ERNIE 4.5 (its
+    interleaved RoPE loaded as Llama's, biases on every linear)."""
+    extra = dict(head_dim=64) if request.param in ("qwen3", "gemma", "gemma2", "gemma3", "seed_oss", "ernie4_5") else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
 
@@ -158,7 +161,7 @@ def test_runner_phase_timings(wide_dir):
     wall = time.perf_counter() - t0
     assert timed == plain
     phases = runner.phase_seconds()
-    kind = ("post_norm" if any(f in wide_dir for f in ("olmo2", "exaone4")) else
+    kind = ("post_norm" if any(f in wide_dir for f in ("olmo2", "olmo3", "exaone4")) else
             "gemma" if "gemma" in wide_dir else "llama")
     names = {"llama": cpu_layer_runner.PHASES, "gemma": cpu_layer_runner.GEMMA_PHASES,
              "post_norm": cpu_layer_runner.POST_NORM_PHASES[1:]}[kind]
@@ -219,3 +222,24 @@ def test_runner_left_to_the_loop(caplog, tmp_path, monkeypatch):
 
     assert runner.run(x, None, None, [None] * WIDE["num_hidden_layers"], NoCache()) is None
     assert runner.run(x.to(torch.bfloat16), None, None, [], NoCache()) is None
+
+
+def test_ministral3_runner_within_its_original_length(tmp_path, caplog, monkeypatch):
+    """Ministral 3's query scaling is 1 below original_max_position_embeddings (64 here): with
+    max_model_len 64 the runner takes the layers, bit-equal to the loop; with 512 the scaling is
+    on and the loop runs it, equal to transformers past position 64 (logged why)."""
+    _runner_or_skip()
+    monkeypatch.setattr(init_logger(), "propagate", True)
+    d = build_checkpoint(str(tmp_path / "ministral3"), "ministral3", **WIDE, head_dim=64, max_position_embeddings=512)
+    short = make_prompts(500, lens=[3, 20, 40])
+    llm = LLM(d, dtype="float32", kv_cache_memory=16 << 20, max_model_len=64, max_num_batched_tokens=32)
+    assert _run(llm, short, True) == _run(llm, short, False)
+    longer = make_prompts(500, lens=[70, 150])
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(d, dtype="float32", kv_cache_memory=16 << 20, max_model_len=512)
+        outs = llm.generate(longer, greedy(), use_tqdm=False)
+    assert _model(llm).__dict__.get("_cpu_layer_runner") is False
+    assert "cpu layer runner: off (Llama 4's query scaling (Ministral 3 with max_model_len past " \
+           "original_max_position_embeddings))" in caplog.messages
+    assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in reference(d, longer)]
+    assert_pool_empty(llm)

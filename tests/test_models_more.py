@@ -1,4 +1,5 @@
-"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2, EXAONE 4, SmolLM3 and StarCoder2: fp32 greedy ids equal transformers' on tiny random
+"""OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and 3, EXAONE 4, SmolLM3, StarCoder2, Ministral,
+Ministral 3, Seed-OSS and ERNIE 4.5: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -7,7 +8,8 @@ Variants cover each family's options: OPT with ``project_in``/``project_out`` an
 post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE factors on both sides
 of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window; Granite's
 multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows; Qwen3
-with YaRN; StarCoder2's LayerNorms, biases and window.
+with YaRN; StarCoder2's LayerNorms, biases and window; OLMo 3's windows and RoPE per layer type;
+Ministral 3's query scaling; Seed-OSS's q/k/v biases without an o_proj one; ERNIE 4.5's interleaved RoPE.
 """
 from __future__ import annotations
 
@@ -104,9 +106,40 @@ FAMILIES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15), {}),
+    # OLMo 3: OLMo 2's layer, 3 sliding layers (16-token window) per global one, and a RoPE per
+    # layer type (the global layers' with YaRN over an original 64 positions).
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, sliding_window=16, max_position_embeddings=512, initializer_range=0.15,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                                       "original_max_position_embeddings": 64}}), {}),
+    # Ministral 3: YaRN and Llama 4's query scaling past an original 32 positions (beta 0.5, so the
+    # factor reaches 1 + 0.5 ln 5 within these prompts).
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM",
+                   dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15,
+                        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32,
+                                         "rope_theta": 1000000.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}), {}),
+    # Ministral (8B-2410): Mistral with layer_types; a 16-token window on every layer.
+    "ministral": ("MinistralConfig", "MinistralForCausalLM",
+                  dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, sliding_window=16, max_position_embeddings=512,
+                       initializer_range=0.15), {}),  # (transformers' Ministral needs head_dim set)
+    # Seed-OSS: biases on q/k/v (attention_bias) but not on o_proj (attention_out_bias), MLP biases.
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM",
+                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, mlp_bias=True, max_position_embeddings=512,
+                      initializer_range=0.15), {}),
+    # ERNIE 4.5: interleaved RoPE (channel pairs 2i, 2i + 1), biases on every linear, tied embeddings.
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM",
+                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, use_bias=True, max_position_embeddings=512,
+                      initializer_range=0.15), {}),
 }
 # Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
-RANDOM_BIASES = {"granite", "starcoder2"}
+RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5"}
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
 PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
 
@@ -239,7 +272,7 @@ def test_logprobs_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "exaone4",
-                                    "smollm3", "starcoder2"],
+                                    "smollm3", "starcoder2", "ministral3", "seed_oss", "ernie4_5"],
                          indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
@@ -253,7 +286,8 @@ def test_tensor_parallel_2_matches_transformers(family):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "phi3", "opt_post_norm",
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "olmo3", "ministral3",
+                                    "ernie4_5", "phi3", "opt_post_norm",
                                     "gpt2"], indirect=True)
 def test_pipeline_parallel_2_matches_transformers(family):
     """Two stages: Gemma's stages pass the residual stream on; the Llama subclasses' stages split
@@ -383,18 +417,27 @@ def test_qwen_vl_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, versi
     assert_text_model_matches(d, model, prompts, "Qwen2ForCausalLM")
 
 
-@pytest.mark.parametrize("name", ["mistral3", "llava"])
+# image-text checkpoint -> (its language model's model_type, the text architecture served)
+LLAVA_STYLE = {"mistral3": ("mistral", "MistralForCausalLM"), "ministral3": ("ministral3", "Ministral3ForCausalLM"),
+               "llava": ("llama", "LlamaForCausalLM")}
+
+
+@pytest.mark.parametrize("name", list(LLAVA_STYLE))
 def test_llava_style_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, name):
-    """Mistral 3 (Pixtral tower) and LLaVA (CLIP tower, a Llama language model named by its
-    text_config's model_type, its own lm_head): text prompts run the language model."""
+    """Mistral 3 (Pixtral tower; Mistral Small 3.1's Mistral or Ministral 3's ministral3 language
+    model) and LLaVA (CLIP tower, a Llama language model named by its text_config's model_type, its
+    own lm_head): text prompts run the language model."""
     d = str(tmp_path / name)
     shutil.copytree(tokenizer_dir, d)
     tok = transformers.AutoTokenizer.from_pretrained(d)
-    text = dict(model_type="mistral" if name == "mistral3" else "llama", vocab_size=len(tok), hidden_size=64,
+    model_type, text_arch = LLAVA_STYLE[name]
+    text = dict(model_type=model_type, vocab_size=len(tok), hidden_size=64,
                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 max_position_embeddings=512, initializer_range=0.15, bos_token_id=tok.bos_token_id,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    if name == "mistral3":
+    if name == "ministral3":  # its YaRN and Llama 4 query scaling past 16 positions
+        text["rope_parameters"] = FAMILIES["ministral3"][2]["rope_parameters"] | {"original_max_position_embeddings": 16}
+    if name != "llava":
         vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
         config = transformers.Mistral3Config(text_config=text, vision_config=vision)
@@ -403,8 +446,8 @@ def test_llava_style_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, n
                       num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
         config = transformers.LlavaConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
     torch.manual_seed(9)
-    model = getattr(transformers, f"{'Mistral3' if name == 'mistral3' else 'Llava'}ForConditionalGeneration")(config)
+    model = getattr(transformers, f"{'Llava' if name == 'llava' else 'Mistral3'}ForConditionalGeneration")(config)
     model.eval().save_pretrained(d)
     prompts = prompts_for("llama", len(tok), seed=9)[1:4]
-    assert_text_model_matches(d, model, prompts, ("MistralForCausalLM" if name == "mistral3" else "LlamaForCausalLM"))
+    assert_text_model_matches(d, model, prompts, text_arch)
 

@@ -71,10 +71,11 @@ def load_hf_config(path: str) -> Any:
 TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
              "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
              "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
-             "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+             "Mistral3ForConditionalGeneration": None,  # Mistral Small 3.1/3.2: mistral; Ministral 3: ministral3
              "LlavaForConditionalGeneration": None}
 _TEXT_ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                      "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
                     "model.multi_modal_projector.", "model.visual.")
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),

@@ -27,11 +27,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @staticmethod
     def rope_for(config: Any, layer_type: str) -> dict:
         params = getattr(config, "rope_parameters", None) or {}
-        if layer_type in params:  # transformers 5: one dict per layer type
-            rope = dict(params[layer_type])
-            rope.setdefault("rope_type", rope.get("type", "default"))
-            return rope
-        rope = get_rope_parameters(config)  # transformers 4.x: local layers take rope_local_base_freq unscaled
-        if layer_type == "sliding_attention":
-            return {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
-        return rope
+        if layer_type in params or layer_type != "sliding_attention":  # transformers 5: one dict per layer type
+            return get_rope_parameters(config, layer_type)
+        # transformers 4.x: local layers take rope_local_base_freq unscaled
+        return {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}

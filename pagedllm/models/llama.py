@@ -44,10 +44,21 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def llama4_query_scale(positions: torch.Tensor, beta: float, original: int) -> torch.Tensor:
+    """[N] float32: 1 + beta * log(1 + floor(p / original)) at each position p, Llama 4's attention
+    temperature (Ministral 3's ``llama_4_scaling_beta``), in transformers' float32 operations
+    (``get_llama_4_attn_scale``); 1 below ``original``."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / original))
+
+
 class LlamaAttention(nn.Module):
     """forward(positions [N], x [N, hidden], kv_cache, meta, cos_sin=None) -> [N, hidden].
     ``rotary_emb``: a RotaryEmbedding shared with other layers (None: one of its own);
-    ``cos_sin``: its ``cos_sin(positions)`` computed once per step (None: gathered here)."""
+    ``cos_sin``: its ``cos_sin(positions)`` computed once per step (None: gathered here).
+    ``query_scale`` (beta, original): the rotated queries are multiplied by ``llama4_query_scale``
+    (None: not)."""
+
+    query_scale: Optional[tuple[float, int]] = None
 
     def __init__(self, config: Any, dtype, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool,
                  rotary_emb: Optional[RotaryEmbedding] = None) -> None:
@@ -58,8 +69,10 @@ class LlamaAttention(nn.Module):
                                           bias=qkv_bias, dtype=dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
+        # Seed-OSS sets the output projection's bias apart (attention_out_bias); Llama's covers all four.
+        o_bias = getattr(config, "attention_out_bias", getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False), dtype=dtype)
+                                        bias=o_bias, dtype=dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.rotary_emb = rotary_emb or make_rotary_embedding(config, head_dim, dtype)
@@ -78,6 +91,11 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)  # in place
         else:  # a model's own RoPE variant (Phi-3's LongRoPE): rotates on its own
             q, k = self.rotary_emb(positions, q, k)
+        if self.query_scale is not None:
+            scale = meta.derived.get("llama4_query_scale")  # once a step, shared by the layers
+            if scale is None:
+                scale = meta.derived["llama4_query_scale"] = llama4_query_scale(positions, *self.query_scale)
+            q.mul_(scale.to(q.dtype).view(-1, 1, 1))
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, -1))
 

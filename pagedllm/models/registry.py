@@ -30,6 +30,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "MinistralForCausalLM": ("llama", "MistralForCausalLM"),  # layer_types (all sliding with a window)
+    "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
+    "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
+    "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),  # biases: attention_bias (q/k/v), attention_out_bias
+    "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
 }
 
 

@@ -159,8 +159,13 @@ def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[s
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts. Raises
     ValueError when the tokenizer has no chat template and none is given, or a message is not a
     dict with a string ``role`` and string, list or null ``content`` (any role name: templates
-    define their own, e.g. Llama 3.1's ``ipython``).
+    define their own, e.g. Llama 3.1's ``ipython``). A ``developer`` message (OpenAI's name for the
+    system instructions) becomes a ``system`` one for a template that never names that role.
     """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the model's tokenizer has no chat template; pass one (--chat-template)")
+    as_system = "developer" not in str(template)
     norm = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -172,9 +177,8 @@ def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[s
         if isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
         norm.append({**m, "content": content if content is not None else ""})
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise ValueError("the model's tokenizer has no chat template; pass one (--chat-template)")
+        if as_system and m["role"] == "developer":
+            norm[-1]["role"] = "system"
     kwargs = dict(chat_template_kwargs or {})
     if continue_final_message:
         add_generation_prompt = False

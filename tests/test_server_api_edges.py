@@ -196,9 +196,61 @@ def test_documented_fields_applied_or_harmless(client, http):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the"}], max_tokens=1,
                                        extra_body={"request_id": "xyz", "include_reasoning": True})
     assert r.id == "chatcmpl-xyz"
-    err = error_of(http.post("/v1/completions", json={**base, "stream": True,
-                                                      "stream_options": {"continuous_usage_stats": True}}))
-    assert err["param"] == "stream_options.continuous_usage_stats"
+
+
+def test_explicit_nulls_mean_the_defaults(http):
+    """Clients that send every field send null for the unset ones (the OpenAI reference types them
+    nullable): each gives the same answer as leaving the field out."""
+    base = {"prompt": "the king", "max_tokens": 3, "temperature": 0.0}
+    ref = http.post("/v1/completions", json=base).json()
+    nulls = http.post("/v1/completions", json={**base, "n": None, "stream": None, "echo": None, "logprobs": None,
+                                               "ignore_eos": None, "min_tokens": None, "best_of": None})
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "the king"}], "max_tokens": 3, "temperature": 0.0}
+    ref = http.post("/v1/chat/completions", json=chat).json()
+    nulls = http.post("/v1/chat/completions", json={**chat, "n": None, "stream": None, "logprobs": None,
+                                                    "parallel_tool_calls": None, "echo": None})
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["message"] == ref["choices"][0]["message"]
+    assert error_of(http.post("/v1/chat/completions", json={**chat, "messages": None}))["param"] == "messages"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(http, route):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far,
+    and the last chunk the whole request's."""
+    body = ({"prompt": "the king"} if route == "/v1/completions" else
+            {"messages": [{"role": "user", "content": "the king"}]})
+    body.update(max_tokens=5, temperature=0.0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    with http.stream("POST", route, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 5  # (a chunk may carry several tokens)
+    assert all(c["usage"]["prompt_tokens"] == prompt and
+               c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks)
+    body["stream_options"] = {"include_usage": True}
+    with http.stream("POST", route, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c.get("usage") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_tokenize_token_strs_and_the_developer_role(http, llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    r = http.post("/tokenize", json={"prompt": "the king and", "return_token_strs": True}).json()
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"]) and len(r["token_strs"]) == r["count"]
+    assert "token_strs" not in http.post("/tokenize", json={"prompt": "the king and"}).json()
+    # A template that never names "developer" gets it as the system message (OpenAI's meaning).
+    as_dev = http.post("/tokenize", json={"messages": [{"role": "developer", "content": "be brief"},
+                                                       {"role": "user", "content": "hi"}]}).json()
+    as_sys = http.post("/tokenize", json={"messages": [{"role": "system", "content": "be brief"},
+                                                       {"role": "user", "content": "hi"}]}).json()
+    assert "developer" not in (tok.chat_template or "") and as_dev["tokens"] == as_sys["tokens"]
 
 
 def test_unknown_fields_are_accepted_and_logged_once(server, http):

@@ -229,6 +229,44 @@ def test_bad_requests_get_openai_errors(server, http):
     r = post({"input": "hi", "model": "other"})
     assert r.status_code == 404
     assert http.post("/v1/responses/resp_nope/cancel").status_code == 404
+    # an output for a call nobody made; an item type this server does not take; nulls mean defaults
+    r = post({"input": [{"role": "user", "content": "hi"},
+                        {"type": "function_call_output", "call_id": "call_x", "output": "sunny"}]})
+    assert r.status_code == 400 and "No tool call found for function call output with call_id 'call_x'" in \
+        r.json()["error"]["message"]
+    r = post({"input": [{"type": "bogus_item", "x": 1}]})
+    assert r.status_code == 400 and "input item 0 has type 'bogus_item'" in r.json()["error"]["message"]
+    r = post({"input": "hi", "max_output_tokens": 2, "store": None, "background": None, "stream": None,
+              "parallel_tool_calls": None, "tool_choice": None})
+    assert r.status_code == 200 and r.json()["store"] is True and r.json()["tool_choice"] == "auto"
+
+
+def test_input_items_lists_the_request_input(client, http):
+    items = [{"role": "developer", "content": "be terse"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "what is the weather"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": "fco_mine"}]
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=2, **GREEDY)
+    page = client.responses.input_items.list(r.id)  # newest first, as OpenAI's default order
+    assert [i.type for i in page.data] == ["function_call_output", "function_call", "message", "message"]
+    assert page.data[0].id == "fco_mine" and page.data[0].output == "sunny" and page.data[1].call_id == "call_1"
+    assert [(m.role, m.content[0].text) for m in page.data[2:]] == [("user", "what is the weather"),
+                                                                    ("developer", "be terse")]
+    body = http.get(f"/v1/responses/{r.id}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert body["object"] == "list" and body["has_more"] is True and len(body["data"]) == 2
+    assert body["first_id"] == body["data"][0]["id"] and body["data"][0]["content"][0]["text"] == "be terse"
+    rest = http.get(f"/v1/responses/{r.id}/input_items",
+                    params={"order": "asc", "after": body["last_id"]}).json()
+    assert [i["type"] for i in rest["data"]] == ["function_call", "function_call_output"] and not rest["has_more"]
+    plain = client.responses.create(model=MODEL, input="hello there", max_output_tokens=2, **GREEDY)
+    assert [(i.role, i.content[0].text) for i in client.responses.input_items.list(plain.id).data] == [
+        ("user", "hello there")]
+    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "nope"}, "after")):
+        err = http.get(f"/v1/responses/{r.id}/input_items", params=params)
+        assert err.status_code == 400 and err.json()["error"]["param"] == param
+    assert http.get("/v1/responses/resp_nope/input_items").status_code == 404
+    err = http.get(f"/v1/responses/{r.id}", params={"stream": "true"})
+    assert err.status_code == 400 and err.json()["error"]["param"] == "stream"
 
 
 def test_response_store_bounds_count_and_age(monkeypatch):

@@ -142,6 +142,22 @@ def test_auto_tool_choice_with_hermes_parser(client):
     assert r.choices[0].message.content == "Sure. " + HERMES and not r.choices[0].message.tool_calls
 
 
+def test_auto_tool_choice_keeps_one_call_without_parallel_tool_calls(client):
+    """Two Hermes calls in the text: both with parallel_tool_calls (the default), the first alone
+    without, streamed or not."""
+    second = HERMES.replace("get_weather", "get_time").replace('"city": "Rome", "unit": "C"', '"zone": "UTC"')
+    body = {"guided_regex": re.escape(HERMES + second)}
+    kw = dict(model=MODEL, messages=MSGS, max_tokens=200, temperature=0, tools=TOOLS, extra_body=body)
+    both = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [t.function.name for t in both] == ["get_weather", "get_time"]
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw).choices[0]
+    assert [t.function.name for t in one.message.tool_calls] == ["get_weather"] and one.finish_reason == "tool_calls"
+    stream = list(client.chat.completions.create(parallel_tool_calls=False, stream=True, **kw))
+    deltas = [d for ch in stream if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert {d.index for d in deltas} == {0} and [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Rome", "unit": "C"}
+
+
 def test_tools_and_tool_history_reach_the_template(http):
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": None, "tool_calls": [

@@ -259,8 +259,12 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         return await responses.create(body, raw_request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
-        return responses.retrieve(response_id)
+    async def retrieve_response(response_id: str, stream: Optional[bool] = None):
+        return responses.retrieve(response_id, stream)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: Optional[str] = None, limit: int = 20, order: str = "desc"):
+        return responses.input_items(response_id, after, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
@@ -281,7 +285,9 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
                 ids = await asyncio.to_thread(encode) if len(body.prompt) > BIG_PROMPT_CHARS else encode()
             except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate in the text
                 raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}", "prompt") from None
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len).model_dump()
+        strs = chat.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len,
+                                token_strs=strs).model_dump()
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

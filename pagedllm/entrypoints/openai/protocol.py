@@ -41,6 +41,17 @@ class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored, as vLLM does (request models log each name once); NaN/inf are rejected.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null on a field whose default is not null means "not set": the OpenAI
+        reference types its optional fields as nullable (``n``: "integer or null"), and clients
+        that send every field send null for the unset ones."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
 
 # ---- errors ------------------------------------------------------------------------------
 class ErrorInfo(OpenAIBaseModel):
@@ -57,7 +68,7 @@ class ErrorResponse(OpenAIBaseModel):
 # ---- shared request fields -----------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused when true
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 # ---- structured outputs and tools (request side) ----------------------------------------------
@@ -321,9 +332,6 @@ class _SamplingRequest(_DocumentedFields):
         self.check_documented_fields(self.n)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be given when stream is true", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise RequestError("stream_options.continuous_usage_stats is not supported; use include_usage",
-                               "stream_options.continuous_usage_stats")
         if self.n > MAX_N:
             raise RequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
         _check_logprobs(self.prompt_logprobs, "prompt_logprobs")
@@ -664,6 +672,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False  # also each token's string (vLLM's field)
 
     @model_validator(mode="after")
     def _one_of(self) -> "TokenizeRequest":
@@ -676,6 +685,11 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: Optional[list[str]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # token_strs only when asked for
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponseObject
 class StoredResponse:
     response: ResponseObject
     messages: list[dict] = field(default_factory=list)   # the conversation including this response's output
+    input_items: list[dict] = field(default_factory=list)  # the request's own input, as OpenAI's input items
     created: float = field(default_factory=lambda: time.monotonic())
     cancel: Optional[Callable[[], None]] = None           # set while the response is still being generated
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 import uuid
 
@@ -76,6 +76,7 @@ class FunctionCallOutputItem(OpenAIBaseModel):
 
 
 InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
+_INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 # ---- tools and text format ---------------------------------------------------------------------
@@ -162,6 +163,17 @@ class ResponsesRequest(OpenAIBaseModel):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_item_types(cls, value: Any) -> Any:
+        # One clear sentence instead of pydantic's error for each member of the item union.
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in _INPUT_ITEM_TYPES:
+                raise RequestError(f"input item {i} has type {kind[:40]!r}; this server takes "
+                                   f"{', '.join(_INPUT_ITEM_TYPES)} items", f"input.{i}")
+        return value
+
     def check_unsupported(self) -> None:
         """Refuse (400) every documented field this server cannot honour, naming it."""
         if self.metadata is not None:
@@ -187,6 +199,28 @@ class ResponsesRequest(OpenAIBaseModel):
             raise RequestError(f"include values are not supported: {self.include}", "include")
         if self.service_tier not in (None, "auto", "default"):
             raise RequestError(f"service_tier {self.service_tier!r} is not supported", "service_tier")
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The ``input`` as OpenAI's input items (what ``GET /v1/responses/{id}/input_items`` lists):
+        each with an id (the client's, else a new one) and status "completed"."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "id": _oid("msg"), "status": "completed", "role": "user",
+                     "content": [{"type": "input_text", "text": self.input}]}]
+        items = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                content = ([{"type": kind, "text": item.content}] if isinstance(item.content, str)
+                           else [p.model_dump(exclude_none=True) for p in item.content])
+                items.append({"type": "message", "id": item.id or _oid("msg"), "status": "completed",
+                              "role": item.role, "content": content})
+            elif isinstance(item, FunctionCallItem):
+                items.append({"type": "function_call", "id": item.id or _oid("fc"), "status": "completed",
+                              "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
+            else:
+                items.append({"type": "function_call_output", "id": item.id or _oid("fco"), "status": "completed",
+                              "call_id": item.call_id, "output": item.text()})
+        return items
 
 
 # ---- the response object ------------------------------------------------------------------------

@@ -124,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise RequestError("a forced tool_choice cannot be combined with response_format or structured "
                                    "outputs", "tool_choice")
             params.structured_outputs = forced
-        return ToolCallOutput(choice, self.tool_parser, self.tokenizer)
+        return ToolCallOutput(choice, self.tool_parser, self.tokenizer, req.parallel_tool_calls)
 
     def _logprobs(self, token_ids: list[int], positions: Optional[list[PositionLogprobs]],
                   top_n: int) -> list[ChatLogProbsContent]:
@@ -155,9 +155,14 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = [0] * n
         streamers = [tools.streamer() for _ in range(n)] if tools is not None and tools.active else None
 
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+
         def chunk(choice: ChatCompletionStreamChoice) -> str:
+            # vLLM's continuous_usage_stats: every chunk carries the usage of its choice so far
+            usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=sent_tokens[choice.index],
+                              total_tokens=num_prompt_tokens + sent_tokens[choice.index]) if continuous else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=[choice]).model_dump_json())
+                                                    choices=[choice], usage=usage).model_dump_json())
 
         try:
             for i in range(n):

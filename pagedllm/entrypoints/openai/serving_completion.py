@@ -180,6 +180,7 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = [0] * num_choices
         done = [False] * num_choices
         completion_tokens = [0] * num_choices
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         try:
             async for i, out in merge_streams(gens):
                 for c in out.outputs:
@@ -207,11 +208,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     if c.finish_reason is not None:
                         done[idx] = True
                         completion_tokens[idx] = len(c.token_ids)
+                    usage = None
+                    if continuous:  # vLLM's continuous_usage_stats: this choice's usage so far
+                        usage = UsageInfo(prompt_tokens=len(prompt_ids[i]), completion_tokens=sent_tokens[idx],
+                                          total_tokens=len(prompt_ids[i]) + sent_tokens[idx])
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model,
                         choices=[CompletionResponseChoice(index=idx, text=text, logprobs=logprobs,
                                                           finish_reason=c.finish_reason,
-                                                          stop_reason=c.stop_reason)])
+                                                          stop_reason=c.stop_reason)], usage=usage)
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

@@ -72,8 +72,7 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     for i, item in enumerate(req.input):
         if isinstance(item, InputMessage):
-            role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.text()})  # (developer: apply_chat_template)
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _json_or_text(item.arguments)}}
@@ -135,6 +134,11 @@ class OpenAIServingResponses:
                                    "previous_response_id")
             history = [dict(m) for m in prev.messages]
         history += history_from_input(req)
+        calls = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+        for m in history:
+            if m["role"] == "tool" and m["tool_call_id"] not in calls:  # as OpenAI's API answers
+                raise RequestError(f"No tool call found for function call output with call_id "
+                                   f"{m['tool_call_id']!r}.", "input")
         chat_tools = [ChatCompletionToolParam(function=FunctionDefinition(
             name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in req.tools or []]
         tool_choice = resolve_tool_choice(chat_tools or None, self._tool_choice(req),
@@ -155,10 +159,10 @@ class OpenAIServingResponses:
             tool_choice=req.tool_choice, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             user=req.user, metadata=req.metadata or {})
         run = _Run(response=response, history=history, stream=req.stream)
-        tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer)
+        tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer, req.parallel_tool_calls)
         run.tools = tools if tools.active else None
         if req.store:
-            self.store.put(StoredResponse(response=response, messages=history))
+            self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items()))
         gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id)
         run.task = asyncio.ensure_future(self._produce(run, gen, len(ids)))
         self.runs[response.id] = run
@@ -369,8 +373,32 @@ class OpenAIServingResponses:
                                "response_not_found", "not_found_error")
         return entry
 
-    def retrieve(self, response_id: str) -> Response:
+    def retrieve(self, response_id: str, stream: Optional[bool] = None) -> Response:
+        if stream:
+            raise RequestError("streaming a stored response (stream=true) is not supported; retrieve it without "
+                               "stream, or create it with stream=true", "stream")
         return self._json(self._stored(response_id).response)
+
+    def input_items(self, response_id: str, after: Optional[str] = None, limit: int = 20,
+                    order: str = "desc") -> Response:
+        """OpenAI's "list input items": a page of the response's input items, newest first by
+        default. Raises RequestError (400) for a bad limit, order or ``after`` id; 404 for an
+        unknown response."""
+        items = self._stored(response_id).input_items
+        if not 1 <= limit <= 100:
+            raise RequestError(f"limit must be between 1 and 100, got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise RequestError(f"no input item with id {after!r} in response {response_id!r}", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        body = {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return Response(json.dumps(body), media_type="application/json")
 
     async def delete(self, response_id: str) -> Response:
         self._stored(response_id)

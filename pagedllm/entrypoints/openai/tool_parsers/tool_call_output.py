@@ -16,11 +16,16 @@ def _finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
 
 
 class ToolCallOutput:
-    def __init__(self, tool_choice: Any, parser_cls: Optional[type[ToolParser]], tokenizer) -> None:
+    """``parallel_tool_calls`` False: at most one call ("auto" keeps the parser's first; forced
+    choices constrain the output to one)."""
+
+    def __init__(self, tool_choice: Any, parser_cls: Optional[type[ToolParser]], tokenizer,
+                 parallel_tool_calls: Optional[bool] = True) -> None:
         self.tool_choice = tool_choice
         self.forced = isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"
         self.parser_cls = parser_cls if tool_choice == "auto" else None
         self.tokenizer = tokenizer
+        self.parallel = parallel_tool_calls is not False
 
     @property
     def active(self) -> bool:
@@ -34,7 +39,8 @@ class ToolCallOutput:
         if self.parser_cls is not None:
             got = self.parser_cls(self.tokenizer).extract_tool_calls(text)
             if got.tools_called:
-                return got.content, got.tool_calls, _finish(finish_reason, True)
+                calls = got.tool_calls if self.parallel else got.tool_calls[:1]
+                return got.content, calls, _finish(finish_reason, True)
         return text, [], finish_reason
 
     def streamer(self) -> "ToolCallStreamer":
@@ -60,6 +66,10 @@ class ToolCallStreamer:
         if self.parser is not None:
             d = self.parser.extract_tool_calls_streaming(prev, text, new, finished)
             self.called = self.parser.called
+            if d is not None and d.tool_calls and not self.out.parallel:  # only the first call's deltas
+                d.tool_calls = [c for c in d.tool_calls if c.index == 0] or None
+                if d.tool_calls is None and d.content is None and d.role is None:
+                    return None
             return d
         tc = self.out.tool_choice
         if isinstance(tc, NamedToolChoice):

@@ -55,7 +55,7 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3 |
-    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | seed_oss | ernie4_5 | phi3 | phi3_partial: Phi-3 with 3/4 of
+    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | seed_oss | ernie4_5 | glm | phi3 | phi3_partial: Phi-3 with 3/4 of
     each head's channels rotating, as Phi-4-mini) saved with save_pretrained."""
     import transformers
 
@@ -83,7 +83,10 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
         "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
         "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
+        "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
     }[arch]
+    if arch == "glm":  # interleaved RoPE on half of each head's channels; q/k/v biases
+        common.setdefault("head_dim", 16)
     if arch == "ernie4_5":  # interleaved RoPE, biases on every linear
         common.setdefault("head_dim", 16)
         common.setdefault("use_bias", True)

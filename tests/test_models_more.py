@@ -1,5 +1,5 @@
 """OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and 3, EXAONE 4, SmolLM3, StarCoder2, Ministral,
-Ministral 3, Seed-OSS and ERNIE 4.5: fp32 greedy ids equal transformers' on tiny random
+Ministral 3, Seed-OSS, ERNIE 4.5 and GLM-4: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -9,7 +9,8 @@ post-LayerNorm; GPT-2 with per-layer attention scaling; Phi-3 with LongRoPE fact
 of ``original_max_position_embeddings``; Gemma prompts longer than the sliding window; Granite's
 multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows; Qwen3
 with YaRN; StarCoder2's LayerNorms, biases and window; OLMo 3's windows and RoPE per layer type;
-Ministral 3's query scaling; Seed-OSS's q/k/v biases without an o_proj one; ERNIE 4.5's interleaved RoPE.
+Ministral 3's query scaling; Seed-OSS's q/k/v biases without an o_proj one; ERNIE 4.5's interleaved RoPE; GLM-4's interleaved
+partial RoPE, fused gate_up_proj and (0414) norms after each branch.
 """
 from __future__ import annotations
 
@@ -137,9 +138,17 @@ FAMILIES = {
                  dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, use_bias=True, max_position_embeddings=512,
                       initializer_range=0.15), {}),
+    # GLM-4-9B-Chat's shape: RoPE on half of each head's channels, interleaved; q/k/v biases; a fused
+    # gate_up_proj. GLM-4-0414 adds norms after each branch.
+    "glm": ("GlmConfig", "GlmForCausalLM",
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15), {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM",
+             dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15), {}),
 }
 # Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
-RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5"}
+RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4"}
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
 PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
 
@@ -272,7 +281,7 @@ def test_logprobs_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "exaone4",
-                                    "smollm3", "starcoder2", "ministral3", "seed_oss", "ernie4_5"],
+                                    "smollm3", "starcoder2", "ministral3", "seed_oss", "ernie4_5", "glm4"],
                          indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
@@ -287,7 +296,7 @@ def test_tensor_parallel_2_matches_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "olmo3", "ministral3",
-                                    "ernie4_5", "phi3", "opt_post_norm",
+                                    "ernie4_5", "glm4", "phi3", "opt_post_norm",
                                     "gpt2"], indirect=True)
 def test_pipeline_parallel_2_matches_transformers(family):
     """Two stages: Gemma's stages pass the residual stream on; the Llama subclasses' stages split

@@ -19,10 +19,12 @@ from pagedllm.layers.linear import load_full
 from pagedllm.models.llama import LlamaForCausalLM
 
 
-def interleaved_to_half(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+def interleaved_to_half(rows: torch.Tensor, head_dim: int, rotary_dim: Optional[int] = None) -> torch.Tensor:
     """rows [num_heads * head_dim, ...] (a q or k projection's weight or bias) -> the same rows with
-    each head's channels reordered 0, 2, 4, ..., then 1, 3, 5, ..."""
-    perm = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    the first ``rotary_dim`` (default: all) channels of each head reordered 0, 2, 4, ..., then
+    1, 3, 5, ...; the channels after them stay where they are."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    perm = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, head_dim)])
     return rows.reshape(-1, head_dim, *rows.shape[1:])[:, perm].reshape(rows.shape)
 
 

@@ -101,7 +101,11 @@ class LlamaAttention(nn.Module):
 
 
 def make_rotary_embedding(config: Any, head_dim: int, dtype) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config), dtype)
+    """The config's RoPE table; with ``partial_rotary_factor`` f (GLM's 0.5) on the first
+    int(head_dim * f) channels of each head, as transformers computes it."""
+    rope = get_rope_parameters(config)
+    factor = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, rope, dtype, rotary_dim=int(head_dim * factor))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -21,6 +21,29 @@ from pagedllm.layers.rotary_longrope import get_phi3_rope
 from pagedllm.models.llama import LlamaForCausalLM, PPMissingLayer
 
 
+def split_fused(c: Any, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Checkpoint tensors of fused projections, split as Llama's loader names them: qkv_proj ->
+    q_proj, k_proj, v_proj and gate_up_proj -> gate_proj, up_proj (row blocks; Phi-3's, GLM's MLP)."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    num_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    q_size, kv_size = c.num_attention_heads * head_dim, num_kv * head_dim
+    for name, w in weights:
+        if ".qkv_proj." in name:
+            parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)]
+        elif ".gate_up_proj." in name:
+            half = loaded_shape(w)[0] // 2
+            parts = [("gate_proj", 0, half), ("up_proj", half, half)]
+        else:
+            yield name, w
+            continue
+        fused = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
+        expected = q_size + 2 * kv_size if fused == "qkv_proj" else 2 * c.intermediate_size
+        if loaded_shape(w)[0] != expected:
+            raise ValueError(f"{name}: expected {expected} rows, got {loaded_shape(w)[0]}")
+        for part, start, size in parts:
+            yield name.replace(fused, part), load_narrow(w, 0, start, size)
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Every layer attends within ``config.sliding_window`` when the config sets one (Phi-3-mini-4k:
     2047), as transformers' Phi-3 does."""
@@ -57,27 +80,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if act not in ("silu", "swish"):
             raise ValueError(f"Phi3ForCausalLM with hidden_act={act!r} is not supported (only silu)")
 
-    def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """qkv_proj -> q_proj, k_proj, v_proj and gate_up_proj -> gate_proj, up_proj (row blocks)."""
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        num_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        q_size, kv_size = c.num_attention_heads * head_dim, num_kv * head_dim
-        for name, w in weights:
-            if ".qkv_proj." in name:
-                parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size), ("v_proj", q_size + kv_size, kv_size)]
-            elif ".gate_up_proj." in name:
-                half = loaded_shape(w)[0] // 2
-                parts = [("gate_proj", 0, half), ("up_proj", half, half)]
-            else:
-                yield name, w
-                continue
-            fused = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
-            expected = q_size + 2 * kv_size if fused == "qkv_proj" else 2 * c.intermediate_size
-            if loaded_shape(w)[0] != expected:
-                raise ValueError(f"{name}: expected {expected} rows, got {loaded_shape(w)[0]}")
-            for part, start, size in parts:
-                yield name.replace(fused, part), load_narrow(w, 0, start, size)
-
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(self._split_fused(weights))
+        return super().load_weights(split_fused(self.config, weights))

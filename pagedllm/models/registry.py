@@ -35,6 +35,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),  # biases: attention_bias (q/k/v), attention_out_bias
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "GlmForCausalLM": ("glm4", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
 }
 
 

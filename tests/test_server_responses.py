@@ -70,6 +70,28 @@ def test_create_equals_chat_completion(client, tokenizer):
     assert r.instructions == "answer briefly" and r.max_output_tokens == 12
 
 
+def test_logprobs_equal_chat_completions(client, http):
+    """include message.output_text.logprobs with top_logprobs: each output token's entry, as the
+    chat route gives it for the same conversation; streamed deltas carry theirs in order."""
+    kw = dict(model=MODEL, input="to be or not", max_output_tokens=6, **GREEDY)
+    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, logprobs=True, top_logprobs=2, **GREEDY,
+                                          messages=[{"role": "user", "content": "to be or not"}])
+    got = r.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert len(got) == 6 and [(g.token, g.logprob, g.bytes) for g in got] == [(w.token, w.logprob, w.bytes) for w in want]
+    assert [[(t.token, t.logprob) for t in g.top_logprobs] for g in got] == \
+        [[(t.token, t.logprob) for t in w.top_logprobs] for w in want]
+    events = list(client.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=2, **kw))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(g.token, g.logprob) for g in got]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [g.token for g in got]
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked for
+    err = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "top_logprobs": 21})
+    assert err.status_code == 400 and err.json()["error"]["param"] == "top_logprobs"
+
+
 def test_message_items_and_tool_history_reach_the_template(client, tokenizer):
     items = [
         {"role": "developer", "content": "be terse"},

@@ -77,6 +77,7 @@ class FunctionCallOutputItem(OpenAIBaseModel):
 
 InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
 _INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 # ---- tools and text format ---------------------------------------------------------------------
@@ -192,11 +193,22 @@ class ResponsesRequest(OpenAIBaseModel):
         if self.truncation == "auto":
             raise RequestError("truncation 'auto' is not supported; input longer than the context is refused",
                                "truncation")
-        for name in ("reasoning", "top_logprobs", "prompt", "conversation", "max_tool_calls"):
+        for name in ("reasoning", "prompt", "conversation", "max_tool_calls"):
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported by this server", name)
-        if self.include:
-            raise RequestError(f"include values are not supported: {self.include}", "include")
+        other = [v for v in self.include or () if v != LOGPROBS_INCLUDE]
+        if other:
+            raise RequestError(f"include values are not supported: {other} (only {LOGPROBS_INCLUDE!r})", "include")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise RequestError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """Alternatives a token's logprob comes with (0: the token's own only); None: no logprobs.
+        Asked for by ``include: ["message.output_text.logprobs"]`` or by ``top_logprobs``."""
+        if LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
         if self.service_tier not in (None, "auto", "default"):
             raise RequestError(f"service_tier {self.service_tier!r} is not supported", "service_tier")
 

@@ -54,6 +54,7 @@ class _Run:
     seq: int = 0
     task: Optional[asyncio.Task] = None
     tools: Optional[ToolCallOutput] = None   # active: the output is parsed for function calls at the end
+    num_logprobs: Optional[int] = None       # top_logprobs of each output token's entry (None: no logprobs)
 
     def emit(self, type_: str, **payload: Any) -> None:
         if self.stream:
@@ -158,7 +159,7 @@ class OpenAIServingResponses:
             text={"format": req.text.format.dump()} if req.text is not None else {"format": {"type": "text"}},
             tool_choice=req.tool_choice, tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             user=req.user, metadata=req.metadata or {})
-        run = _Run(response=response, history=history, stream=req.stream)
+        run = _Run(response=response, history=history, stream=req.stream, num_logprobs=req.num_logprobs)
         tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer, req.parallel_tool_calls)
         run.tools = tools if tools.active else None
         if req.store:
@@ -220,8 +221,17 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _sampling_params(req: ResponsesRequest, max_tokens: int) -> SamplingParams:
-        return sampling_params_from(req, {"max_tokens": max_tokens, "seed": req.seed, "ignore_eos": req.ignore_eos},
+        return sampling_params_from(req, {"max_tokens": max_tokens, "seed": req.seed, "ignore_eos": req.ignore_eos,
+                                          "logprobs": req.num_logprobs},
                                     ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
+
+    def _logprobs(self, run: _Run, c, start: int) -> list[dict]:
+        """OpenAI's logprob entries ({token, logprob, bytes, top_logprobs}) of output tokens start..,
+        when the request asked for them."""
+        if run.num_logprobs is None:
+            return []
+        entries = self.chat._logprobs(c.token_ids[start:], (c.logprobs or [])[start:], run.num_logprobs)
+        return [e.model_dump() for e in entries]
 
     @staticmethod
     def _json(response: ResponseObject) -> Response:
@@ -244,7 +254,7 @@ class OpenAIServingResponses:
         resp = run.response
         message: Optional[OutputMessage] = None
         part: Optional[OutputText] = None
-        sent = 0
+        sent = sent_tokens = 0
         out = None
         try:
             resp.status = "in_progress"
@@ -267,8 +277,11 @@ class OpenAIServingResponses:
                     if delta:
                         part.text += delta
                         sent = len(c.text)
+                        lps = self._logprobs(run, c, sent_tokens)
+                        sent_tokens = len(c.token_ids)
+                        part.logprobs.extend(lps)
                         run.emit("response.output_text.delta", item_id=message.id, output_index=0,
-                                 content_index=0, delta=delta, logprobs=[])
+                                 content_index=0, delta=delta, logprobs=lps)
             if out is None:
                 raise RuntimeError("the engine returned no output")
             c = out.outputs[0]
@@ -278,8 +291,9 @@ class OpenAIServingResponses:
                 self._emit_parsed(run, c.text, c.finish_reason)
             else:
                 message.status = "incomplete" if length or aborted else "completed"
+                part.logprobs.extend(self._logprobs(run, c, sent_tokens))  # tokens that added no text
                 run.emit("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
-                         text=part.text, logprobs=[])
+                         text=part.text, logprobs=part.logprobs)
                 run.emit("response.content_part.done", item_id=message.id, output_index=0, content_index=0,
                          part=part.model_dump())
                 run.emit("response.output_item.done", output_index=0, item=message.model_dump())

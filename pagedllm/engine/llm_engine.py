@@ -100,11 +100,12 @@ class LLMEngine:
         per_block = self.executor.bytes_per_block()
         num_blocks = budget // per_block if budget > 0 else 0
         windows = self.executor.sliding_windows()
-        # One window on every layer, shorter than a sequence: blocks behind it can be freed, unless
-        # the pool holds a whole sequence but not the window's blocks and the null block as well.
+        # One window on every layer, shorter than a sequence: blocks behind it can be freed (with a
+        # null block reserved), unless the pool holds a whole sequence but not that much.
         if windows[0] is not None and windows[0] < mc.max_model_len and windows.count(windows[0]) == len(windows):
             windowed = max_blocks_per_seq(mc.max_model_len, cc.block_size, windows[0], sc.max_num_batched_tokens)
-            if not windowed + 1 > num_blocks >= max_blocks_per_seq(mc.max_model_len, cc.block_size):
+            whole = max_blocks_per_seq(mc.max_model_len, cc.block_size)
+            if num_blocks >= windowed + 1 or num_blocks < whole:
                 cc.sliding_window = windows[0]
         blocks_per_seq = max_blocks_per_seq(mc.max_model_len, cc.block_size, cc.sliding_window,
                                             sc.max_num_batched_tokens)

@@ -1,5 +1,5 @@
 """OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and 3, EXAONE 4, SmolLM3, StarCoder2, Ministral,
-Ministral 3, Seed-OSS, ERNIE 4.5 and GLM-4: fp32 greedy ids equal transformers' on tiny random
+Ministral 3, Seed-OSS, ERNIE 4.5, GLM-4 and Cohere 1/2: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -10,7 +10,8 @@ of ``original_max_position_embeddings``; Gemma prompts longer than the sliding w
 multipliers away from 1; SmolLM3 with a NoPE layer; OLMo 2's norms after each branch; EXAONE 4's hybrid windows; Qwen3
 with YaRN; StarCoder2's LayerNorms, biases and window; OLMo 3's windows and RoPE per layer type;
 Ministral 3's query scaling; Seed-OSS's q/k/v biases without an o_proj one; ERNIE 4.5's interleaved RoPE; GLM-4's interleaved
-partial RoPE, fused gate_up_proj and (0414) norms after each branch.
+partial RoPE, fused gate_up_proj and (0414) norms after each branch; Cohere's parallel block, interleaved
+RoPE and logit scale, Cohere 2's sliding and NoPE layers.
 """
 from __future__ import annotations
 
@@ -146,6 +147,17 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM",
              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15), {}),
+    # Cohere (Command R, Aya Expanse): a parallel block over one weight-only LayerNorm, interleaved
+    # RoPE, logits scaled by 0.3 (the real 0.0625 would flatten a tiny model's logits too much to show).
+    "cohere": ("CohereConfig", "CohereForCausalLM",
+               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, logit_scale=0.3, max_position_embeddings=512,
+                    initializer_range=0.15), {}),
+    # Cohere 2 (Command R7B): 3 sliding layers (16-token window, RoPE) per global NoPE one.
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
+                dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, sliding_window=16, logit_scale=0.3,
+                     max_position_embeddings=512, initializer_range=0.15), {}),
 }
 # Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
 RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4"}
@@ -281,7 +293,7 @@ def test_logprobs_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "exaone4",
-                                    "smollm3", "starcoder2", "ministral3", "seed_oss", "ernie4_5", "glm4"],
+                                    "smollm3", "starcoder2", "ministral3", "seed_oss", "ernie4_5", "glm4", "cohere2"],
                          indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family
@@ -296,7 +308,7 @@ def test_tensor_parallel_2_matches_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "olmo3", "ministral3",
-                                    "ernie4_5", "glm4", "phi3", "opt_post_norm",
+                                    "ernie4_5", "glm4", "cohere2", "phi3", "opt_post_norm",
                                     "gpt2"], indirect=True)
 def test_pipeline_parallel_2_matches_transformers(family):
     """Two stages: Gemma's stages pass the residual stream on; the Llama subclasses' stages split
@@ -363,6 +375,15 @@ def test_learned_positions_bound_max_model_len(tokenizer_dir, tmp_path_factory):
     d, _, _ = build("gpt2", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
     with pytest.raises(ValueError, match="learns 512 positions; max_model_len=600"):
         LLM(d, max_model_len=600, kv_cache_memory=1 << 20)
+
+
+def test_cohere_qk_norm_is_refused(tokenizer_dir, tmp_path_factory):
+    d, _, _ = build("cohere", tokenizer_dir, str(tmp_path_factory.getbasetemp()))
+    config = transformers.AutoConfig.from_pretrained(d)
+    config.use_qk_norm = True
+    from pagedllm.models.registry import get_model_class
+    with pytest.raises(ValueError, match="use_qk_norm=True"):
+        get_model_class(config, 512)
 
 
 def test_olmo2_refuses_tensor_parallel_before_starting(tokenizer_dir, tmp_path_factory):

@@ -64,12 +64,15 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """LayerNorm (Ba et al., 2016) over the last dim: (x - mean) / sqrt(var + eps) * weight + bias,
     as ``torch.nn.LayerNorm``; ``affine=False`` has neither weight nor bias (OPT's
-    ``layer_norm_elementwise_affine``). x [..., hidden] -> same shape and dtype."""
+    ``layer_norm_elementwise_affine``), ``bias=False`` a weight only (Cohere's). x [..., hidden] ->
+    same shape and dtype."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype=torch.float32, affine: bool = True) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype=torch.float32, affine: bool = True,
+                 bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False) if affine else None
-        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if affine else None
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+                     if affine and bias else None)
         self.hidden_size, self.eps = hidden_size, eps
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None

@@ -55,7 +55,7 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3 |
-    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | seed_oss | ernie4_5 | glm | phi3 | phi3_partial: Phi-3 with 3/4 of
+    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | glm | phi3 | phi3_partial: Phi-3 with 3/4 of
     each head's channels rotating, as Phi-4-mini) saved with save_pretrained."""
     import transformers
 
@@ -81,15 +81,10 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
-        "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
-        "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
         "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
     }[arch]
     if arch == "glm":  # interleaved RoPE on half of each head's channels; q/k/v biases
         common.setdefault("head_dim", 16)
-    if arch == "ernie4_5":  # interleaved RoPE, biases on every linear
-        common.setdefault("head_dim", 16)
-        common.setdefault("use_bias", True)
     if arch == "olmo3":  # sliding layers (24-token window) around global ones, a RoPE per layer type
         common.setdefault("sliding_window", 24)
         n = common["num_hidden_layers"]
@@ -101,9 +96,6 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         common.setdefault("head_dim", 16)
         common.setdefault("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0,
                                               "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.3})
-    if arch == "seed_oss":  # biases on q/k/v and the MLP, none on o_proj
-        common.setdefault("head_dim", 16)
-        common.setdefault("mlp_bias", True)
     if arch == "exaone4":  # hybrid: sliding layers (24-token window, RoPE) around a global NoPE one
         common.setdefault("sliding_window", 24)
         common.setdefault("sliding_window_pattern", 2)

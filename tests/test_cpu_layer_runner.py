@@ -34,8 +34,7 @@ def _runner_or_skip() -> None:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite", "smollm3",
-                                                "olmo2", "exaone4", "phi3", "phi3_partial", "olmo3", "seed_oss",
-                                                "ernie4_5", "glm"])
+                                                "olmo2", "exaone4", "phi3", "phi3_partial", "olmo3", "glm"])
 def wide_dir(request, tmp_path_factory):
     """Llama, Qwen2 (biases on q/k/v: the GEMM's bias pointer), Qwen3 (RMSNorms on q and k per head,
     before RoPE), Gemma 2 (sliding windows on alternate layers, soft-capped scores, four norms a layer,
@@ -45,11 +44,9 @@ def wide_dir(request, tmp_path_factory):
     Granite (residual multiplier, attention multiplier as the scale), SmolLM3 (NoPE layers), OLMo 2
     (norms after each branch, q/k norms over all heads) and EXAONE 4 (OLMo 2's layer, per-head q/k
     norms, sliding layers around a global NoPE one), OLMo 3 (OLMo 2's layer, sliding layers, a RoPE
-    table per layer type), Seed-OSS (biases on q/k/v and the MLP, none on o_proj), ERNIE 4.5 (its
-    interleaved RoPE loaded as Llama's, biases on every linear) and GLM-4 (the same on half of each
-    head's channels)."""
-    extra = (dict(head_dim=64) if request.param in ("qwen3", "gemma", "gemma2", "gemma3", "seed_oss", "ernie4_5", "glm")
-             else {})
+    table per layer type) and GLM-4 (interleaved RoPE on half of each head's channels, loaded as
+    Llama's; ERNIE 4.5 and Cohere load theirs the same way)."""
+    extra = dict(head_dim=64) if request.param in ("qwen3", "gemma", "gemma2", "gemma3", "glm") else {}
     return build_checkpoint(str(tmp_path_factory.mktemp(f"wide_{request.param}")), request.param, **WIDE, **extra)
 
 

@@ -76,6 +76,13 @@ def test_sharded_checkpoint(tmp_path):
     _assert_matches_hf(sharded)
 
 
+def test_folder_name_with_glob_characters(tmp_path, llama_dir):
+    d = str(tmp_path / "model [v2]*")
+    shutil.copytree(llama_dir, d)
+    llm = LLM(d, kv_cache_memory=1 << 20)
+    assert len(llm.generate(["the king"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
 def test_unsupported_architecture_is_named(tmp_path, llama_dir):
     d = str(tmp_path / "gpt")
     shutil.copytree(llama_dir, d)

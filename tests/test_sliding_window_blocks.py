@@ -9,6 +9,7 @@ import transformers
 
 from conftest import assert_pool_empty, build_checkpoint
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.block_pool import ROOT_HASH, hash_block_tokens
 from pagedllm.engine.kv_cache_manager import KVCacheManager, max_blocks_per_seq
 from test_block_pool_scheduler import make_req
 from test_correctness import hf_greedy, make_prompts
@@ -74,16 +75,43 @@ def test_prefix_hits_behind_the_window_are_not_taken():
     assert kv.block_pool.num_cached_free_blocks == 5
     b = make_req("b", 24)  # same first 20 tokens
     hits, n = kv.get_computed_blocks(b)
-    assert n == 20 and hits == a_blocks
-    b.num_computed_tokens = 0
+    assert n == 20 and hits == [kv.null_block] * 3 + a_blocks[3:5]  # found from the right
     assert kv.allocate_slots(b, 4, hits)
-    # Queries from position 20 on see positions >= 15: blocks 0-2 are behind the window.
+    # Queries from position 20 on see positions >= 15: blocks 0-2 are behind the window, and a
+    # list of the hits themselves takes none of them either.
+    assert kv.allocate_slots(make_req("b2", 24), 4, a_blocks)
+    assert kv.req_to_blocks["b2"][:3] == [kv.null_block] * 3
+    kv.free(make_req("b2", 24))
     assert kv.req_to_blocks["b"][:3] == [kv.null_block] * 3
     assert kv.req_to_blocks["b"][3:5] == a_blocks[3:5] and [x.ref_cnt for x in a_blocks[3:5]] == [1, 1]
     assert all(x.ref_cnt == 0 and kv.block_pool.get_cached_block(x.block_hash) is x for x in a_blocks[:3])
     assert kv.null_block.block_hash is None
     kv.free(b)
     assert kv.block_pool.get_num_free_blocks() == 15 and kv.null_block.ref_cnt == 1
+
+
+def test_prefix_hit_needs_only_the_window_blocks():
+    """Blocks freed behind the window go back first, so a prefix's leading blocks are evicted
+    first; a later request with the prefix still hits the blocks its window sees."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=W)
+    a = make_req("a", 24)
+    for n in (8, 8, 8):  # the third chunk frees blocks 0 and 1 (positions < 16 - W + 1)
+        assert kv.allocate_slots(a, n)
+        a.num_computed_tokens += n
+    a_blocks = [b for b in kv.req_to_blocks["a"] if b is not kv.null_block]
+    kv.free(a)
+    c = make_req("c", 28, first=100)
+    assert kv.allocate_slots(c, 28)  # 7 blocks: the 5 never used, then a's blocks 0 and 1
+    assert kv.block_pool.get_cached_block(a.block_hashes[0]) is None
+    b = make_req("b", 25)  # a's 24 tokens and one more
+    hits, n = kv.get_computed_blocks(b)
+    # A query at position 24 sees positions >= 19: blocks 4 and 5, both still cached.
+    assert n == 24 and hits == [kv.null_block] * 4 + a_blocks[2:4]
+    assert kv.allocate_slots(b, 1, hits)
+    assert kv.req_to_blocks["b"][4:6] == a_blocks[2:4] and len(held(kv, "b")) == 3
+    kv.free(b)
+    kv.free(c)
+    assert kv.block_pool.get_num_free_blocks() == 11
 
 
 def test_forked_samples_free_their_shared_blocks_once():
@@ -175,6 +203,25 @@ def test_parallel_samples_and_prefix_hits_past_the_window(mistral_dir):
     assert [c.token_ids for c in out.outputs] == [ref[0]] * 2
     out = llm.generate(longer, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == ref[1]
+    assert_pool_empty(llm)
+
+
+def test_prefix_hits_after_other_requests_evicted_the_leading_blocks(mistral_dir):
+    """a (a 61-token prefix) runs, an unrelated request c takes the blocks a freed first (its
+    leading ones), then b with a's prefix still hits: a query past the prefix sees only its last
+    window's blocks."""
+    cfg = transformers.AutoConfig.from_pretrained(mistral_dir)
+    prefix = make_prompts(cfg.vocab_size, [61], seed=11)[0]
+    a, b, c = prefix + [7, 8, 9], prefix + [10, 11, 12], make_prompts(cfg.vocab_size, [30], seed=12)[0]
+    llm = LLM(mistral_dir, kv_cache_memory=40 * _bytes_per_block(cfg), block_size=BS, max_model_len=128,
+              max_num_batched_tokens=16)
+    # c allocates 23 blocks one after another: the 18 a never used, then the 5 a freed first.
+    outs = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+            for p, n in ((a, 20), (c, 60), (b, 20))]
+    assert llm.llm_engine.kv_cache_manager.block_pool.get_cached_block(hash_block_tokens(ROOT_HASH, a[:BS])) is None
+    assert outs[2].num_cached_tokens == 60
+    assert [o.outputs[0].token_ids for o in outs] == [_reference(mistral_dir, [p], n)[0]
+                                                      for p, n in ((a, 20), (c, 60), (b, 20))]
     assert_pool_empty(llm)
 
 

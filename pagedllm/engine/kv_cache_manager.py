@@ -77,12 +77,17 @@ class KVCacheManager:
         """Longest cached prefix of a new request: (blocks, number of tokens they hold).
 
         At least one token is always left to compute, since the last position's logits are
-        needed to sample.
+        needed to sample. With a sliding window only the blocks the next query sees must be
+        cached: the longest prefix whose last ceil((W - 1) / block_size) blocks are, the blocks
+        before them given as the null block (the chained hashes vouch for the tokens before;
+        vLLM's sliding-window manager searches from the right the same way).
         """
         if not self.enable_caching:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._longest_window_hit(request.block_hashes[:max_blocks])
         blocks = []
         for h in request.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(h)
@@ -90,6 +95,22 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def _longest_window_hit(self, hashes: list[bytes]) -> tuple[list[KVCacheBlock], int]:
+        """(blocks, tokens) of the largest k whose blocks k - need .. k - 1 are all cached."""
+        # blocks a query at k * block_size sees before it (at least one: a hit holds some K/V)
+        need = max(1, cdiv(self.sliding_window - 1, self.block_size))
+        cached = [self.block_pool.get_cached_block(h) for h in hashes]
+        run = 0  # cached blocks in a row ending at block k - 1
+        runs = []
+        for block in cached:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for k in range(len(cached), 0, -1):
+            if runs[k - 1] >= min(need, k):
+                lo = max(0, k - need)
+                return [self.null_block] * lo + cached[lo:k], k * self.block_size
+        return [], 0
 
     def can_fit(self, num_blocks: int) -> bool:
         return num_blocks <= self.block_pool.get_num_free_blocks()

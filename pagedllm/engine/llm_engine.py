@@ -126,7 +126,8 @@ class LLMEngine:
         self.executor.allocate_kv_cache(num_blocks)
         kv_bytes = num_blocks * per_block * self.config.parallel_config.world_size
         pc = self.config.parallel_config
-        capped = " capped at max_num_seqs x max_model_len" if num_blocks < budget // per_block else ""
+        capped = (f" capped at max_num_seqs x {blocks_per_seq} blocks a sequence" if num_blocks < budget // per_block
+                  else "")
         threads = f" | threads {pc.num_threads} ({pc.num_threads_reason})" if pc.num_threads else ""
         logger.info(
             "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache%s: %d blocks x %d tokens = %.1f MiB "

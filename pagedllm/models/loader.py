@@ -36,7 +36,7 @@ def safetensors_files(model_dir: str) -> list[str]:
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(model_dir, n) for n in names]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))  # ("[" in a path is literal)
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir} (use load_format='dummy' for random weights)")
     return files

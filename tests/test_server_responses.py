@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
-from pagedllm.entrypoints.openai.responses_protocol import ResponseObject
+from pagedllm.entrypoints.openai.responses_protocol import LOGPROBS_INCLUDE, ResponseObject
 from server_utils import RemoteServer, metric, wait_idle
 
 KEY = "resp-key"
@@ -88,8 +88,10 @@ def test_logprobs_equal_chat_completions(client, http):
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.token for lp in done.logprobs] == [g.token for g in got]
     assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked for
-    err = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "top_logprobs": 21})
-    assert err.status_code == 400 and err.json()["error"]["param"] == "top_logprobs"
+    for body, param in (({"top_logprobs": 21}, "top_logprobs"), ({"service_tier": "flex"}, "service_tier"),
+                        ({"include": [LOGPROBS_INCLUDE, "file_search_call.results"]}, "include")):
+        err = http.post("/v1/responses", json={"model": MODEL, "input": "hi", **body})
+        assert err.status_code == 400 and err.json()["error"]["param"] == param
 
 
 def test_message_items_and_tool_history_reach_the_template(client, tokenizer):

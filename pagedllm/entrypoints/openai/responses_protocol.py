@@ -201,6 +201,8 @@ class ResponsesRequest(OpenAIBaseModel):
             raise RequestError(f"include values are not supported: {other} (only {LOGPROBS_INCLUDE!r})", "include")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise RequestError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
+        if self.service_tier not in (None, "auto", "default"):
+            raise RequestError(f"service_tier {self.service_tier!r} is not supported", "service_tier")
 
     @property
     def num_logprobs(self) -> Optional[int]:
@@ -209,8 +211,6 @@ class ResponsesRequest(OpenAIBaseModel):
         if LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None:
             return self.top_logprobs or 0
         return None
-        if self.service_tier not in (None, "auto", "default"):
-            raise RequestError(f"service_tier {self.service_tier!r} is not supported", "service_tier")
 
     def input_items(self) -> list[dict[str, Any]]:
         """The ``input`` as OpenAI's input items (what ``GET /v1/responses/{id}/input_items`` lists):

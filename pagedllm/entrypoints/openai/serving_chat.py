@@ -102,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             completion_tokens += len(c.token_ids)
             logprobs = None
             if req.logprobs:
-                logprobs = ChatCompletionLogProbs(content=self._logprobs(c.token_ids, c.logprobs,
+                logprobs = ChatCompletionLogProbs(content=self.logprob_entries(c.token_ids, c.logprobs,
                                                                          req.top_logprobs or 0))
             content, tool_calls, finish_reason = tools.whole(c.text, c.finish_reason)
             choices.append(ChatCompletionResponseChoice(index=c.index,
@@ -126,8 +126,10 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = forced
         return ToolCallOutput(choice, self.tool_parser, self.tokenizer, req.parallel_tool_calls)
 
-    def _logprobs(self, token_ids: list[int], positions: Optional[list[PositionLogprobs]],
-                  top_n: int) -> list[ChatLogProbsContent]:
+    def logprob_entries(self, token_ids: list[int], positions: Optional[list[PositionLogprobs]],
+                        top_n: int) -> list[ChatLogProbsContent]:
+        """OpenAI's logprob entry of each token (its text, logprob, bytes and ``top_n`` alternatives);
+        tokens without logprobs are skipped. Chat's ``logprobs.content`` and Responses' text parts."""
         out = []
         positions = positions or []
         for tid, pos in zip(token_ids, positions):
@@ -180,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if req.logprobs:
                         new_lps = (c.logprobs or [])[sent_tokens[i]:]
-                        logprobs = ChatCompletionLogProbs(content=self._logprobs(new_ids, new_lps,
+                        logprobs = ChatCompletionLogProbs(content=self.logprob_entries(new_ids, new_lps,
                                                                                  req.top_logprobs or 0))
                     sent_text[i] = len(c.text)
                     sent_tokens[i] = len(c.token_ids)

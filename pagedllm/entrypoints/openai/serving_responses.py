@@ -230,7 +230,7 @@ class OpenAIServingResponses:
         when the request asked for them."""
         if run.num_logprobs is None:
             return []
-        entries = self.chat._logprobs(c.token_ids[start:], (c.logprobs or [])[start:], run.num_logprobs)
+        entries = self.chat.logprob_entries(c.token_ids[start:], (c.logprobs or [])[start:], run.num_logprobs)
         return [e.model_dump() for e in entries]
 
     @staticmethod

@@ -205,6 +205,35 @@ def test_background_response_completes_and_cancel(client, http):
     assert done.status_code == 400 and "only a response still being generated" in done.json()["error"]["message"]
 
 
+def test_background_response_streams_from_any_point(client, http):
+    """A background response's events are kept: retrieve(stream=True) replays them (after
+    starting_after) and follows the rest live; create(background, stream) streams too, and the
+    response runs on when that client goes away."""
+    kw = dict(model=MODEL, input="count", max_output_tokens=300, background=True, **GREEDY)
+    bg = client.responses.create(**kw)
+    live = list(client.responses.retrieve(bg.id, stream=True))  # joins while it runs (300 tokens)
+    assert [e.sequence_number for e in live] == list(range(len(live)))
+    assert live[0].type == "response.created" and live[-1].type == "response.incomplete"
+    final = client.responses.retrieve(bg.id)
+    assert "".join(e.delta for e in live if e.type == "response.output_text.delta") == final.output_text
+    assert live[-1].response.output_text == final.output_text and final.usage.output_tokens == 300
+    tail = list(client.responses.retrieve(bg.id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in tail] == list(range(4, len(live)))
+    streamed = list(client.responses.create(stream=True, **kw))
+    assert streamed[-1].type == "response.incomplete" and streamed[-1].response.background
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == final.output_text
+    # a client that leaves a background stream early does not stop the response
+    with client.responses.create(stream=True, **{**kw, "max_output_tokens": 200}) as stream:
+        first = next(iter(stream))
+    rid = first.response.id
+    deadline = time.time() + 60
+    while (got := client.responses.retrieve(rid)).status in ("queued", "in_progress"):
+        assert time.time() < deadline
+        time.sleep(0.1)
+    assert got.status == "incomplete" and got.usage.output_tokens == 200
+    wait_idle(http)
+
+
 def test_cancel_a_streaming_response(client, http, server):
     stream = client.responses.create(model=MODEL, input="stream me", max_output_tokens=400, stream=True, **GREEDY)
     seen = []

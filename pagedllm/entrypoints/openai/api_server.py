@@ -259,8 +259,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         return await responses.create(body, raw_request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, stream: Optional[bool] = None):
-        return responses.retrieve(response_id, stream)
+    async def retrieve_response(response_id: str, stream: Optional[bool] = None, starting_after: Optional[int] = None):
+        return responses.retrieve(response_id, stream, starting_after)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, after: Optional[str] = None, limit: int = 20, order: str = "desc"):

@@ -21,6 +21,7 @@ class StoredResponse:
     response: ResponseObject
     messages: list[dict] = field(default_factory=list)   # the conversation including this response's output
     input_items: list[dict] = field(default_factory=list)  # the request's own input, as OpenAI's input items
+    events: Optional[list[dict]] = None  # a background response's stream events (replayed on a streamed GET)
     created: float = field(default_factory=lambda: time.monotonic())
     cancel: Optional[Callable[[], None]] = None           # set while the response is still being generated
 

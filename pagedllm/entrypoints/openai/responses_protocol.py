@@ -187,9 +187,6 @@ class ResponsesRequest(OpenAIBaseModel):
         if self.background and not self.store:
             raise RequestError("background responses must be stored: set store to true (or drop background)",
                                "background")
-        if self.background and self.stream:
-            raise RequestError("background with stream is not supported: stream, or poll a background response",
-                               "background")
         if self.truncation == "auto":
             raise RequestError("truncation 'auto' is not supported; input longer than the context is refused",
                                "truncation")

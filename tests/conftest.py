@@ -55,7 +55,7 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512):
 
 def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """A tiny random-weight model of ``arch`` (llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3 |
-    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | glm | phi3 | phi3_partial: Phi-3 with 3/4 of
+    granite | smollm3 | olmo2 | olmo3 | exaone4 | ministral3 | glm | hunyuan | phi3 | phi3_partial: Phi-3 with 3/4 of
     each head's channels rotating, as Phi-4-mini) saved with save_pretrained."""
     import transformers
 
@@ -82,7 +82,10 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
         "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
+        "hunyuan": (transformers.HunYuanDenseV1Config, transformers.HunYuanDenseV1ForCausalLM),
     }[arch]
+    if arch == "hunyuan":
+        common.setdefault("head_dim", 16)
     if arch == "glm":  # interleaved RoPE on half of each head's channels; q/k/v biases
         common.setdefault("head_dim", 16)
     if arch == "olmo3":  # sliding layers (24-token window) around global ones, a RoPE per layer type
@@ -139,6 +142,8 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
+            if arch == "hunyuan" and "layernorm" in name:  # weights of 1 would commute with RoPE
+                p.normal_(1.0, 0.5)
     model.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     return out_dir

@@ -242,3 +242,17 @@ def test_ministral3_runner_within_its_original_length(tmp_path, caplog, monkeypa
            "original_max_position_embeddings))" in caplog.messages
     assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in reference(d, longer)]
     assert_pool_empty(llm)
+
+
+def test_hunyuan_q_k_norms_after_rope_run_the_loop(tmp_path, caplog, monkeypatch):
+    """The runner norms q and k before RoPE; HunYuan's norms follow it, so the loop runs HunYuan
+    (logged why), equal to transformers."""
+    _runner_or_skip()
+    monkeypatch.setattr(init_logger(), "propagate", True)
+    d = build_checkpoint(str(tmp_path / "hunyuan"), "hunyuan", **WIDE, head_dim=64)
+    prompts = make_prompts(500, lens=[5, 40])
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(d, dtype="float32", kv_cache_memory=16 << 20)
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert "cpu layer runner: off (q/k norms after RoPE (HunYuan))" in caplog.messages
+    assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in reference(d, prompts)]

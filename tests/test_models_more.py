@@ -158,9 +158,17 @@ FAMILIES = {
                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, sliding_window=16, logit_scale=0.3,
                      max_position_embeddings=512, initializer_range=0.15), {}),
+    # HunYuan dense: q/k RMSNorms per head after RoPE, NTK-alpha RoPE (a stretched base).
+    "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM",
+                dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15,
+                     rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
+                                      "rope_theta": 10000.0}), {}),
 }
 # Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
 RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4"}
+# Families whose norm weights are drawn at random around 1 (HunYuan's q/k norms follow RoPE).
+RANDOM_NORMS = {"hunyuan"}
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
 PROMPTS_FOR = {"phi3": [40, 33, 57, 130]}
 
@@ -191,6 +199,11 @@ def build(name: str, tokenizer_dir: str, root: str):
                 for pname, p in model.named_parameters():
                     if pname.endswith(".bias"):
                         p.normal_(0, 0.5)
+        if name in RANDOM_NORMS:  # norm weights of 1 would commute with RoPE (a rotation)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "layernorm" in pname and pname.endswith(".weight"):
+                        p.normal_(1.0, 0.5)
         model.save_pretrained(d)
         _BUILT[name] = (d, model, {})
     return _BUILT[name]

@@ -173,6 +173,8 @@ def _check_layers(model: Any, kind: str) -> tuple[list, str]:
                      and type(attn).forward in (llama.LlamaAttention.forward, olmo2.Olmo2Attention.forward))
             if plain and all(attn.rotary_emb is not r for r in model.rotary_embs()):
                 return [], "a layer's RoPE is not one of the model's step tables"
+            if getattr(attn, "qk_norm_after_rope", False):
+                return [], "q/k norms after RoPE (HunYuan)"
             if getattr(attn, "query_scale", None) is not None:
                 return [], "Llama 4's query scaling (Ministral 3 with max_model_len past original_max_position_embeddings)"
             dense = type(mlp).forward is llama.LlamaMLP.forward

@@ -59,6 +59,7 @@ class LlamaAttention(nn.Module):
     (None: not)."""
 
     query_scale: Optional[tuple[float, int]] = None
+    qk_norm_after_rope = False  # HunYuan's q/k norms follow RoPE (Qwen3's precede it)
 
     def __init__(self, config: Any, dtype, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool,
                  rotary_emb: Optional[RotaryEmbedding] = None) -> None:
@@ -83,7 +84,7 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj.split_heads(self.qkv_proj(x))
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_after_rope:
             q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
         if isinstance(self.rotary_emb, RotaryEmbedding):
             if cos_sin is None:
@@ -91,6 +92,8 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)  # in place
         else:  # a model's own RoPE variant (Phi-3's LongRoPE): rotates on its own
             q, k = self.rotary_emb(positions, q, k)
+        if self.q_norm is not None and self.qk_norm_after_rope:
+            q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
         if self.query_scale is not None:
             scale = meta.derived.get("llama4_query_scale")  # once a step, shared by the layers
             if scale is None:

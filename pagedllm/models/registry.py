@@ -39,6 +39,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("hunyuan", "HunYuanDenseV1ForCausalLM"),
 }
 
 

@@ -1,5 +1,5 @@
 """OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and 3, EXAONE 4, SmolLM3, StarCoder2, Ministral,
-Ministral 3, Seed-OSS, ERNIE 4.5, GLM-4 and Cohere 1/2: fp32 greedy ids equal transformers' on tiny random
+Ministral 3, Seed-OSS, ERNIE 4.5, GLM-4, Cohere 1/2, HunYuan and Phi-2: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -164,9 +164,16 @@ FAMILIES = {
                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.15,
                      rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
                                       "rope_theta": 10000.0}), {}),
+    # Phi-2: a parallel block over LayerNorms, RoPE on 2/5 of each head's channels, biases everywhere
+    # (the LM head's too), a GELU-tanh MLP.
+    "phi": ("PhiConfig", "PhiForCausalLM",
+            dict(hidden_size=80, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.15,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}),
+            {}),
 }
 # Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
-RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4"}
+RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4", "phi"}
 # Families whose norm weights are drawn at random around 1 (HunYuan's q/k norms follow RoPE).
 RANDOM_NORMS = {"hunyuan"}
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
@@ -320,7 +327,7 @@ def test_tensor_parallel_2_matches_transformers(family):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "olmo3", "cohere2",
+@pytest.mark.parametrize("family", ["gemma", "gemma3", "granite", "olmo2", "exaone4", "smollm3", "olmo3", "cohere2", "phi",
                                     "phi3", "opt_post_norm",
                                     "gpt2"], indirect=True)
 def test_pipeline_parallel_2_matches_transformers(family):

@@ -40,6 +40,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan", "HunYuanDenseV1ForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
 }
 
 

@@ -1,5 +1,5 @@
 """OPT, GPT-2, Phi-3, Gemma 1, 2 and 3, Granite, OLMo 2 and 3, EXAONE 4, SmolLM3, StarCoder2, Ministral,
-Ministral 3, Seed-OSS, ERNIE 4.5, GLM-4, Cohere 1/2, HunYuan and Phi-2: fp32 greedy ids equal transformers' on tiny random
+Ministral 3, Seed-OSS, ERNIE 4.5, GLM-4, Cohere 1/2, HunYuan, Phi-2 and GPT-NeoX: fp32 greedy ids equal transformers' on tiny random
 checkpoints through batching with chunked prefill, preemption, prefix caching and TP=2.
 
 Each family's checkpoint is built once per module (transformers config with small sizes,
@@ -171,9 +171,19 @@ FAMILIES = {
                  num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.15,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}),
             {}),
+    # GPT-NeoX (Pythia): q/k/v fused head by head, RoPE on a quarter of each head, LayerNorms, a GELU
+    # MLP; the parallel residual (the default) and the sequential one.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=512, initializer_range=0.15), {}),
+    "gpt_neox_sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 max_position_embeddings=512, initializer_range=0.15, use_parallel_residual=False),
+                            {}),
 }
 # Families whose biases (linears', LayerNorms') are drawn at random rather than left at zero.
-RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4", "phi"}
+RANDOM_BIASES = {"granite", "starcoder2", "seed_oss", "ernie4_5", "glm", "glm4", "phi", "gpt_neox",
+                 "gpt_neox_sequential"}
 # Families whose norm weights are drawn at random around 1 (HunYuan's q/k norms follow RoPE).
 RANDOM_NORMS = {"hunyuan"}
 # Which prompts each family runs (Phi-3's long factors only match transformers past position 32).
@@ -313,7 +323,7 @@ def test_logprobs_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2", "phi3", "gemma", "gemma2", "gemma3", "granite", "exaone4",
-                                    "smollm3", "starcoder2", "ministral3", "glm4", "cohere2"],
+                                    "smollm3", "starcoder2", "ministral3", "glm4", "cohere2", "gpt_neox"],
                          indirect=True)
 def test_tensor_parallel_2_matches_transformers(family):
     name, _, model, _ = family

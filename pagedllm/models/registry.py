@@ -41,6 +41,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan", "HunYuanDenseV1ForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
 }
 
 

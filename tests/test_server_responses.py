@@ -88,8 +88,10 @@ def test_logprobs_equal_chat_completions(client, http):
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.token for lp in done.logprobs] == [g.token for g in got]
     assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked for
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
     for body, param in (({"top_logprobs": 21}, "top_logprobs"), ({"service_tier": "flex"}, "service_tier"),
-                        ({"include": [LOGPROBS_INCLUDE, "file_search_call.results"]}, "include")):
+                        ({"include": [LOGPROBS_INCLUDE, "file_search_call.results"]}, "include"),
+                        ({"top_logprobs": 2, "tools": [tool], "tool_choice": "required"}, "top_logprobs")):
         err = http.post("/v1/responses", json={"model": MODEL, "input": "hi", **body})
         assert err.status_code == 400 and err.json()["error"]["param"] == param
 
@@ -213,12 +215,15 @@ def test_background_response_streams_from_any_point(client, http):
     bg = client.responses.create(**kw)
     live = list(client.responses.retrieve(bg.id, stream=True))  # joins while it runs (300 tokens)
     assert [e.sequence_number for e in live] == list(range(len(live)))
-    assert live[0].type == "response.created" and live[-1].type == "response.incomplete"
+    assert [e.type for e in live[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert live[0].response.status == "queued" and live[-1].type == "response.incomplete"
     final = client.responses.retrieve(bg.id)
     assert "".join(e.delta for e in live if e.type == "response.output_text.delta") == final.output_text
     assert live[-1].response.output_text == final.output_text and final.usage.output_tokens == 300
     tail = list(client.responses.retrieve(bg.id, stream=True, starting_after=3))
     assert [e.sequence_number for e in tail] == list(range(4, len(live)))
+    err = http.get(f"/v1/responses/{bg.id}", params={"stream": "true", "starting_after": -1})
+    assert err.status_code == 400 and err.json()["error"]["param"] == "starting_after"
     streamed = list(client.responses.create(stream=True, **kw))
     assert streamed[-1].type == "response.incomplete" and streamed[-1].response.background
     assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == final.output_text
@@ -292,6 +297,8 @@ def test_bad_requests_get_openai_errors(server, http):
     r = post({"input": "hi", "max_output_tokens": 2, "store": None, "background": None, "stream": None,
               "parallel_tool_calls": None, "tool_choice": None})
     assert r.status_code == 200 and r.json()["store"] is True and r.json()["tool_choice"] == "auto"
+    for reasoning in ({}, {"effort": None, "summary": None}):  # nothing asked: not a refusal
+        assert post({"input": "hi", "max_output_tokens": 2, "reasoning": reasoning}).status_code == 200
 
 
 def test_input_items_lists_the_request_input(client, http):

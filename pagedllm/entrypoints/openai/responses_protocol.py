@@ -190,7 +190,9 @@ class ResponsesRequest(OpenAIBaseModel):
         if self.truncation == "auto":
             raise RequestError("truncation 'auto' is not supported; input longer than the context is refused",
                                "truncation")
-        for name in ("reasoning", "prompt", "conversation", "max_tool_calls"):
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):  # ({} or all null: not set)
+            raise RequestError("reasoning is not supported by this server", "reasoning")
+        for name in ("prompt", "conversation", "max_tool_calls"):
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported by this server", name)
         other = [v for v in self.include or () if v != LOGPROBS_INCLUDE]

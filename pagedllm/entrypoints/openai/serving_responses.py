@@ -175,6 +175,10 @@ class OpenAIServingResponses:
                    log=[] if req.background else None)
         tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer, req.parallel_tool_calls)
         run.tools = tools if tools.active else None
+        if run.tools is not None and req.num_logprobs is not None:
+            raise RequestError("logprobs (top_logprobs, include message.output_text.logprobs) cannot be combined "
+                               "with tools here: the output is parsed for calls", "top_logprobs"
+                               if req.top_logprobs is not None else "include")
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items(),
                                           events=run.log))
@@ -271,8 +275,10 @@ class OpenAIServingResponses:
         sent = sent_tokens = 0
         out = None
         try:
+            run.emit("response.created", response=self._dump(resp))  # (a background one: queued)
+            if resp.status == "queued":
+                run.emit("response.queued", response=self._dump(resp))
             resp.status = "in_progress"
-            run.emit("response.created", response=self._dump(resp))
             run.emit("response.in_progress", response=self._dump(resp))
             async for out in gen:
                 c = out.outputs[0]
@@ -305,7 +311,11 @@ class OpenAIServingResponses:
                 self._emit_parsed(run, c.text, c.finish_reason)
             else:
                 message.status = "incomplete" if length or aborted else "completed"
-                part.logprobs.extend(self._logprobs(run, c, sent_tokens))  # tokens that added no text
+                rest = self._logprobs(run, c, sent_tokens)  # tokens that added no text (the stop token)
+                if rest:
+                    part.logprobs.extend(rest)
+                    run.emit("response.output_text.delta", item_id=message.id, output_index=0, content_index=0,
+                             delta="", logprobs=rest)
                 run.emit("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
                          text=part.text, logprobs=part.logprobs)
                 run.emit("response.content_part.done", item_id=message.id, output_index=0, content_index=0,
@@ -397,7 +407,7 @@ class OpenAIServingResponses:
     async def _replay(self, response_id: str, log: list[dict], starting_after: int) -> AsyncIterator[str]:
         """A background response's events after ``starting_after``, then each new one until it ends
         (its own stream's end; the client going away leaves the response running)."""
-        i = max(0, starting_after + 1)
+        i = starting_after + 1
         final = set(_FINAL_EVENT.values())
         while True:
             while i < len(log):
@@ -422,6 +432,8 @@ class OpenAIServingResponses:
         """The stored response, or with ``stream`` a background response's events (RequestError 400
         for one that did not run in the background: its events were not kept)."""
         entry = self._stored(response_id)
+        if starting_after is not None and starting_after < 0:
+            raise RequestError(f"starting_after must be >= 0, got {starting_after}", "starting_after")
         if not stream:
             return self._json(entry.response)
         if entry.events is None:

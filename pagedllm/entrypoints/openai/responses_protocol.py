@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 import uuid
 
@@ -76,7 +76,9 @@ class FunctionCallOutputItem(OpenAIBaseModel):
 
 
 InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
-_INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+_INPUT_ITEM_MODELS = {"message": InputMessage, "function_call": FunctionCallItem,
+                      "function_call_output": FunctionCallOutputItem}
+_INPUT_ITEM_TYPES = tuple(_INPUT_ITEM_MODELS)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -167,12 +169,22 @@ class ResponsesRequest(OpenAIBaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _known_item_types(cls, value: Any) -> Any:
-        # One clear sentence instead of pydantic's error for each member of the item union.
+        # One clear sentence naming the item and its field, instead of pydantic's error for each
+        # member of the item union.
         for i, item in enumerate(value if isinstance(value, list) else ()):
-            kind = item.get("type", "message") if isinstance(item, dict) else None
-            if isinstance(kind, str) and kind not in _INPUT_ITEM_TYPES:
-                raise RequestError(f"input item {i} has type {kind[:40]!r}; this server takes "
+            if not isinstance(item, dict):
+                raise RequestError(f"input item {i} must be an object (a message, function_call or "
+                                   f"function_call_output item)", f"input.{i}")
+            kind = item.get("type", "message")
+            if not isinstance(kind, str) or kind not in _INPUT_ITEM_TYPES:
+                raise RequestError(f"input item {i} has type {str(kind)[:40]!r}; this server takes "
                                    f"{', '.join(_INPUT_ITEM_TYPES)} items", f"input.{i}")
+            try:
+                _INPUT_ITEM_MODELS[kind].model_validate(item)
+            except ValidationError as e:
+                first = e.errors()[0]
+                field = ".".join(str(part) for part in first["loc"])
+                raise RequestError(f"input item {i} ({kind}): {field}: {first['msg']}", f"input.{i}.{field}") from None
         return value
 
     def check_unsupported(self) -> None:

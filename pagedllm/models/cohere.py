@@ -12,16 +12,15 @@ The per-head q/k LayerNorms of Command R+ (``use_qk_norm``) are not implemented.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.layernorm import LayerNorm
-from pagedllm.layers.linear import load_full
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.models.ernie4_5 import interleaved_to_half
+from pagedllm.models.ernie4_5 import interleaved_qk_to_half
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, PPMissingLayer
 from pagedllm.models.smollm3 import NoPELayers
 
@@ -67,15 +66,8 @@ class CohereForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.logit_scale
 
-    def _to_half_layout(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        r = self.rotary_emb
-        for name, w in weights:
-            if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-                w = interleaved_to_half(load_full(w), r.head_dim, r.rotary_dim)
-            yield name, w
-
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(self._to_half_layout(weights))
+        return super().load_weights(interleaved_qk_to_half(weights, self.rotary_emb))
 
 
 class Cohere2ForCausalLM(NoPELayers, CohereForCausalLM):

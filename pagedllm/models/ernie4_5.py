@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.linear import load_full
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.models.llama import LlamaForCausalLM
 
 
@@ -28,19 +29,22 @@ def interleaved_to_half(rows: torch.Tensor, head_dim: int, rotary_dim: Optional[
     return rows.reshape(-1, head_dim, *rows.shape[1:])[:, perm].reshape(rows.shape)
 
 
+def interleaved_qk_to_half(weights: Iterable[tuple[str, Any]], rotary: RotaryEmbedding
+                           ) -> Iterator[tuple[str, Any]]:
+    """Checkpoint (name, tensor) pairs with the q and k projections' rows (weights and biases) moved
+    from the interleaved RoPE layout to ``rotary``'s rotate-half one (``interleaved_to_half``); the
+    loader of every model with interleaved RoPE (ERNIE 4.5, GLM, Cohere)."""
+    for name, w in weights:
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            w = interleaved_to_half(load_full(w), rotary.head_dim, rotary.rotary_dim)
+        yield name, w
+
+
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         biased = copy.copy(config)  # use_bias covers q/k/v, o and the MLP: Llama's two flags
         biased.attention_bias = biased.mlp_bias = bool(getattr(config, "use_bias", False))
         super().__init__(biased, dtype, backend)
 
-    def _to_half_layout(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        for name, w in weights:
-            if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-                w = interleaved_to_half(load_full(w), head_dim)
-            yield name, w
-
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(self._to_half_layout(weights))
+        return super().load_weights(interleaved_qk_to_half(weights, self.rotary_emb))

@@ -14,14 +14,13 @@ Tools"; transformers' ``modeling_glm.py`` for GLM-4-9B-Chat as ``GlmForCausalLM`
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import load_full
-from pagedllm.models.ernie4_5 import interleaved_to_half
+from pagedllm.models.ernie4_5 import interleaved_qk_to_half
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.phi3 import split_fused
 
@@ -51,15 +50,8 @@ class GlmForCausalLM(LlamaForCausalLM):
         plain.attention_out_bias, plain.mlp_bias = False, False
         super().__init__(plain, dtype, backend)
 
-    def _to_half_layout(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        r = self.rotary_emb
-        for name, w in weights:
-            if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
-                w = interleaved_to_half(load_full(w), r.head_dim, r.rotary_dim)
-            yield name, w
-
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(self._to_half_layout(split_fused(self.config, weights)))
+        return super().load_weights(interleaved_qk_to_half(split_fused(self.config, weights), self.rotary_emb))
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

@@ -56,6 +56,27 @@ def wait_idle(url: str, within_s: float = 30.0) -> str:
         time.sleep(0.2)
 
 
+def test_router_picks_least_work_then_takes_turns_when_idle():
+    from types import SimpleNamespace
+
+    from pagedllm.engine.dp_client import DPAsyncLLM, _Replica
+
+    reps = [_Replica(index=i, proc=None, conn=None) for i in range(3)]
+    front = SimpleNamespace(replicas=reps)
+    picked = []
+    for _ in range(6):  # requests that never overlap: the idle replicas take turns
+        r = DPAsyncLLM.pick_replica(front)
+        r.requests_routed += 1
+        picked.append(r.index)
+    assert picked == [0, 1, 2, 0, 1, 2]
+    reps[0].outstanding["a"] = 5  # outstanding tokens come first, whatever was routed before
+    reps[1].outstanding["b"] = 3
+    reps[1].requests_routed = 0
+    assert DPAsyncLLM.pick_replica(front).index == 2
+    reps[2].outstanding["c"] = 4
+    assert DPAsyncLLM.pick_replica(front).index == 1
+
+
 def test_dp2_answers_equal_one_engine_and_both_replicas_work(server, llama_dir):
     ref_llm = LLM(llama_dir, kv_cache_memory=1 << 22, max_model_len=256)
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -4,7 +4,8 @@
 Each replica holds a full model copy, its own KV cache and ``cores / N`` torch threads. The
 front end (this process) keeps the tokenizer only; it routes each new request to the replica
 with the least outstanding work -- the tokens it still has to process for its unfinished
-requests (prompt + remaining max_tokens), ties broken by lower KV-cache usage, then index --
+requests (prompt + remaining max_tokens), ties broken by lower KV-cache usage, then by fewer
+requests routed so far (idle replicas take turns), then index --
 and forwards aborts to the replica that holds the request (which frees its blocks before its
 next step). One reader thread per replica delivers outputs to the callers' streams.
 
@@ -67,9 +68,11 @@ class _Replica:
     requests_routed: int = 0
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def load(self) -> tuple[int, float, int]:
+    def load(self) -> tuple[int, float, int, int]:
+        # Ties (idle replicas) go to the one routed the fewest requests, so requests that never
+        # overlap alternate instead of all landing on replica 0.
         usage = self.snapshot.stats.kv_cache_usage if self.snapshot is not None else 0.0
-        return sum(self.outstanding.values()), usage, self.index
+        return sum(self.outstanding.values()), usage, self.requests_routed, self.index
 
     def send(self, msg: tuple) -> None:
         with self.send_lock:
@@ -241,7 +244,7 @@ class DPAsyncLLM(AsyncLLM):
         return n, max_tokens * params.n
 
     def pick_replica(self) -> _Replica:
-        """The replica with the least outstanding work (tokens, then KV usage, then index)."""
+        """The replica with the least outstanding work (tokens, then KV usage, then requests routed, then index)."""
         return min(self.replicas, key=_Replica.load)
 
     def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float) -> None:

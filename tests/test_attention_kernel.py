@@ -48,8 +48,9 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, group: in
     return q, torch.cat(ks), torch.cat(vs), kv_cache, meta, full_k, full_v
 
 
-def dense_attention(q, seqs, full_k, full_v, scale, window=None, soft_cap=None):
-    """Per sequence and head, from the definitions, in float64."""
+def dense_attention(q, seqs, full_k, full_v, scale, window=None, soft_cap=None, sinks=None):
+    """Per sequence and head, from the definitions, in float64; ``sinks`` [H]: one more logit per
+    head in the softmax, with no value (transformers' gpt-oss eager_attention_forward)."""
     out, row = [], 0
     for (c, n), fk, fv in zip(seqs, full_k, full_v):
         qs = q[row:row + n].double()  # [n, H, D]
@@ -66,7 +67,10 @@ def dense_attention(q, seqs, full_k, full_v, scale, window=None, soft_cap=None):
         if window is not None:
             visible &= k_pos > q_pos - window  # transformers' sliding_window_overlay
         s = s.masked_fill(~visible, float("-inf"))
-        out.append(torch.einsum("htl,lhd->thd", s.softmax(-1), vv))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, n, 1)], -1)
+        p = s.softmax(-1)[..., :fk.shape[0]]
+        out.append(torch.einsum("htl,lhd->thd", p, vv))
     return torch.cat(out)
 
 
@@ -83,6 +87,25 @@ def test_reference_matches_dense_definition(window, soft_cap, block_size, hkv, g
                                         logits_soft_cap=soft_cap)
     ref = dense_attention(q, MIXED, fk, fv, scale, window, soft_cap)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (8, 5.0)])
+@pytest.mark.parametrize("block_size,hkv,group", [(1, 2, 1), (5, 2, 3)])
+def test_reference_attention_sinks_match_dense_definition(window, soft_cap, block_size, hkv, group):
+    """gpt-oss's attention sinks: each head's sink logit joins the softmax; with and without a cache."""
+    d = 16
+    q, k, v, cache, meta, fk, fv = make_batch(MIXED, block_size, hkv, group, d, torch.float32, seed=block_size)
+    sinks = torch.randn(hkv * group, generator=torch.Generator().manual_seed(4)) * 2
+    out = TorchPagedAttention().forward(q, k, v, cache, meta, 0.25, sliding_window=window, logits_soft_cap=soft_cap,
+                                        sinks=sinks)
+    ref = dense_attention(q, MIXED, fk, fv, 0.25, window, soft_cap, sinks)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref, dense_attention(q, MIXED, fk, fv, 0.25, window, soft_cap), atol=1e-3)
+    seqs = [(0, 7), (0, 12)]
+    q, k, v, _, meta, fk, fv = make_batch(seqs, 4, hkv, group, 8, torch.float32, seed=3)
+    out = TorchPagedAttention().forward(q, k, v, None, meta, 0.3, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out.double(), dense_attention(q, seqs, fk, fv, 0.3, window, None, sinks),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_reference_without_cache_is_causal_attention():
@@ -119,16 +142,17 @@ def _random_seqs(rng: random.Random, n_decode: int, n_prefill: int, max_ctx: int
     return decodes + prefills
 
 
-def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None, tol=1e-5):
+def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None, tol=1e-5, sinks=False):
     kernel = _kernel()
     q, k, v, cache, meta, _, _ = make_batch(seqs, block_size, hkv, group, d, dtype, seed)
     scale = d ** -0.5
+    sink_logits = torch.randn(hkv * group, generator=torch.Generator().manual_seed(seed)) * 3 if sinks else None
     ref_cache = cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, scale, sliding_window=window,
-                                        logits_soft_cap=soft_cap)
+                                        logits_soft_cap=soft_cap, sinks=sink_logits)
     # The kernel alone on every sequence (the backend sends long prefill chunks to the reference).
     write_kv(k, v, cache, meta.slot_mapping)
-    out = paged_attention(torch.empty_like(q), q, cache, meta, scale, window, soft_cap)
+    out = paged_attention(torch.empty_like(q), q, cache, meta, scale, window, soft_cap, sinks=sink_logits)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.equal(cache, ref_cache)  # both wrote the new K/V to the same slots
     # Relative error of each output row (one query, one head), the largest over the batch: both
@@ -152,6 +176,17 @@ def test_kernel_sliding_window_and_soft_cap(window, soft_cap):
     rng = random.Random(7)
     seqs = _random_seqs(rng, 6, 3, max_ctx=120)
     _compare(seqs, 8, 2, 3, d=64, dtype=torch.float32, seed=11, window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (24, torch.float32), (64, torch.bfloat16)])
+def test_kernel_attention_sinks(d, dtype):
+    """gpt-oss's sinks in the vector loops (d 64), the portable ones (d 24) and bf16; a split long
+    decode (its parts merged, then the sink); a window and a soft cap beside them."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    rng = random.Random(13)
+    _compare(_random_seqs(rng, 6, 3, max_ctx=200), 16, 2, 4, d=d, dtype=dtype, seed=13, tol=tol, sinks=True)
+    _compare(MIXED, 5, 2, 3, d=d, dtype=dtype, seed=14, window=20, soft_cap=30.0, tol=tol, sinks=True)
+    _compare([(3000, 1)], 16, 1, 3, d=d, dtype=dtype, seed=15, tol=tol, sinks=True)
 
 
 def test_kernel_long_contexts():

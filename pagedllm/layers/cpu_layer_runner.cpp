@@ -44,7 +44,7 @@ typedef void (*AttentionFn)(const void* q, const void* k_cache, const void* v_ca
                             const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
                             const int32_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
                             int head_dim, int block_size, float scale, int window, float soft_cap,
-                            int max_query_len);
+                            int max_query_len, const float* sinks);
 
 struct RunnerKernels {
   NormFn add_rms_norm;
@@ -168,7 +168,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
     std::memcpy(static_cast<char*>(s->q) + t * q_size * es, qkv + t * qkv_cols * es, q_size * es);
   k->attention(s->q, w.k_cache, w.v_cache, s->attn, s->block_tables, s->bt_stride, s->seq_lens,
                s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
-               d->block_size, d->scale, static_cast<int>(w.window), d->soft_cap, 0);
+               d->block_size, d->scale, static_cast<int>(w.window), d->soft_cap, 0, nullptr);
   clock.done(4);
   linear(k, w.o, s->attn, q_size, s->x_out, n, hidden, q_size);
   clock.done(5);

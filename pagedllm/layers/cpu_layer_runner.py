@@ -175,6 +175,8 @@ def _check_layers(model: Any, kind: str) -> tuple[list, str]:
                 return [], "a layer's RoPE is not one of the model's step tables"
             if getattr(attn, "qk_norm_after_rope", False):
                 return [], "q/k norms after RoPE (HunYuan)"
+            if getattr(attn, "sinks", None) is not None:
+                return [], "attention sinks (gpt-oss)"
             if getattr(attn, "query_scale", None) is not None:
                 return [], "Llama 4's query scaling (Ministral 3 with max_model_len past original_max_position_embeddings)"
             dense = type(mlp).forward is llama.LlamaMLP.forward

@@ -66,9 +66,17 @@ def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -
     return cap >= (8, 0) if hasattr(F, "grouped_mm") else cap[0] == 9
 
 
+def silu_and_mul_halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate columns, then up) -> silu(gate) * up [M, I]: the experts' SwiGLU."""
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, impl: Optional[str] = None) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+                  topk_ids: torch.Tensor, impl: Optional[str] = None, w13_bias: Optional[torch.Tensor] = None,
+                  w2_bias: Optional[torch.Tensor] = None, activation=silu_and_mul_halves) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t))), e = topk_ids[t, j]; act is
+    SwiGLU, silu(gate) * up, unless ``activation`` says otherwise (gpt-oss's clamped one).
 
     Args:
         x: [N, H] activations.
@@ -79,11 +87,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         impl: "loop" (one matmul per expert that has tokens: the reference, any device and dtype),
             "grouped" (torch's grouped GEMM, one kernel for all experts and no host sync), or None to
             take "grouped" where ``grouped_mm_supported`` says so.
+        w13_bias: [E, 2 * I] or None; w2_bias: [E, H] or None (gpt-oss's expert biases).
+        activation: [M, 2 * I] (gate columns, then up) -> [M, I].
     Returns:
         [N, H] in ``x.dtype``.
     """
     num_tokens, k = topk_ids.shape
-    inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
     # Sort the N*k (token, expert) pairs by expert; stable keeps token order inside an expert.
     order = torch.argsort(flat_ids, stable=True)
@@ -94,8 +103,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         impl = "grouped" if grouped_mm_supported(x, w13, w2) else "loop"
     if impl == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end of each expert's rows
+        sorted_ids = flat_ids.index_select(0, order) if w13_bias is not None or w2_bias is not None else None
         gate_up = _GROUPED_MM(xs, w13.transpose(1, 2), offs=offs)
-        ys = _GROUPED_MM(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2.transpose(1, 2), offs=offs)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias.index_select(0, sorted_ids)
+        ys = _GROUPED_MM(activation(gate_up), w2.transpose(1, 2), offs=offs)
+        if w2_bias is not None:
+            ys = ys + w2_bias.index_select(0, sorted_ids)
     else:
         ys = torch.empty(num_tokens * k, x.shape[1], dtype=x.dtype, device=x.device)
         start = 0
@@ -103,8 +117,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             if count == 0:
                 continue
             end = start + count
-            gate_up = F.linear(xs[start:end], w13[e])
-            ys[start:end] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
+            gate_up = F.linear(xs[start:end], w13[e], None if w13_bias is None else w13_bias[e])
+            ys[start:end] = F.linear(activation(gate_up), w2[e], None if w2_bias is None else w2_bias[e])
             start = end
     ys = ys * topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token_idx, ys)

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
     ``rotary_emb``: a RotaryEmbedding shared with other layers (None: one of its own);
     ``cos_sin``: its ``cos_sin(positions)`` computed once per step (None: gathered here).
     ``query_scale`` (beta, original): the rotated queries are multiplied by ``llama4_query_scale``
-    (None: not)."""
+    (None: not). ``sinks`` [H/tp] float32: attention-sink logits (gpt-oss's; None: none)."""
 
     query_scale: Optional[tuple[float, int]] = None
     qk_norm_after_rope = False  # HunYuan's q/k norms follow RoPE (Qwen3's precede it)
@@ -79,6 +79,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb or make_rotary_embedding(config, head_dim, dtype)
         self.scale = head_dim ** -0.5
         self.backend = backend
+        self.sinks: Optional[torch.Tensor] = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -99,7 +100,10 @@ class LlamaAttention(nn.Module):
             if scale is None:
                 scale = meta.derived["llama4_query_scale"] = llama4_query_scale(positions, *self.query_scale)
             q.mul_(scale.to(q.dtype).view(-1, 1, 1))
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.sinks is None:
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sinks=self.sinks)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -120,11 +124,12 @@ class LlamaDecoderLayer(nn.Module):
     residual stream (Granite's; 1: nothing done)."""
 
     residual_multiplier = 1.0
+    attention_cls = LlamaAttention
 
     def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
                  mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, backend, qkv_bias, qk_norm, rotary_emb)
+        self.self_attn = self.attention_cls(config, dtype, backend, qkv_bias, qk_norm, rotary_emb)
         self.mlp = mlp if mlp is not None else LlamaMLP(config.hidden_size, config.intermediate_size,
                                                         getattr(config, "mlp_bias", False), dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -42,6 +42,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "HunYuanDenseV1ForCausalLM": ("hunyuan", "HunYuanDenseV1ForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -20,7 +20,9 @@ class AttentionBackend:
     Head h reads KV head ``h // (H // Hkv)`` (grouped-query attention, transformers' ``repeat_kv``).
     ``sliding_window`` W: a query at position p sees keys at positions p - W < j <= p (transformers'
     ``sliding_window_overlay``; Mistral, Gemma 2/3). ``logits_soft_cap`` c: scores
-    ``c * tanh(q.k * scale / c)`` before the softmax (Gemma 2).
+    ``c * tanh(q.k * scale / c)`` before the softmax (Gemma 2). ``sinks`` [H] (float): attention
+    sinks (gpt-oss; Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks"),
+    one learned logit per query head that joins the softmax's denominator and carries no value.
     """
 
     name = "base"
@@ -35,7 +37,7 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, scale: float, *, sliding_window: Optional[int] = None,
-                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
+                logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
 

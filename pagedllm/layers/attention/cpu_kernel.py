@@ -33,7 +33,8 @@ def _build() -> ctypes.CDLL:
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16, lib.paged_attention_f32_i8,
                lib.paged_attention_bf16_i8):
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32]
+        fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32,
+                                              ctypes.c_void_p]
     for fn in (lib.kv_read_int8_f32, lib.kv_read_int8_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i32, i32, i32, ctypes.c_void_p]
@@ -65,13 +66,14 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
-                    max_query_len: int = 0) -> torch.Tensor:
+                    max_query_len: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out [N, H, D] <- attention of q [N, H, D] over the paged ``kv_cache``
     [2, num_blocks, block_size, Hkv, D] in q's dtype (or int8 [2, num_blocks, block_size + S, Hkv, D],
     ``kv_quant.py``) for
     the sequences of ``meta``; the step's new K/V must already be in the cache. Rows of sequences
     with more than ``max_query_len`` new tokens (when > 0) are left untouched. Raises ValueError on
-    a shape, dtype or layout mismatch."""
+    a shape, dtype or layout mismatch. ``sinks`` [H] float32: attention sinks (gpt-oss; see
+    ``AttentionBackend``)."""
     lib, err = load_kernel()
     if lib is None:
         raise RuntimeError(f"cpu paged-attention kernel unavailable: {err}")
@@ -94,11 +96,16 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         raise ValueError(f"cpu paged attention: inconsistent shapes q {tuple(q.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
                          f"query_start_loc {tuple(qsl.shape)}, block_size {meta.block_size}")
+    if sinks is not None:
+        _check(sinks, "sinks", torch.float32, 1)
+        if sinks.shape[0] != h:
+            raise ValueError(f"cpu paged attention: sinks {tuple(sinks.shape)} for {h} query heads")
     fn = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}{'_i8' if int8 else ''}")
     half = kv_cache.stride(0) * kv_cache.element_size()  # bytes from the K half to the V half
     args = (q.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + half, out.data_ptr(), bt.data_ptr(),
             bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, meta.block_size, float(scale),
-            int(sliding_window or 0), float(logits_soft_cap or 0.0), int(max_query_len))
+            int(sliding_window or 0), float(logits_soft_cap or 0.0), int(max_query_len),
+            sinks.data_ptr() if sinks is not None else None)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
             fn(*args)
@@ -174,14 +181,15 @@ class CpuPagedAttention(AttentionBackend):
         _, err = load_kernel()
         return None if err is None else f"the kernel could not be built or loaded ({err})"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None):
         if kv_cache is None or meta.block_tables is None:
             return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                                           logits_soft_cap=logits_soft_cap)
+                                           logits_soft_cap=logits_soft_cap, sinks=sinks)
         write_kv_c(k, v, kv_cache, meta.slot_mapping)
         long_prefill = self.LONG_PREFILL
         out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
-                              logits_soft_cap, max_query_len=long_prefill or 0)
+                              logits_soft_cap, max_query_len=long_prefill or 0,
+                              sinks=None if sinks is None else sinks.float().contiguous())
         if long_prefill is None:
             return out
         flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)
@@ -189,5 +197,5 @@ class CpuPagedAttention(AttentionBackend):
             if p.query_end - p.query_start > long_prefill:
                 out[p.query_start:p.query_end] = self._reference.prefill(
                     q, k, v, flat_k, flat_v, meta, meta.num_decode_tokens + i, p, scale, sliding_window,
-                    logits_soft_cap, gather=gather_kv)
+                    logits_soft_cap, gather=gather_kv, sinks=sinks)
         return out

@@ -19,6 +19,8 @@
 //               (x ~ value * scale, scale = max|x| / 127 per (token, KV head) row; kv_write_int8)
 //   block_tables [B, bt_stride] int32; seq_lens [B] int32; query_start_loc [B + 1] int32
 // Sequences with more than max_query_len new tokens (when > 0) are skipped: the caller runs those.
+// sinks [H] float32 or null: attention sinks (gpt-oss), one logit per query head that joins every
+// softmax denominator with no value: out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m)).
 // Accumulation is float32. Plain C ABI (called through ctypes): no torch headers, builds in seconds.
 //
 // Two implementations of the same computation: with AVX-512 (or AVX2 + FMA) and head_dim % 16 == 0,
@@ -50,6 +52,12 @@ using pagedllm_cpu::float_to_bf16;
 
 // exp(x) for x <= 0; branch-free so the compiler vectorises the loops that call it.
 inline float exp_nonpos(float x) { return pagedllm_cpu::exp_clamped(std::max(x, -87.0f)); }
+
+// 1 / the softmax denominator of a row whose running max is m and sum l, with query head `head`'s
+// attention sink (sinks null: none) as one more logit that has no value row.
+inline float inv_denominator(float m, float l, const float* sinks, int head) {
+  return 1.0f / (sinks == nullptr ? l : l + std::exp(sinks[head] - m));
+}
 
 // Cache element C: float, uint16_t (bf16) or int8_t (values; the block's scales after its rows).
 template <typename C>
@@ -580,7 +588,7 @@ inline void keep_part(Parts& parts, int part, const float* m, const float* l, co
 // sum_p e^(m_p - M) l_p, for each of the G query heads of the split's KV head. A part that saw no
 // visible key has m = -inf, l = 0: weight 0.
 template <typename T>
-void merge_parts(const Parts& parts, const int32_t* query_start_loc, int num_heads, T* out) {
+void merge_parts(const Parts& parts, const int32_t* query_start_loc, int num_heads, const float* sinks, T* out) {
   const int splits = static_cast<int>(parts.splits.size()), G = parts.G, D = parts.D;
   const auto &pm = parts.m, &pl = parts.l, &pacc = parts.acc;  // [part][G], [part][G], [part][G][D]
   if (splits == 0) return;
@@ -602,7 +610,8 @@ void merge_parts(const Parts& parts, const int32_t* query_start_loc, int num_hea
         const float* a = &pacc[(static_cast<size_t>(p) * G + g) * D];
         for (int c = 0; c < D; ++c) acc[c] += e * a[c];
       }
-      store_row(acc.data(), out + (tok * num_heads + w.h_begin * G + g) * D, D, 1.0f / l);
+      store_row(acc.data(), out + (tok * num_heads + w.h_begin * G + g) * D, D,
+                inv_denominator(mx, l, sinks, w.h_begin * G + g));
     }
   }
 }
@@ -612,7 +621,7 @@ template <typename T, typename C, int kHeadDim>
 void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* block_tables,
                      int64_t bt_stride, const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
-                     float soft_cap, int max_query_len) {
+                     float soft_cap, int max_query_len, const float* sinks) {
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t tok_stride = static_cast<int64_t>(num_kv_heads) * D;  // between tokens of a block
@@ -743,12 +752,13 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
           const int64_t tok = query_start_loc[w.seq] + i;
           for (int g = 0; g < G; ++g) {
             const int r = (h - w.h_begin) * head_rows + (i - w.q_begin) * G + g;
-            store_row(&acc[static_cast<size_t>(r) * D], out + (tok * num_heads + h * G + g) * D, D, 1.0f / l[r]);
+            store_row(&acc[static_cast<size_t>(r) * D], out + (tok * num_heads + h * G + g) * D, D,
+                      inv_denominator(m[r], l[r], sinks, h * G + g));
           }
         }
     }
   }
-  merge_parts(parts, query_start_loc, num_heads, out);
+  merge_parts(parts, query_start_loc, num_heads, sinks, out);
 }
 
 #ifdef PAGEDLLM_VEC
@@ -764,7 +774,7 @@ template <typename T, typename C, int kHeadDim>
 void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out, const int32_t* block_tables,
                          int64_t bt_stride, const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,
-                         float soft_cap, int max_query_len) {
+                         float soft_cap, int max_query_len, const float* sinks) {
   constexpr int KC = 512;  // keys per chunk (a multiple of 16)
   const int G = num_heads / num_kv_heads, bs = block_size;
   const int D = kHeadDim > 0 ? kHeadDim : head_dim;
@@ -910,11 +920,12 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       for (int r = 0; r < rows; ++r) {
         const int h = w.h_begin + r / head_rows, i = w.q_begin + (r % head_rows) / G, g = r % G;
         const int64_t tok = query_start_loc[w.seq] + i;
-        store_row(&acc[static_cast<size_t>(r) * D], out + (tok * num_heads + h * G + g) * D, D, 1.0f / l[r]);
+        store_row(&acc[static_cast<size_t>(r) * D], out + (tok * num_heads + h * G + g) * D, D,
+                  inv_denominator(m[r], l[r], sinks, h * G + g));
       }
     }
   }
-  merge_parts(parts, query_start_loc, num_heads, out);
+  merge_parts(parts, query_start_loc, num_heads, sinks, out);
 }
 #endif  // PAGEDLLM_VEC
 
@@ -1008,7 +1019,7 @@ void kv_read_int8(const int8_t* cache, const int64_t* slot_mapping, int64_t n, i
 
 // Common head sizes get a specialisation; others run the same code with a runtime head_dim.
 #define PA_ARGS block_tables, bt_stride, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, \
-                block_size, scale, window, soft_cap, max_query_len
+                block_size, scale, window, soft_cap, max_query_len, sinks
 #ifdef PAGEDLLM_VEC
 #define DISPATCH_VEC(T, C, ...)                                                        \
   if (head_dim % 16 == 0) switch (head_dim) {                                        \
@@ -1030,7 +1041,7 @@ void kv_read_int8(const int8_t* cache, const int64_t* slot_mapping, int64_t n, i
 
 extern "C" {
 
-int pagedllm_kernel_abi_version() { return 3; }
+int pagedllm_kernel_abi_version() { return 4; }
 
 int pagedllm_kernel_avx512() {
 #ifdef PAGEDLLM_AVX512
@@ -1043,7 +1054,7 @@ int pagedllm_kernel_avx512() {
 #define PA_PARAMS                                                                                              \
   const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,     \
       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window,    \
-      float soft_cap, int max_query_len
+      float soft_cap, int max_query_len, const float *sinks
 
 void paged_attention_f32(const float* q, const float* k_cache, const float* v_cache, float* out, PA_PARAMS) {
   DISPATCH_HEAD_DIM(float, float, q, k_cache, v_cache, out);

@@ -35,15 +35,29 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                       soft_cap: Optional[float]) -> torch.Tensor:
+                       soft_cap: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, Hkv, M, D] (the M rows of KV head j are its G query heads x tokens), k/v [B, Hkv, L, D],
-    mask [B or 1, 1, M, L] (True = attend) -> [B, Hkv, M, D]. K/V are never expanded."""
-    if soft_cap is None:
+    mask [B or 1, 1, M, L] (True = attend), sinks [1, Hkv, M, 1] float32 (each row's attention-sink
+    logit, or None) -> [B, Hkv, M, D]. K/V are never expanded."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s = soft_cap * torch.tanh(s / soft_cap)  # Gemma 2 (transformers' eager_attention_forward)
-    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)  # Gemma 2 (transformers' eager_attention_forward)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        p = s.softmax(-1)
+    else:  # the sink joins the softmax as one more logit with no value (gpt-oss), then is dropped
+        p = torch.cat([s, sinks.expand(*s.shape[:-1], 1)], -1).softmax(-1)[..., :-1]
     return torch.matmul(p, v.float()).to(q.dtype)
+
+
+def _sink_rows(sinks: Optional[torch.Tensor], hkv: int, tokens: int) -> Optional[torch.Tensor]:
+    """sinks [H] -> [1, Hkv, G * tokens, 1] float32 in _grouped_attention's row order (head, token)."""
+    if sinks is None:
+        return None
+    g = sinks.shape[0] // hkv
+    return sinks.float().view(hkv, g, 1).expand(hkv, g, tokens).reshape(1, hkv, g * tokens, 1)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -71,7 +85,7 @@ def flat_cache(kv_cache: torch.Tensor, i: int) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None):
         out = torch.empty_like(q)
         if kv_cache is not None:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -84,12 +98,13 @@ class TorchPagedAttention(AttentionBackend):
             ck = gather_rows(flat_k, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
             cv = gather_rows(flat_v, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
             mask = _visible(meta.seq_lens[:nd].long() - 1, k_pos, sliding_window).view(b, 1, 1, length)
-            o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap)
+            o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap,
+                                   _sink_rows(sinks, hkv, 1))
             out[:nd] = o.reshape(b, -1, d)
         for i, p in enumerate(meta.prefills):
             out[p.query_start:p.query_end] = self.prefill(
                 q, k, v, flat_k if kv_cache is not None else None, flat_v if kv_cache is not None else None,
-                meta, nd + i, p, scale, sliding_window, logits_soft_cap)
+                meta, nd + i, p, scale, sliding_window, logits_soft_cap, sinks=sinks)
         return out
 
     @staticmethod
@@ -105,9 +120,11 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
-                 window: Optional[int], soft_cap: Optional[float], gather=gather_rows) -> torch.Tensor:
+                 window: Optional[int], soft_cap: Optional[float], gather=gather_rows,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[T, H, D] for one prompt chunk (batch row ``row`` of ``meta``), whose queries sit at positions
         seq_len - T .. seq_len - 1; flat_k/flat_v are the cache (``flat_cache``; None: no cache)."""
+        plain = window is None and soft_cap is None and sinks is None  # SDPA's own causal mask does
         t = p.query_end - p.query_start
         h, d = q.shape[1:]
         hkv = k.shape[1]
@@ -116,7 +133,7 @@ class TorchPagedAttention(AttentionBackend):
         if flat_k is None or (not p.has_prefix and not kv_quant.is_int8(flat_k)):  # K/V all in this batch
             ks = k[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
             vs = v[p.query_start:p.query_end].transpose(0, 1).unsqueeze(0)
-            if window is None and soft_cap is None:
+            if plain:
                 return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         else:
             key = ("torch.prefill", row)
@@ -127,12 +144,12 @@ class TorchPagedAttention(AttentionBackend):
             slots = meta.derived[key]
             ks = gather(flat_k, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             vs = gather(flat_v, slots, q.dtype).transpose(0, 1).unsqueeze(0)
-            if not p.has_prefix and window is None and soft_cap is None:
+            if not p.has_prefix and plain:
                 return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         length = ks.shape[2]
         q_pos = torch.arange(length - t, length, device=q.device)
         mask = _visible(q_pos, torch.arange(length, device=q.device), window)
         # Query heads of one KV head as rows: [1, Hkv, G * T, D], mask tiled per head of the group.
         o = _grouped_attention(qs.reshape(1, hkv, -1, d), ks, vs, mask.repeat(h // hkv, 1).view(1, 1, -1, length),
-                               scale, soft_cap)
+                               scale, soft_cap, _sink_rows(sinks, hkv, t))
         return o.reshape(h, t, d).transpose(0, 1)  # SDPA may return a non-contiguous layout (CUDA)

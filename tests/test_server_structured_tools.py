@@ -39,7 +39,8 @@ def server(llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tools")
     (tmp / "t.jinja").write_text(TEMPLATE)
     args = ("--served-model-name", MODEL, "--max-model-len", "256", "--kv-cache-memory", "4MiB",
-            "--chat-template", str(tmp / "t.jinja"), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+            "--chat-template", str(tmp / "t.jinja"), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--reasoning-parser", "qwen3")
     with RemoteServer(llama_dir, args, log_path=str(tmp / "server.log")) as srv:
         yield srv
     assert srv.returncode == 0, srv.log()
@@ -140,6 +141,44 @@ def test_auto_tool_choice_with_hermes_parser(client):
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, temperature=0, tools=TOOLS,
                                        tool_choice="none", extra_body=body)
     assert r.choices[0].message.content == "Sure. " + HERMES and not r.choices[0].message.tool_calls
+
+
+def test_reasoning_parser_splits_thought_from_answer_and_calls(client, server):
+    """--reasoning-parser qwen3: <think>...</think> goes to message.reasoning (delta.reasoning when
+    streamed), the rest to content and the tool-call parser; Responses put a reasoning item first.
+    Outputs that do not open with <think> (every other test here) stay content."""
+    import httpx
+    body = {"guided_regex": "<think>[a-z]{4,9} [a-z]{2,6}</think>Sure\\. " + re.escape(HERMES)}
+    kw = dict(model=MODEL, messages=MSGS, max_tokens=200, temperature=0, tools=TOOLS, extra_body=body)
+    c = client.chat.completions.create(**kw).choices[0]
+    thought = c.message.reasoning
+    assert re.fullmatch("[a-z]{4,9} [a-z]{2,6}", thought) and c.message.content == "Sure."
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_weather"
+    stream = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == "Sure."
+    assert [d.function.name for d in deltas for d in (d.tool_calls or []) if d.function.name] == ["get_weather"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={**{k: v for k, v in kw.items() if k != "extra_body"}, **body, "include_reasoning": False})
+    assert r.json()["choices"][0]["message"]["reasoning"] is None
+    # Responses: the reasoning item, then the message, then the call; streamed as events too
+    rbody = {"model": MODEL, "input": "the king said", "max_output_tokens": 200, "temperature": 0,
+             "text": {"format": {"type": "text"}}, "structured_outputs": {"regex": "<think>[a-z]{3,8}</think>[a-z ]{1,12}"}}
+    resp = httpx.post(server.url + "/v1/responses", json=rbody, timeout=60).json()
+    kinds = [item["type"] for item in resp["output"]]
+    assert kinds == ["reasoning", "message"], resp
+    assert re.fullmatch("[a-z]{3,8}", resp["output"][0]["content"][0]["text"])
+    assert "<think>" not in resp["output"][1]["content"][0]["text"]
+    events = [json.loads(line[5:]) for line in httpx.post(server.url + "/v1/responses", json={**rbody, "stream": True},
+                                                             timeout=60).text.splitlines() if line.startswith("data:")]
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert [e["text"] for e in done] == [resp["output"][0]["content"][0]["text"]]
+    # the output sent back as input (reasoning item included) is accepted
+    again = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "max_output_tokens": 4, "input": [{"role": "user", "content": "hi"}] + resp["output"]
+        + [{"role": "user", "content": "and then?"}]})
+    assert again.status_code == 200, again.text
 
 
 def test_auto_tool_choice_keeps_one_call_without_parallel_tool_calls(client):

@@ -116,6 +116,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
                    help="how tool calls are read from the model's text (hermes)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split a reasoning model's <think>...</think> into message.reasoning (deepseek_r1: the "
+                        "opening tag optional; qwen3: only an output that opens with it)")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 * 2 ** 20,
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

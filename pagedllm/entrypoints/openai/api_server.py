@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
@@ -165,7 +166,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
               dashboard: bool = True, cors: Optional[dict] = None,
-              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
@@ -179,6 +181,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat = OpenAIServingChat(llm, served, chat_template)
     chat.enable_auto_tools = enable_auto_tool_choice
     chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    chat.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
 
     @contextlib.asynccontextmanager
@@ -374,6 +377,8 @@ def _check_tool_flags(args: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     if parser:
         get_tool_parser(parser)  # ValueError naming the known parsers
+    if getattr(args, "reasoning_parser", None):
+        get_reasoning_parser(args.reasoning_parser)
 
 
 def _exit_when_engine_dies(llm: AsyncLLM, server, died: threading.Event, poll_s: float = 1.0,
@@ -485,7 +490,8 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
                         response_store=store, dashboard=dashboard, cors=cors,
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        reasoning_parser=getattr(args, "reasoning_parser", None))
         ensure_file_limit(args.limit_concurrency)
         http = guarded_http_protocol(args.limit_concurrency or None, args.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,

@@ -542,7 +542,7 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: Optional[list[dict[str, Any]]] = None
     chat_template: Optional[str] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
-    include_reasoning: bool = True  # vLLM's; accepted: without a reasoning parser there is none to include
+    include_reasoning: bool = True  # vLLM's: false drops message.reasoning (with --reasoning-parser)
 
     def check_chat_fields(self) -> None:
         refused = {
@@ -582,6 +582,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None  # vLLM's field, with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -620,6 +621,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")

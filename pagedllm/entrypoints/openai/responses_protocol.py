@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 
 import uuid
 
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestError
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestError, StructuredOutputsRequest
 
 _INT32_MAX = 2 ** 31 - 1
 
@@ -75,9 +75,20 @@ class FunctionCallOutputItem(OpenAIBaseModel):
         return "".join(p.text or "" for p in self.output)
 
 
-InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem]
+class ReasoningItem(OpenAIBaseModel):
+    """A reasoning item sent back as input (a previous response's output): kept in the input items,
+    not rendered (chat templates drop earlier turns' reasoning)."""
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[Any] = Field(default_factory=list)
+    content: Optional[list[Any]] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[str] = None
+
+
+InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
 _INPUT_ITEM_MODELS = {"message": InputMessage, "function_call": FunctionCallItem,
-                      "function_call_output": FunctionCallOutputItem}
+                      "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 _INPUT_ITEM_TYPES = tuple(_INPUT_ITEM_MODELS)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -160,6 +171,7 @@ class ResponsesRequest(OpenAIBaseModel):
     conversation: Optional[Any] = None
     service_tier: Optional[str] = None
     # vLLM-style extras accepted by /v1/completions and /v1/chat/completions too.
+    structured_outputs: Optional[StructuredOutputsRequest] = None  # (with text.format "text")
     seed: Optional[int] = None
     top_k: Optional[int] = Field(None, ge=-1, le=_INT32_MAX)
     min_p: Optional[float] = None
@@ -240,6 +252,8 @@ class ResponsesRequest(OpenAIBaseModel):
             elif isinstance(item, FunctionCallItem):
                 items.append({"type": "function_call", "id": item.id or _oid("fc"), "status": "completed",
                               "call_id": item.call_id, "name": item.name, "arguments": item.arguments})
+            elif isinstance(item, ReasoningItem):
+                items.append({**item.model_dump(exclude_none=True), "id": item.id or _oid("rs")})
             else:
                 items.append({"type": "function_call_output", "id": item.id or _oid("fco"), "status": "completed",
                               "call_id": item.call_id, "output": item.text()})
@@ -271,7 +285,21 @@ class OutputFunctionCall(OpenAIBaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall]
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(OpenAIBaseModel):
+    """The model's chain of thought (with ``--reasoning-parser``), before its message."""
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: _oid("rs"))
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
 
 
 class InputTokensDetails(OpenAIBaseModel):

@@ -13,6 +13,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
     ChatMessageParam, DeltaMessage, RequestError, UsageInfo, json_logprob, prompt_logprobs_of, random_id)
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
@@ -27,6 +28,11 @@ class OpenAIServingChat(OpenAIServing):
     # Tool calling: set by the server from --enable-auto-tool-choice / --tool-call-parser.
     enable_auto_tools: bool = False
     tool_parser = None  # a ToolParser subclass
+    reasoning_parser: Optional[ReasoningParser] = None  # from --reasoning-parser
+
+    def split_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
+        """A finished choice's (reasoning, content); without a reasoning parser (None, text)."""
+        return self.reasoning_parser.split(text) if self.reasoning_parser is not None else (None, text)
 
     def render(self, messages: list[ChatMessageParam], add_generation_prompt: Optional[bool] = True,
                continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
@@ -104,9 +110,11 @@ class OpenAIServingChat(OpenAIServing):
             if req.logprobs:
                 logprobs = ChatCompletionLogProbs(content=self.logprob_entries(c.token_ids, c.logprobs,
                                                                          req.top_logprobs or 0))
-            content, tool_calls, finish_reason = tools.whole(c.text, c.finish_reason)
-            choices.append(ChatCompletionResponseChoice(index=c.index,
-                                                        message=ChatMessage(content=content, tool_calls=tool_calls),
+            reasoning, text = self.split_reasoning(c.text)
+            content, tool_calls, finish_reason = tools.whole(text or "", c.finish_reason)
+            message = ChatMessage(content=None if text is None else content, tool_calls=tool_calls,
+                                  reasoning=reasoning if req.include_reasoning else None)
+            choices.append(ChatCompletionResponseChoice(index=c.index, message=message,
                                                         logprobs=logprobs, finish_reason=finish_reason,
                                                         stop_reason=c.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
@@ -156,6 +164,8 @@ class OpenAIServingChat(OpenAIServing):
         done = [False] * n
         completion_tokens = [0] * n
         streamers = [tools.streamer() for _ in range(n)] if tools is not None and tools.active else None
+        thoughts = [ReasoningStream(self.reasoning_parser) for _ in range(n)] \
+            if self.reasoning_parser is not None else None
 
         continuous = include_usage and req.stream_options.continuous_usage_stats
 
@@ -174,28 +184,35 @@ class OpenAIServingChat(OpenAIServing):
                     i = c.index
                     if done[i]:
                         continue
-                    new_text = c.text[sent_text[i]:]
+                    text, reasoning = c.text, None
+                    if thoughts is not None:  # the content so far is what follows the reasoning
+                        reasoning, text = thoughts[i].delta(c.text, c.finish_reason is not None)
+                        reasoning = reasoning if req.include_reasoning else None
+                    new_text = text[sent_text[i]:]
                     new_ids = c.token_ids[sent_tokens[i]:]
                     has_lp = req.logprobs and bool(new_ids)
-                    if not new_text and not has_lp and c.finish_reason is None:
+                    if not new_text and not reasoning and not has_lp and c.finish_reason is None:
                         continue
                     logprobs = None
                     if req.logprobs:
                         new_lps = (c.logprobs or [])[sent_tokens[i]:]
                         logprobs = ChatCompletionLogProbs(content=self.logprob_entries(new_ids, new_lps,
                                                                                  req.top_logprobs or 0))
-                    sent_text[i] = len(c.text)
+                    sent_text[i] = len(text)
                     sent_tokens[i] = len(c.token_ids)
                     if c.finish_reason is not None:
                         done[i] = True
                         completion_tokens[i] = len(c.token_ids)
                     delta, finish_reason = DeltaMessage(content=new_text), c.finish_reason
+                    if thoughts is not None:  # a reasoning step sends no empty content
+                        delta = DeltaMessage(content=new_text or None)
                     if streamers is not None:  # tool calls: the parser decides what goes out
-                        delta = streamers[i].delta(c.text, c.finish_reason is not None) or DeltaMessage()
+                        delta = streamers[i].delta(text, c.finish_reason is not None) or DeltaMessage()
                         finish_reason = streamers[i].finish_reason(c.finish_reason)
                         if delta.content is None and delta.tool_calls is None and finish_reason is None \
-                                and not (logprobs and logprobs.content):
+                                and not reasoning and not (logprobs and logprobs.content):
                             continue
+                    delta.reasoning = reasoning
                     yield chunk(ChatCompletionStreamChoice(
                         index=i, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=c.stop_reason))

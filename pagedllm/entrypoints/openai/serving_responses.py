@@ -26,11 +26,12 @@ from starlette.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError, _json_or_text,
-    sampling_params_from)
+    sampling_params_from, structured_outputs_from_request)
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,
-    OutputMessage, OutputText, ResponseError, ResponseObject, ResponsesRequest, ResponseUsage, InputTokensDetails)
+    OutputMessage, OutputReasoning, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject,
+    ResponsesRequest, ResponseUsage, InputTokensDetails)
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import run_unless_disconnected
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
@@ -57,6 +58,7 @@ class _Run:
     seq: int = 0
     task: Optional[asyncio.Task] = None
     tools: Optional[ToolCallOutput] = None   # active: the output is parsed for function calls at the end
+    reasoning: Any = None                    # a ReasoningParser: the output is split at the end
     num_logprobs: Optional[int] = None       # top_logprobs of each output token's entry (None: no logprobs)
     log: Optional[list[dict]] = None         # background: every event so far (entry i has sequence_number i)
     grew: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when the log grows
@@ -96,6 +98,8 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue  # an earlier turn's reasoning: chat templates leave it out
         else:  # pragma: no cover - pydantic admits only the types above
             raise RequestError(f"unsupported input item {i}", f"input.{i}")
     if not messages:
@@ -175,10 +179,12 @@ class OpenAIServingResponses:
                    log=[] if req.background else None)
         tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer, req.parallel_tool_calls)
         run.tools = tools if tools.active else None
-        if run.tools is not None and req.num_logprobs is not None:
-            raise RequestError("logprobs (top_logprobs, include message.output_text.logprobs) cannot be combined "
-                               "with tools here: the output is parsed for calls", "top_logprobs"
-                               if req.top_logprobs is not None else "include")
+        run.reasoning = self.chat.reasoning_parser
+        if (run.tools is not None or run.reasoning is not None) and req.num_logprobs is not None:
+            why = "with tools here: the output is parsed for calls" if run.tools is not None else \
+                "with a reasoning parser: the output is split into reasoning and message"
+            raise RequestError(f"logprobs (top_logprobs, include message.output_text.logprobs) cannot be combined "
+                               f"{why}", "top_logprobs" if req.top_logprobs is not None else "include")
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items(),
                                           events=run.log))
@@ -210,9 +216,15 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _structured_outputs(req: ResponsesRequest, chat_tools: list, tool_choice) -> Optional[StructuredOutputsParams]:
-        """``text.format`` (json_object / json_schema) or a forced tool_choice as the output's grammar."""
+        """``text.format`` (json_object / json_schema), vLLM's ``structured_outputs`` or a forced
+        tool_choice as the output's grammar."""
         forced = tool_choice_structured_outputs(chat_tools, tool_choice, req.parallel_tool_calls)
         fmt = req.text.format if req.text is not None else None
+        if req.structured_outputs is not None:
+            if forced is not None or (fmt is not None and fmt.type != "text"):
+                raise RequestError("structured_outputs cannot be combined with text.format or a forced "
+                                   "tool_choice", "structured_outputs")
+            return structured_outputs_from_request(req)
         if fmt is None or fmt.type == "text":
             return forced
         if forced is not None:
@@ -282,8 +294,8 @@ class OpenAIServingResponses:
             run.emit("response.in_progress", response=self._dump(resp))
             async for out in gen:
                 c = out.outputs[0]
-                if run.tools is not None:
-                    continue  # a tool call or text: known only once the whole output is parsed
+                if run.tools is not None or run.reasoning is not None:
+                    continue  # reasoning, a tool call or text: known only once the whole output is parsed
                 delta = c.text[sent:]
                 if delta or (c.finish_reason is not None and message is None):
                     if message is None:
@@ -307,7 +319,7 @@ class OpenAIServingResponses:
             c = out.outputs[0]
             length = c.finish_reason == "length"
             aborted = c.finish_reason == "abort"  # the engine ended it (server shutting down)
-            if run.tools is not None:
+            if run.tools is not None or run.reasoning is not None:
                 self._emit_parsed(run, c.text, c.finish_reason)
             else:
                 message.status = "incomplete" if length or aborted else "completed"
@@ -355,11 +367,26 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _emit_parsed(run: _Run, text: str, finish_reason: Optional[str]) -> None:
-        """Output items of a response with tools: the text (if any) as a message, then one
-        function_call item per call, with their stream events (arguments in one delta)."""
-        content, calls, _ = run.tools.whole(text, finish_reason)
+        """Output items of a response with tools or a reasoning parser: the reasoning (if any), the
+        text (if any) as a message, then one function_call item per call, with their stream events
+        (each text or argument string in one delta)."""
         status = "completed" if finish_reason == "stop" else "incomplete"
         resp = run.response
+        reasoning, text = run.reasoning.split(text) if run.reasoning is not None else (None, text)
+        if reasoning:
+            item = OutputReasoning(status=status if text is None else "completed",
+                                   content=[ReasoningText(text=reasoning)])
+            i = len(resp.output)
+            resp.output.append(item)
+            run.emit("response.output_item.added", output_index=i,
+                     item={**item.model_dump(), "content": [], "status": "in_progress"})
+            run.emit("response.reasoning_text.delta", item_id=item.id, output_index=i, content_index=0,
+                     delta=reasoning)
+            run.emit("response.reasoning_text.done", item_id=item.id, output_index=i, content_index=0,
+                     text=reasoning)
+            run.emit("response.output_item.done", output_index=i, item=item.model_dump())
+        text = text or ""
+        content, calls, _ = run.tools.whole(text, finish_reason) if run.tools is not None else (text, [], None)
         if content:
             message = OutputMessage(status=status, content=[OutputText(text=content)])
             i = len(resp.output)

@@ -50,3 +50,77 @@ def test_streamed_pieces_add_up_to_the_split(name):
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: deepseek_r1, qwen3"):
         get_reasoning_parser("r1")
+
+
+def test_constrained_output_splits_only_a_written_thought():
+    """A grammar writes the output from its first token: JSON or a forced call is content even for
+    deepseek_r1 (whose opening tag is otherwise optional); a thought the grammar wrote still splits."""
+    r1 = get_reasoning_parser("deepseek_r1")
+    assert r1.split('{"a": 1}', True, constrained=True) == (None, '{"a": 1}')
+    assert r1.split("<think>x</think>{}", True, constrained=True) == ("x", "{}")
+    assert r1.split('{"a": 1}') == ('{"a": 1}', None)
+
+
+# ---- through a server with deepseek_r1 ----------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def r1_server(llama_dir, tmp_path_factory):
+    from server_utils import RemoteServer
+    tmp = tmp_path_factory.mktemp("r1")
+    args = ("--served-model-name", "tiny", "--max-model-len", "256", "--kv-cache-memory", "4MiB",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1")
+    with RemoteServer(llama_dir, args, log_path=str(tmp / "server.log")) as srv:
+        yield srv
+    assert srv.returncode == 0, srv.log()
+
+
+def post(srv, path: str, body: dict):
+    import httpx
+    r = httpx.post(srv.url + path, json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_deepseek_r1_server(r1_server):
+    import json
+    msgs = [{"role": "user", "content": "the king said"}]
+    # unconstrained, never closed: all reasoning, streamed or not
+    whole = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
+    m = whole.json()["choices"][0]["message"]
+    assert m["content"] is None and m["reasoning"]
+    chunks = [json.loads(line[5:]) for line in post(r1_server, "/v1/chat/completions", {
+        "messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True}).text.splitlines()
+        if line.startswith("data:") and "[DONE]" not in line]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == m["reasoning"]
+    assert not any(d.get("content") for d in deltas)
+    # forced outputs follow their grammar from the first token: content and calls, not reasoning
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        m = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 60, "tools": TOOLS,
+                                                     "tool_choice": choice}).json()["choices"][0]["message"]
+        assert m["reasoning"] is None and json.loads(m["tool_calls"][0]["function"]["arguments"])["a"] in (1, 2)
+    m = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 60,
+                                                 "response_format": {"type": "json_object"}}).json()
+    m = m["choices"][0]["message"]
+    assert m["reasoning"] is None and m["content"].lstrip().startswith("{")
+    # Responses: the thought streams as it is generated, then the message at output index 1
+    body = {"input": "the king said", "max_output_tokens": 40, "temperature": 0, "stream": True,
+            "structured_outputs": {"regex": "<think>[a-z]{6,12}</think>[a-z]{1,6}"}}
+    events = [json.loads(line[5:]) for line in post(r1_server, "/v1/responses", body).text.splitlines()
+              if line.startswith("data:")]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.reasoning_text.delta") >= 2  # incremental, not one burst at the end
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    final = events[-1]["response"]
+    thought = final["output"][0]["content"][0]["text"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
+    assert "<" not in thought + final["output"][1]["content"][0]["text"]
+    # logprobs with a reasoning parser: the message's tokens carry them
+    out = post(r1_server, "/v1/responses", {"input": "hi", "max_output_tokens": 6, "top_logprobs": 2,
+                                            "structured_outputs": {"regex": "[a-z]{3,5}"}}).json()
+    assert out["output"][0]["type"] == "message" and out["output"][0]["content"][0]["logprobs"]

@@ -166,6 +166,7 @@ def test_reasoning_parser_splits_thought_from_answer_and_calls(client, server):
     rbody = {"model": MODEL, "input": "the king said", "max_output_tokens": 200, "temperature": 0,
              "text": {"format": {"type": "text"}}, "structured_outputs": {"regex": "<think>[a-z]{3,8}</think>[a-z ]{1,12}"}}
     resp = httpx.post(server.url + "/v1/responses", json=rbody, timeout=60).json()
+    assert "output" in resp, resp
     kinds = [item["type"] for item in resp["output"]]
     assert kinds == ["reasoning", "message"], resp
     assert re.fullmatch("[a-z]{3,8}", resp["output"][0]["content"][0]["text"])

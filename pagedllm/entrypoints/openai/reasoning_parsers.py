@@ -14,6 +14,10 @@ Both parsers read the text between ``<think>`` and ``</think>``:
 
 Streaming splits the text generated so far the same way, holding back a tail that may still grow
 into a tag, so the pieces sent add up to the final split.
+
+A constrained output (structured outputs, a forced tool call) follows its grammar from the first
+token, so it holds a thought only where the grammar wrote one: it is split as ``qwen3`` splits,
+whichever parser is set (``constrained=True``), and JSON or a forced call stays content.
 """
 from __future__ import annotations
 
@@ -36,14 +40,15 @@ class ReasoningParser:
     name = "base"
     start_required = False
 
-    def split(self, text: str, finished: bool = True) -> tuple[Optional[str], Optional[str]]:
+    def split(self, text: str, finished: bool = True, constrained: bool = False) -> tuple[Optional[str], Optional[str]]:
         """The output generated so far (``finished``: all of it) as (reasoning, content); while not
-        finished, a tail that may be the beginning of a tag is in neither."""
+        finished, a tail that may be the beginning of a tag is in neither. ``constrained``: the
+        output followed a grammar (the opening tag is then required)."""
         if text.startswith(START):
             body = text[len(START):]
         elif not finished and START.startswith(text):
             return None, None  # "<thi": the opening tag, or not, once more text comes
-        elif self.start_required:
+        elif self.start_required or constrained:
             return None, text or None
         else:
             body = text
@@ -79,11 +84,11 @@ class ReasoningStream:
     """One streamed choice: ``delta(text so far, finished)`` -> (new reasoning, content so far).
     The content so far is what the tool-call streamer or the plain content delta works from."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
-        self.parser, self.sent = parser, 0
+    def __init__(self, parser: ReasoningParser, constrained: bool = False) -> None:
+        self.parser, self.constrained, self.sent = parser, constrained, 0
 
     def delta(self, text: str, finished: bool) -> tuple[Optional[str], str]:
-        reasoning, content = self.parser.split(text, finished)
+        reasoning, content = self.parser.split(text, finished, self.constrained)
         reasoning = reasoning or ""
         new, self.sent = reasoning[self.sent:], max(self.sent, len(reasoning))
         return new or None, content or ""

@@ -30,9 +30,12 @@ class OpenAIServingChat(OpenAIServing):
     tool_parser = None  # a ToolParser subclass
     reasoning_parser: Optional[ReasoningParser] = None  # from --reasoning-parser
 
-    def split_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
-        """A finished choice's (reasoning, content); without a reasoning parser (None, text)."""
-        return self.reasoning_parser.split(text) if self.reasoning_parser is not None else (None, text)
+    def split_reasoning(self, text: str, constrained: bool) -> tuple[Optional[str], Optional[str]]:
+        """A finished choice's (reasoning, content); without a reasoning parser (None, text).
+        ``constrained``: the output followed a grammar (see ``reasoning_parsers``)."""
+        if self.reasoning_parser is None:
+            return None, text
+        return self.reasoning_parser.split(text, True, constrained)
 
     def render(self, messages: list[ChatMessageParam], add_generation_prompt: Optional[bool] = True,
                continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
@@ -92,7 +95,9 @@ class OpenAIServingChat(OpenAIServing):
         model = self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(req, request_id, model, gen, len(ids), include_usage, tools),
+            constrained = params.structured_outputs is not None
+            return StreamingResponse(self._stream(req, request_id, model, gen, len(ids), include_usage, tools,
+                                                  constrained),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
 
         async def collect():
@@ -110,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
             if req.logprobs:
                 logprobs = ChatCompletionLogProbs(content=self.logprob_entries(c.token_ids, c.logprobs,
                                                                          req.top_logprobs or 0))
-            reasoning, text = self.split_reasoning(c.text)
+            reasoning, text = self.split_reasoning(c.text, params.structured_outputs is not None)
             content, tool_calls, finish_reason = tools.whole(text or "", c.finish_reason)
             message = ChatMessage(content=None if text is None else content, tool_calls=tool_calls,
                                   reasoning=reasoning if req.include_reasoning else None)
@@ -156,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, gen,
                       num_prompt_tokens: int, include_usage: bool,
-                      tools: Optional[ToolCallOutput] = None) -> AsyncIterator[str]:
+                      tools: Optional[ToolCallOutput] = None, constrained: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         n = req.n
         sent_text = [0] * n
@@ -164,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
         done = [False] * n
         completion_tokens = [0] * n
         streamers = [tools.streamer() for _ in range(n)] if tools is not None and tools.active else None
-        thoughts = [ReasoningStream(self.reasoning_parser) for _ in range(n)] \
+        thoughts = [ReasoningStream(self.reasoning_parser, constrained) for _ in range(n)] \
             if self.reasoning_parser is not None else None
 
         continuous = include_usage and req.stream_options.continuous_usage_stats

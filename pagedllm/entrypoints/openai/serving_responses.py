@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,
     OutputMessage, OutputReasoning, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject,
     ResponsesRequest, ResponseUsage, InputTokensDetails)
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import run_unless_disconnected
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
@@ -58,7 +59,8 @@ class _Run:
     seq: int = 0
     task: Optional[asyncio.Task] = None
     tools: Optional[ToolCallOutput] = None   # active: the output is parsed for function calls at the end
-    reasoning: Any = None                    # a ReasoningParser: the output is split at the end
+    reasoning: Any = None                    # a ReasoningParser: the output's thought is a reasoning item
+    constrained: bool = False                # the output follows a grammar (see reasoning_parsers)
     num_logprobs: Optional[int] = None       # top_logprobs of each output token's entry (None: no logprobs)
     log: Optional[list[dict]] = None         # background: every event so far (entry i has sequence_number i)
     grew: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when the log grows
@@ -180,11 +182,11 @@ class OpenAIServingResponses:
         tools = ToolCallOutput(tool_choice, self.chat.tool_parser, self.chat.tokenizer, req.parallel_tool_calls)
         run.tools = tools if tools.active else None
         run.reasoning = self.chat.reasoning_parser
-        if (run.tools is not None or run.reasoning is not None) and req.num_logprobs is not None:
-            why = "with tools here: the output is parsed for calls" if run.tools is not None else \
-                "with a reasoning parser: the output is split into reasoning and message"
-            raise RequestError(f"logprobs (top_logprobs, include message.output_text.logprobs) cannot be combined "
-                               f"{why}", "top_logprobs" if req.top_logprobs is not None else "include")
+        run.constrained = params.structured_outputs is not None
+        if run.tools is not None and req.num_logprobs is not None:
+            raise RequestError("logprobs (top_logprobs, include message.output_text.logprobs) cannot be combined "
+                               "with tools here: the output is parsed for calls", "top_logprobs"
+                               if req.top_logprobs is not None else "include")
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items(),
                                           events=run.log))
@@ -284,7 +286,9 @@ class OpenAIServingResponses:
         resp = run.response
         message: Optional[OutputMessage] = None
         part: Optional[OutputText] = None
-        sent = sent_tokens = 0
+        reasoning: Optional[OutputReasoning] = None
+        thought = ReasoningStream(run.reasoning, run.constrained) if run.reasoning is not None else None
+        sent = sent_tokens = at = 0  # at: the message's output index
         out = None
         try:
             run.emit("response.created", response=self._dump(resp))  # (a background one: queued)
@@ -294,45 +298,61 @@ class OpenAIServingResponses:
             run.emit("response.in_progress", response=self._dump(resp))
             async for out in gen:
                 c = out.outputs[0]
-                if run.tools is not None or run.reasoning is not None:
-                    continue  # reasoning, a tool call or text: known only once the whole output is parsed
-                delta = c.text[sent:]
-                if delta or (c.finish_reason is not None and message is None):
+                if run.tools is not None:
+                    continue  # a tool call or text: known only once the whole output is parsed
+                text = c.text
+                if thought is not None:  # the thought streams as a reasoning item, then the message
+                    new_thought, text = thought.delta(c.text, c.finish_reason is not None)
+                    if new_thought:
+                        if reasoning is None:
+                            reasoning = self._open_reasoning(run)
+                        reasoning.content[0].text += new_thought
+                        run.emit("response.reasoning_text.delta", item_id=reasoning.id, output_index=0,
+                                 content_index=0, delta=new_thought)
+                        if not text[sent:]:  # the message's logprobs are its own tokens'
+                            sent_tokens = len(c.token_ids)
+                delta = text[sent:]
+                if delta or (c.finish_reason is not None and message is None and not (reasoning and not text)):
                     if message is None:
+                        if reasoning is not None:
+                            self._close_reasoning(run, reasoning, "completed")
                         message = OutputMessage(status="in_progress")
+                        at = len(resp.output)
                         resp.output.append(message)
-                        run.emit("response.output_item.added", output_index=0, item=message.model_dump())
+                        run.emit("response.output_item.added", output_index=at, item=message.model_dump())
                         part = OutputText(text="")
                         message.content.append(part)
-                        run.emit("response.content_part.added", item_id=message.id, output_index=0,
+                        run.emit("response.content_part.added", item_id=message.id, output_index=at,
                                  content_index=0, part=part.model_dump())
                     if delta:
                         part.text += delta
-                        sent = len(c.text)
+                        sent = len(text)
                         lps = self._logprobs(run, c, sent_tokens)
                         sent_tokens = len(c.token_ids)
                         part.logprobs.extend(lps)
-                        run.emit("response.output_text.delta", item_id=message.id, output_index=0,
+                        run.emit("response.output_text.delta", item_id=message.id, output_index=at,
                                  content_index=0, delta=delta, logprobs=lps)
             if out is None:
                 raise RuntimeError("the engine returned no output")
             c = out.outputs[0]
             length = c.finish_reason == "length"
             aborted = c.finish_reason == "abort"  # the engine ended it (server shutting down)
-            if run.tools is not None or run.reasoning is not None:
+            if run.tools is not None:
                 self._emit_parsed(run, c.text, c.finish_reason)
+            elif message is None:  # the output ended inside its thought
+                self._close_reasoning(run, reasoning, "incomplete" if length or aborted else "completed")
             else:
                 message.status = "incomplete" if length or aborted else "completed"
                 rest = self._logprobs(run, c, sent_tokens)  # tokens that added no text (the stop token)
                 if rest:
                     part.logprobs.extend(rest)
-                    run.emit("response.output_text.delta", item_id=message.id, output_index=0, content_index=0,
+                    run.emit("response.output_text.delta", item_id=message.id, output_index=at, content_index=0,
                              delta="", logprobs=rest)
-                run.emit("response.output_text.done", item_id=message.id, output_index=0, content_index=0,
+                run.emit("response.output_text.done", item_id=message.id, output_index=at, content_index=0,
                          text=part.text, logprobs=part.logprobs)
-                run.emit("response.content_part.done", item_id=message.id, output_index=0, content_index=0,
+                run.emit("response.content_part.done", item_id=message.id, output_index=at, content_index=0,
                          part=part.model_dump())
-                run.emit("response.output_item.done", output_index=0, item=message.model_dump())
+                run.emit("response.output_item.done", output_index=at, item=message.model_dump())
             resp.usage = ResponseUsage(input_tokens=num_input_tokens,
                                        input_tokens_details=InputTokensDetails(cached_tokens=out.num_cached_tokens),
                                        output_tokens=len(c.token_ids),
@@ -348,8 +368,9 @@ class OpenAIServingResponses:
                 resp.status, resp.completed_at = "completed", int(time.time())
         except asyncio.CancelledError:
             resp.status = "cancelled"
-            if message is not None:
-                message.status = "incomplete"
+            for item in (message, reasoning):
+                if item is not None and item.status == "in_progress":
+                    item.status = "incomplete"
             raise
         except Exception as e:  # noqa: BLE001 - reported in the response object and the stream
             logger.warning("response %s failed: %s: %s", resp.id, type(e).__name__, e)
@@ -366,13 +387,28 @@ class OpenAIServingResponses:
                 run.events.put_nowait(_END)
 
     @staticmethod
+    def _open_reasoning(run: _Run) -> OutputReasoning:
+        """A new reasoning item, first in the output, announced with an empty text part."""
+        item = OutputReasoning(status="in_progress", content=[ReasoningText(text="")])
+        run.response.output.append(item)
+        run.emit("response.output_item.added", output_index=0, item={**item.model_dump(), "content": []})
+        return item
+
+    @staticmethod
+    def _close_reasoning(run: _Run, item: OutputReasoning, status: str) -> None:
+        item.status = status
+        run.emit("response.reasoning_text.done", item_id=item.id, output_index=0, content_index=0,
+                 text=item.content[0].text)
+        run.emit("response.output_item.done", output_index=0, item=item.model_dump())
+
+    @staticmethod
     def _emit_parsed(run: _Run, text: str, finish_reason: Optional[str]) -> None:
         """Output items of a response with tools or a reasoning parser: the reasoning (if any), the
         text (if any) as a message, then one function_call item per call, with their stream events
         (each text or argument string in one delta)."""
         status = "completed" if finish_reason == "stop" else "incomplete"
         resp = run.response
-        reasoning, text = run.reasoning.split(text) if run.reasoning is not None else (None, text)
+        reasoning, text = run.reasoning.split(text, True, run.constrained) if run.reasoning is not None else (None, text)
         if reasoning:
             item = OutputReasoning(status=status if text is None else "completed",
                                    content=[ReasoningText(text=reasoning)])

@@ -23,14 +23,14 @@ from test_tensor_parallel import KV_BYTES, wait_gone, worker_pids
 WINDOW = 8
 
 
-def build_gpt_oss(out_dir: str, seed: int = 0) -> str:
+def build_gpt_oss(out_dir: str, seed: int = 0, max_position_embeddings: int = 256) -> str:
     tok = build_tokenizer(out_dir)
     config = transformers.GptOssConfig(
         vocab_size=len(tok), hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
-        sliding_window=WINDOW, max_position_embeddings=256, initializer_range=0.15,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+        sliding_window=WINDOW, max_position_embeddings=max_position_embeddings, initializer_range=0.15,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": max_position_embeddings / 64,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False)
     torch.manual_seed(seed)

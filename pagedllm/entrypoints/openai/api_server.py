@@ -181,6 +181,10 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat = OpenAIServingChat(llm, served, chat_template)
     chat.enable_auto_tools = enable_auto_tool_choice
     chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    if reasoning_parser is None and getattr(llm.model_config.hf_config, "model_type", None) == "gpt_oss":
+        reasoning_parser = "openai_gptoss"  # its output is always in harmony's channels (vLLM reads them too)
+        logger.info("gpt-oss: reading its harmony channels (reasoning parser openai_gptoss; tool calls with "
+                    "--enable-auto-tool-choice --tool-call-parser openai)")
     chat.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
 

@@ -553,8 +553,6 @@ class ChatCompletionRequest(_SamplingRequest):
             "modalities": (self.modalities is not None and any(m != "text" for m in self.modalities),
                            "only the 'text' modality is supported"),
             "prediction": (self.prediction is not None, "prediction (predicted outputs) is not supported"),
-            "reasoning_effort": (self.reasoning_effort is not None,
-                                 "reasoning_effort is not supported by this model"),
             "verbosity": (self.verbosity is not None, "verbosity is not supported by this model"),
             "web_search_options": (self.web_search_options is not None, "web search is not supported"),
             "echo": (self.echo, "echo is not supported on /v1/chat/completions"),

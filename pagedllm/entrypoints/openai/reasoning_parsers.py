@@ -4,7 +4,8 @@ thought in ``message.reasoning`` (``delta.reasoning`` when streamed) and the ans
 (where the tool-call parser then looks for calls), and Responses return a ``reasoning`` output item
 before the message.
 
-Both parsers read the text between ``<think>`` and ``</think>``:
+``openai_gptoss`` reads gpt-oss's harmony channels (``harmony.py``). The other two read the text
+between ``<think>`` and ``</think>``:
 
 - ``deepseek_r1`` (DeepSeek-R1 and its distills, Qwen3 "Thinking-2507", QwQ, GLM-Z1, ...): the
   opening tag is optional (these chat templates put it in the prompt); everything up to
@@ -39,6 +40,7 @@ class ReasoningParser:
 
     name = "base"
     start_required = False
+    needs_special_tokens = False  # the text must keep special tokens (skip_special_tokens=False)
 
     def split(self, text: str, finished: bool = True, constrained: bool = False) -> tuple[Optional[str], Optional[str]]:
         """The output generated so far (``finished``: all of it) as (reasoning, content); while not
@@ -92,3 +94,6 @@ class ReasoningStream:
         reasoning = reasoning or ""
         new, self.sent = reasoning[self.sent:], max(self.sent, len(reasoning))
         return new or None, content or ""
+
+
+from pagedllm.entrypoints.openai import harmony  # noqa: E402,F401  (registers openai_gptoss; imports this module)

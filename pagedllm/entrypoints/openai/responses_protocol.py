@@ -214,8 +214,10 @@ class ResponsesRequest(OpenAIBaseModel):
         if self.truncation == "auto":
             raise RequestError("truncation 'auto' is not supported; input longer than the context is refused",
                                "truncation")
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):  # ({} or all null: not set)
-            raise RequestError("reasoning is not supported by this server", "reasoning")
+        # reasoning.effort reaches a chat template that reads it (serving_responses); nothing else does
+        other = {k: v for k, v in (self.reasoning or {}).items() if k != "effort" and v is not None}
+        if other:
+            raise RequestError(f"reasoning.{next(iter(other))} is not supported by this server", "reasoning")
         for name in ("prompt", "conversation", "max_tool_calls"):
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported by this server", name)

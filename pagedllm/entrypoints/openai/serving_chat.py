@@ -37,6 +37,15 @@ class OpenAIServingChat(OpenAIServing):
             return None, text
         return self.reasoning_parser.split(text, True, constrained)
 
+    def reasoning_effort(self, effort: str, param: str) -> str:
+        """``effort`` for a chat template that reads ``reasoning_effort`` (gpt-oss's: low, medium,
+        high); RequestError when the template does not."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        if "reasoning_effort" not in str(template):
+            raise RequestError(f"{param} is not supported by this model (its chat template has no reasoning_effort)",
+                               param)
+        return effort
+
     def render(self, messages: list[ChatMessageParam], add_generation_prompt: Optional[bool] = True,
                continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
                tools: Optional[list] = None) -> list[int]:
@@ -67,6 +76,9 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = req.chat_template_kwargs
         if getattr(req, "documents", None) is not None:  # vLLM's RAG documents, given to the template
             kwargs = {**(kwargs or {}), "documents": req.documents}
+        if getattr(req, "reasoning_effort", None) is not None:
+            kwargs = {**(kwargs or {}), "reasoning_effort": self.reasoning_effort(req.reasoning_effort,
+                                                                                  "reasoning_effort")}
         args = (req.messages, agp, req.continue_final_message, kwargs, getattr(req, "tools", None))
         size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
                    for m in req.messages)
@@ -87,6 +99,8 @@ class OpenAIServingChat(OpenAIServing):
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", param)
         params = req.to_sampling_params(max_tokens)
+        if self.reasoning_parser is not None and self.reasoning_parser.needs_special_tokens:
+            params.skip_special_tokens = False  # gpt-oss's channels are special tokens
         tools = self.tool_call_output(req, params)
         await self.verify_logits_fields(params, req)
         request_id = random_id("chatcmpl")

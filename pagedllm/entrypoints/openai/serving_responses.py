@@ -163,9 +163,13 @@ class OpenAIServingResponses:
         tool_choice = resolve_tool_choice(chat_tools or None, self._tool_choice(req),
                                           self.chat.enable_auto_tools and self.chat.tool_parser is not None)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-        ids = await asyncio.to_thread(self._render, messages, chat_tools if tool_choice != "none" else [])
+        effort = (req.reasoning or {}).get("effort")
+        effort = self.chat.reasoning_effort(effort, "reasoning") if effort is not None else None
+        ids = await asyncio.to_thread(self._render, messages, chat_tools if tool_choice != "none" else [], effort)
         max_tokens = self.chat.resolve_max_tokens(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         params = self._sampling_params(req, max_tokens)
+        if self.chat.reasoning_parser is not None and self.chat.reasoning_parser.needs_special_tokens:
+            params.skip_special_tokens = False  # gpt-oss's channels are special tokens
         params.structured_outputs = self._structured_outputs(req, chat_tools, tool_choice)
         await self.chat.verify_logits_fields(params, req)
 
@@ -240,8 +244,10 @@ class OpenAIServingResponses:
         except ValueError as e:
             raise RequestError(f"text.format: {e}", "text.format") from None
 
-    def _render(self, messages: list[dict], tools: list) -> list[int]:
-        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else None
+    def _render(self, messages: list[dict], tools: list, reasoning_effort: Optional[str] = None) -> list[int]:
+        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        if reasoning_effort is not None:
+            kwargs["reasoning_effort"] = reasoning_effort
         try:
             ids = apply_chat_template(self.chat.tokenizer, messages, self.chat.chat_template,
                                       add_generation_prompt=True, chat_template_kwargs=kwargs)

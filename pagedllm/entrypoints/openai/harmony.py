@@ -1,0 +1,135 @@
+"""gpt-oss's output format, harmony (OpenAI, 2025, "OpenAI Harmony Response Format"), read from the
+generated text with its special tokens kept: ``--reasoning-parser openai_gptoss`` (on by default for
+gpt-oss) and ``--tool-call-parser openai``, vLLM's names.
+
+A completion is a run of messages, each ``[<|start|>ROLE] <|channel|>CHANNEL [to=RECIPIENT]
+[<|constrain|>TYPE] <|message|>BODY`` ended by ``<|end|>``, ``<|call|>`` or ``<|return|>`` (the last
+two stop generation, so they are not in the text); the recipient may sit in the role part instead
+(``<|start|>assistant to=functions.f<|channel|>commentary``). The chat template opens the first
+message (``<|start|>assistant``), so the text starts at its channel.
+
+- ``analysis`` bodies are the reasoning (joined by a newline);
+- ``final`` bodies, and ``commentary`` ones without a recipient (preambles), are the content;
+- a message to ``functions.NAME`` is a tool call: it stays in the content as one canonical segment
+  ``<|call|>NAME<|message|>ARGUMENTS<|end|>`` (``<|end|>`` once the call is complete), which the
+  ``openai`` tool-call parser turns into ``tool_calls``.
+
+Text with no ``<|message|>`` at all (a constrained output, or a model that ignored the format) is
+all content.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional
+
+from pagedllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, _partial_tail
+from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls, ToolParser, register_tool_parser)
+
+MESSAGE, ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
+_END_RE = re.compile("|".join(re.escape(t) for t in ENDS + ("<|start|>",)))
+_RECIPIENT_RE = re.compile(r"to=([^\s<]+)")
+CALL, CALL_END = "<|call|>", "<|end|>"
+_CALL_RE = re.compile(re.escape(CALL) + r"(.*?)" + re.escape(MESSAGE) + r"(.*?)(" + re.escape(CALL_END) + r"|$)",
+                      re.DOTALL)
+
+
+def parse_messages(text: str) -> list[tuple[str, Optional[str], str, bool]]:
+    """(channel, recipient, body, complete) of each message of ``text``; the last may be incomplete."""
+    out, pos = [], 0
+    while True:
+        at = text.find(MESSAGE, pos)
+        if at < 0:
+            return out
+        header = text[pos:at]
+        channel = header.split("<|channel|>", 1)[1] if "<|channel|>" in header else ""
+        channel = channel.split("<|constrain|>", 1)[0].split()
+        recipient = _RECIPIENT_RE.search(header)
+        end = _END_RE.search(text, at + len(MESSAGE))
+        body = text[at + len(MESSAGE):end.start() if end else len(text)]
+        out.append((channel[0] if channel else "", recipient.group(1) if recipient else None, body, end is not None))
+        if end is None:
+            return out
+        # the next header starts after the terminator, or at a <|start|> that ended this body
+        pos = end.start() if end.group(0) == "<|start|>" else end.end()
+
+
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss: the analysis channel is the reasoning, the rest the content (see the module)."""
+
+    name = "openai_gptoss"
+    needs_special_tokens = True  # the format's markers are special tokens
+
+    def split(self, text: str, finished: bool = True, constrained: bool = False) -> tuple[Optional[str], Optional[str]]:
+        messages = parse_messages(text)
+        if not messages:
+            if not finished and (text.startswith("<|") or text == "<"):  # a first header still arriving
+                return None, None
+            return None, text or None
+        reasoning, content = [], []
+        for i, (channel, recipient, body, complete) in enumerate(messages):
+            if not complete and not finished:  # a marker may be arriving in pieces: hold its start back
+                body = body[:len(body) - max(_partial_tail(body, t) for t in ENDS + ("<|start|>",))]
+            if recipient is not None and recipient.startswith("functions."):
+                content.append(f"{CALL}{recipient[len('functions.'):]}{MESSAGE}{body}" + (CALL_END if complete or finished
+                                                                                         else ""))
+            elif channel == "analysis":
+                reasoning.append(body)
+            else:
+                content.append(body)
+        return "\n".join(reasoning) or None, "".join(content) or None
+
+
+REASONING_PARSERS[HarmonyReasoningParser.name] = HarmonyReasoningParser
+
+
+@register_tool_parser("openai")
+class OpenAIToolParser(ToolParser):
+    """The tool calls ``HarmonyReasoningParser`` left in the content as canonical segments; the
+    text around them is the content. Streamed: text as it comes, each call whole once complete."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.sent_text = 0   # content characters sent
+        self.sent_calls = 0  # calls sent
+
+    @staticmethod
+    def _calls(text: str) -> list[tuple[str, str, bool]]:
+        return [(m.group(1).strip(), m.group(2), bool(m.group(3))) for m in _CALL_RE.finditer(text)]
+
+    @staticmethod
+    def _call(name: str, args: str) -> ToolCall:
+        try:
+            args = json.dumps(json.loads(args), ensure_ascii=False)
+        except ValueError:
+            pass  # not JSON: passed on as written
+        return ToolCall(function=FunctionCall(name=name, arguments=args))
+
+    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        calls = [self._call(name, args) for name, args, _ in self._calls(text)]
+        content = _CALL_RE.sub("", text)
+        return ExtractedToolCalls(tools_called=bool(calls), tool_calls=calls, content=content or None)
+
+    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
+                                     finished: bool) -> Optional[DeltaMessage]:
+        first_call = current_text.find(CALL)
+        visible = current_text if first_call < 0 else current_text[:first_call]
+        if first_call < 0 and not finished:  # "<|ca" may be the start of a call
+            visible = visible[:len(visible) - _partial_tail(visible, CALL)]
+        text = visible[self.sent_text:]
+        self.sent_text = len(visible)
+        deltas = []
+        for i, (name, args, complete) in enumerate(self._calls(current_text)):
+            if i < self.sent_calls or not (complete or finished):
+                continue
+            call = self._call(name, args)
+            deltas.append(DeltaToolCall(index=i, id=call.id, type="function",
+                                        function=DeltaFunctionCall(name=call.function.name,
+                                                                   arguments=call.function.arguments)))
+            self.sent_calls = i + 1
+        self.called = self.called or bool(deltas)
+        if not text and not deltas:
+            return None
+        return DeltaMessage(content=text or None, tool_calls=deltas or None)

@@ -1,0 +1,127 @@
+"""gpt-oss's harmony format: the analysis channel becomes ``reasoning``, final (and preambles) the
+content, messages to ``functions.NAME`` tool calls (``--tool-call-parser openai``); on by default
+when serving gpt-oss; ``reasoning_effort`` reaches a chat template that reads it. The server test
+forces harmony text with a regex (a random model cannot choose it)."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import pytest
+
+from pagedllm.entrypoints.openai.harmony import parse_messages
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream, get_reasoning_parser
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+ANALYSIS = "<|channel|>analysis<|message|>User asks the weather.<|end|>"
+CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Rome\"}"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny."
+
+
+def test_split_channels():
+    p = get_reasoning_parser("openai_gptoss")
+    assert p.needs_special_tokens
+    assert p.split(ANALYSIS + FINAL) == ("User asks the weather.", "It is sunny.")
+    assert p.split(ANALYSIS + ANALYSIS.replace("User asks", "Then")) == (
+        "User asks the weather.\nThen the weather.", None)
+    assert parse_messages(ANALYSIS + CALL) == [("analysis", None, "User asks the weather.", True),
+                                               ("commentary", "functions.get_weather", '{"city":"Rome"}', False)]
+    # the recipient in the role part; a preamble (commentary, no recipient) is content
+    role_call = "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}"
+    assert p.split(ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>" + role_call) == (
+        "User asks the weather.", "Let me check.<|call|>f<|message|>{}<|end|>")
+    assert p.split("plain words") == (None, "plain words")  # not harmony (a constrained output): content
+    assert p.split(ANALYSIS[:34], finished=False) == ("User", None)
+    assert p.split(ANALYSIS[:-3], finished=False) == ("User asks the weather.", None)  # "<|e" held back
+
+
+def test_openai_tool_parser_whole_and_streamed():
+    reasoning, content = get_reasoning_parser("openai_gptoss").split(ANALYSIS + CALL)
+    parser = get_tool_parser("openai")(None)
+    got = parser.extract_tool_calls(content)
+    assert got.tools_called and got.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls] == [
+        ("get_weather", {"city": "Rome"})]
+    # streamed: text before the call as it comes, the call whole once the output ends
+    text = "Checking." + content
+    streamer, sent, calls = get_tool_parser("openai")(None), "", []
+    for end in range(1, len(text) + 1):
+        d = streamer.extract_tool_calls_streaming(text[:end - 1], text[:end], text[end - 1], end == len(text))
+        if d is not None:
+            sent += d.content or ""
+            calls += d.tool_calls or []
+    assert sent == "Checking." and [c.function.name for c in calls] == ["get_weather"] and streamer.called
+    assert json.loads(calls[0].function.arguments) == {"city": "Rome"}
+
+
+def test_streamed_pieces_add_up_to_the_split():
+    p = get_reasoning_parser("openai_gptoss")
+    rng = random.Random(1)
+    for text in (ANALYSIS + FINAL, ANALYSIS + CALL, ANALYSIS + ANALYSIS + FINAL, "no format"):
+        want_r, want_c = p.split(text)
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 8)))
+            stream, reasoning = ReasoningStream(p), ""
+            for end in cuts + [len(text)]:
+                new, content = stream.delta(text[:end], end == len(text))
+                reasoning += new or ""
+                assert (want_r or "").startswith(reasoning), (text, end)
+            assert (reasoning or None, content or None) == (want_r, want_c)
+
+
+# ---- a served gpt-oss ---------------------------------------------------------------------------
+TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+            "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MSGS = [{"role": "user", "content": "weather?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from server_utils import RemoteServer
+    from test_gpt_oss import build_gpt_oss
+    tmp = tmp_path_factory.mktemp("harmony")
+    model = build_gpt_oss(str(tmp / "model"), seed=1, max_position_embeddings=512)
+    (tmp / "t.jinja").write_text(TEMPLATE)
+    args = ("--served-model-name", "oss", "--max-model-len", "512", "--kv-cache-memory", "4MiB",
+            "--chat-template", str(tmp / "t.jinja"), "--enable-auto-tool-choice", "--tool-call-parser", "openai")
+    with RemoteServer(model, args, log_path=str(tmp / "server.log")) as srv:
+        yield srv
+    assert srv.returncode == 0, srv.log()
+
+
+def chat(srv, **body):
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "oss", "messages": MSGS, "max_tokens": 400, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_served_gpt_oss_reads_its_channels(server):
+    assert "reading its harmony channels" in server.log()
+    regex = re.escape("<|channel|>analysis<|message|>") + "[a-z]{3,8}" + re.escape(
+        "<|end|><|start|>assistant<|channel|>final<|message|>") + "[a-z]{2,6}"
+    m = chat(server, guided_regex=regex).json()["choices"][0]["message"]
+    assert re.fullmatch("[a-z]{3,8}", m["reasoning"]) and re.fullmatch("[a-z]{2,6}", m["content"])
+    lines = chat(server, guided_regex=regex, stream=True).text.splitlines()
+    deltas = [json.loads(x[5:])["choices"][0]["delta"] for x in lines if x.startswith("data:") and "[DONE]" not in x
+              and json.loads(x[5:])["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == m["reasoning"]
+    assert "".join(d.get("content") or "" for d in deltas) == m["content"]
+    # a call to functions.get_weather is a tool call
+    call_regex = re.escape(ANALYSIS + CALL)
+    c = chat(server, guided_regex=call_regex, tools=TOOLS).json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["reasoning"] == "User asks the weather."
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] == [
+        ("get_weather", {"city": "Rome"})]
+    # reasoning_effort reaches the template (the prompt grows by "Reasoning: high")
+    plain = chat(server, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert chat(server, max_tokens=1, reasoning_effort="high").json()["usage"]["prompt_tokens"] > plain
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "oss", "input": "weather?", "max_output_tokens": 120, "temperature": 0,
+        "reasoning": {"effort": "low"}, "structured_outputs": {"regex": regex}})
+    assert [item["type"] for item in r.json()["output"]] == ["reasoning", "message"], r.text

@@ -125,3 +125,23 @@ def test_served_gpt_oss_reads_its_channels(server):
         "model": "oss", "input": "weather?", "max_output_tokens": 120, "temperature": 0,
         "reasoning": {"effort": "low"}, "structured_outputs": {"regex": regex}})
     assert [item["type"] for item in r.json()["output"]] == ["reasoning", "message"], r.text
+
+
+def test_special_tokens_come_back_whole_when_kept(tmp_path):
+    """The harmony parser reads special tokens from the text: with skip_special_tokens=False each
+    comes back as its whole string (and none with the default)."""
+    import transformers
+    from conftest import build_checkpoint
+    from pagedllm import LLM, SamplingParams
+    d = build_checkpoint(str(tmp_path), "llama", vocab_size=520)  # room for the added tokens
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>"]})
+    tok.save_pretrained(d)
+    ids = tok.convert_tokens_to_ids(["<|channel|>", "<|message|>"])
+    assert max(ids) < 520
+    llm = LLM(d, kv_cache_memory=1 << 20)
+    kept, skipped = (llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                              allowed_token_ids=ids, skip_special_tokens=skip),
+                                  use_tqdm=False)[0].outputs[0] for skip in (False, True))
+    assert kept.text == "".join(tok.convert_ids_to_tokens(kept.token_ids)) and len(kept.token_ids) == 6
+    assert skipped.text == ""

@@ -30,6 +30,25 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_tokenizer(w, hf_dir: str, cfg: dict) -> None:
+    """The byte-level BPE tokenizer of ``hf_dir`` (with its chat template) into GGUF writer ``w``."""
+    import gguf
+
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    tok_cfg = json.load(open(os.path.join(hf_dir, "tokenizer_config.json")))
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_chat_template(tok_cfg.get("chat_template") or open(os.path.join(hf_dir, "chat_template.jinja")).read())
+
+
 def write_llama_gguf(hf_dir: str, out_path: str, quant_types=QUANT_TYPES, arch: str = "llama") -> dict[str, str]:
     """Write the Llama checkpoint in ``hf_dir`` (with its tokenizer) to one GGUF file, as llama.cpp's
     converter does (tensor names, Q/K permutation, metadata). Returns {gguf tensor name: type}."""
@@ -37,8 +56,6 @@ def write_llama_gguf(hf_dir: str, out_path: str, quant_types=QUANT_TYPES, arch: 
     from safetensors.torch import load_file
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
-    tok_cfg = json.load(open(os.path.join(hf_dir, "tokenizer_config.json")))
     n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(out_path, arch)
     w.add_name("tiny llama")
@@ -52,17 +69,7 @@ def write_llama_gguf(hf_dir: str, out_path: str, quant_types=QUANT_TYPES, arch: 
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["hidden_size"] // n_head)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_pad_token_id(cfg["pad_token_id"])
-    w.add_chat_template(tok_cfg.get("chat_template") or open(os.path.join(hf_dir, "chat_template.jinja")).read())
+    add_tokenizer(w, hf_dir, cfg)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
     types: dict[str, str] = {}
     i = 0

@@ -179,3 +179,82 @@ def test_missing_mxfp4_scales_is_a_clear_error(tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"MXFP4 tensors without their pair .*layers.2.mlp.experts.down_proj"):
         LLM(str(tmp_path / "mx"), kv_cache_memory=1 << 20)
+
+
+def write_gpt_oss_gguf(hf_dir: str, out_path: str) -> None:
+    """The checkpoint in ``hf_dir`` as llama.cpp's converter writes gpt-oss (``conversion/gpt_oss.py``):
+    experts split into gate / up [E, I, H] and down [E, H, I], in MXFP4; the rest F32. ``hf_dir``'s
+    expert matrices get the MXFP4-rounded values back, so transformers runs the same weights."""
+    import gguf
+    import numpy as np
+    from test_gguf import add_tokenizer
+
+    cfg = json.load(open(f"{hf_dir}/config.json"))
+    rope = cfg["rope_parameters"]
+    n = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(out_path, "gpt-oss")
+    for add, value in [(w.add_block_count, n), (w.add_context_length, cfg["max_position_embeddings"]),
+                       (w.add_embedding_length, cfg["hidden_size"]), (w.add_feed_forward_length, cfg["intermediate_size"]),
+                       (w.add_expert_feed_forward_length, cfg["intermediate_size"]),
+                       (w.add_head_count, cfg["num_attention_heads"]), (w.add_head_count_kv, cfg["num_key_value_heads"]),
+                       (w.add_key_length, cfg["head_dim"]), (w.add_value_length, cfg["head_dim"]),
+                       (w.add_rope_freq_base, rope["rope_theta"]), (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]),
+                       (w.add_expert_count, cfg["num_local_experts"]), (w.add_expert_used_count, cfg["num_experts_per_tok"]),
+                       (w.add_sliding_window, cfg["sliding_window"]), (w.add_rope_scaling_type, gguf.RopeScalingType.YARN),
+                       (w.add_rope_scaling_factor, rope["factor"]),
+                       (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"]),
+                       (w.add_rope_scaling_yarn_beta_fast, rope["beta_fast"]),
+                       (w.add_rope_scaling_yarn_beta_slow, rope["beta_slow"])]:
+        add(value)
+    add_tokenizer(w, hf_dir, cfg)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, n)
+    tensors = load_file(f"{hf_dir}/model.safetensors")
+    mx = gguf.GGMLQuantizationType.MXFP4
+
+    def rounded(a: np.ndarray) -> np.ndarray:  # [..., in] through MXFP4 and back
+        return gguf.quants.dequantize(gguf.quants.quantize(a, mx), mx).reshape(a.shape)
+
+    for name, t in sorted(tensors.items()):
+        a = t.float().numpy()
+        prefix = name.rsplit(".mlp.experts.", 1)[0].replace("model.layers.", "blk.") + "."
+        if name.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate and up columns interleaved
+            rows = rounded(np.ascontiguousarray(a.transpose(0, 2, 1)))  # [E, 2I, H]
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(rows.transpose(0, 2, 1)))
+            w.add_tensor(prefix + "ffn_gate_exps.weight", gguf.quants.quantize(rows[:, 0::2], mx), raw_dtype=mx)
+            w.add_tensor(prefix + "ffn_up_exps.weight", gguf.quants.quantize(rows[:, 1::2], mx), raw_dtype=mx)
+        elif name.endswith("experts.down_proj"):  # [E, I, H]
+            rows = rounded(np.ascontiguousarray(a.transpose(0, 2, 1)))  # [E, H, I]
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(rows.transpose(0, 2, 1)))
+            w.add_tensor(prefix + "ffn_down_exps.weight", gguf.quants.quantize(rows, mx), raw_dtype=mx)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            w.add_tensor(prefix + "ffn_gate_exps.bias", np.ascontiguousarray(a[:, 0::2]))
+            w.add_tensor(prefix + "ffn_up_exps.bias", np.ascontiguousarray(a[:, 1::2]))
+        elif name.endswith("experts.down_proj_bias"):
+            w.add_tensor(prefix + "ffn_down_exps.bias", a)
+        else:
+            base, suffix = name.rsplit(".", 1)
+            w.add_tensor(names.get_name(base if suffix in ("weight", "bias") else name) + "." +
+                         (suffix if suffix in ("weight", "bias") else "weight"), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    save_file(tensors, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
+
+
+def test_gguf_mxfp4_matches_transformers(tmp_path):
+    """A gpt-oss GGUF as llama.cpp writes it (MXFP4 experts; transformers' GGUF map leaves experts
+    and sinks out, and misreads the YaRN metadata): fp32 greedy ids equal transformers' on the same
+    (MXFP4-rounded) weights."""
+    pytest.importorskip("gguf")
+    hf = build_gpt_oss(str(tmp_path / "hf"), seed=8)
+    path = str(tmp_path / "oss.gguf")
+    write_gpt_oss_gguf(hf, path)
+    vocab = transformers.AutoConfig.from_pretrained(hf).vocab_size
+    prompts = make_prompts(vocab, [3, 17, 40], seed=2)
+    ref = [r[0] for r in reference(hf, prompts, n=8)]
+    llm = LLM(path, kv_cache_memory=1 << 22)
+    cfg = llm.llm_engine.model_config.hf_config
+    assert (cfg.head_dim, cfg.sliding_window, cfg.rope_parameters["truncate"]) == (16, WINDOW, False)
+    assert ids(llm.generate(prompts, greedy(8), use_tqdm=False)) == ref
+    assert_pool_empty(llm)

@@ -11,6 +11,7 @@ Errors are ``ValueError`` with a one-line message (``pagedllm serve`` prints it 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from unittest import mock
@@ -128,6 +129,27 @@ def gguf_architecture(path: str) -> str:
     return field.contents()
 
 
+@contextlib.contextmanager
+def _rope_scaling_values():
+    """While transformers reads a gpt-oss file's metadata: its ``rope.scaling.*`` fields with their
+    value first. transformers reads those values as ``field.parts[0]``, which is the key's length
+    (a 1-element array, which NumPy 2 will not turn into a float); every other reader of a field
+    indexes ``parts`` through ``field.data``, which this leaves as it was. (transformers 5.x.)"""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            for key, f in list(self.fields.items()):
+                if ".rope.scaling." in key and f.data:
+                    value = f.contents()
+                    value = value.item() if hasattr(value, "item") else value  # a plain number, for JSON
+                    self.fields[key] = f._replace(parts=[value] + list(f.parts[1:]))
+
+    with mock.patch.object(gguf, "GGUFReader", Reader):
+        yield
+
+
 def load_gguf_config(path: str) -> Any:
     """The transformers config built from the file's metadata (``AutoConfig.from_pretrained(gguf_file=)``),
     with ``architectures`` set to the causal-LM class of its ``model_type``.
@@ -140,12 +162,29 @@ def load_gguf_config(path: str) -> Any:
 
     arch = gguf_architecture(path)
     try:
-        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        with _rope_scaling_values():
+            config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                gguf_file=os.path.basename(path))
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError here
         from pagedllm.models.registry import supported_architectures
 
         raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported ({one_line(e)}); "
                          f"supported architectures: {', '.join(supported_architectures())}") from None
+    if config.model_type == "gpt_oss":  # metadata transformers' gpt-oss mapping leaves out
+        fields = open_gguf(path).fields
+        for key, attr in (("attention.key_length", "head_dim"), ("attention.sliding_window", "sliding_window")):
+            if f"gpt-oss.{key}" in fields:
+                setattr(config, attr, int(fields[f"gpt-oss.{key}"].contents()))
+    rope = getattr(config, "rope_scaling", None)
+    if config.model_type == "gpt_oss" and isinstance(rope, dict):
+        # llama.cpp's names for YaRN's betas; its YaRN does not round the correction range (gpt-oss's
+        # Hugging Face config says truncate: false)
+        for k in ("beta_fast", "beta_slow"):
+            if f"yarn_{k}" in rope:
+                rope[k] = rope.pop(f"yarn_{k}")
+        rope.setdefault("truncate", False)
+        if getattr(config, "rope_parameters", None) is not None:
+            config.rope_parameters.update(rope)
     if not getattr(config, "architectures", None):
         cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         config.architectures = [cls] if cls else [f"<GGUF architecture {arch}>"]
@@ -158,7 +197,9 @@ def load_gguf_tokenizer(path: str) -> Any:
 
     open_gguf(path)  # a clear error for a bad file first
     try:
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        with _rope_scaling_values():
+            return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                 gguf_file=os.path.basename(path))
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"cannot build a tokenizer from the metadata of {path} ({one_line(e)}); "
                          f"pass one with --tokenizer") from None
@@ -177,6 +218,41 @@ def read_q8_0(data: np.ndarray) -> Q8_0Weight:
 def _tensor(a: np.ndarray) -> torch.Tensor:
     # Dequantized F32 tensors are read-only views of the memory map; torch wants writable memory.
     return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+class _GptOssExperts:
+    """gpt-oss tensors transformers' GGUF map leaves out, back in Hugging Face's layout: llama.cpp's
+    converter (``conversion/gpt_oss.py``) splits ``gate_up_proj`` [E, H, 2I] (gate and up columns
+    interleaved) into ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, H] and transposes ``down_proj``
+    [E, I, H] to ``ffn_down_exps`` [E, H, I]; the sinks are ``attn_sinks``."""
+
+    _PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_sinks")
+
+    def __init__(self) -> None:
+        self.halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (layer, kind) -> gate / up
+
+    def takes(self, name: str) -> bool:
+        return name.startswith("blk.") and name.split(".")[2] in self._PARTS
+
+    def add(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        _, layer, part, kind = name.split(".")
+        prefix = f"model.layers.{layer}."
+        if part == "attn_sinks":
+            yield prefix + "self_attn.sinks", t
+        elif part == "ffn_down_exps":
+            yield (prefix + "mlp.experts.down_proj", t.transpose(1, 2)) if kind == "weight" else \
+                (prefix + "mlp.experts.down_proj_bias", t)
+        else:
+            got = self.halves.setdefault((layer, kind), {})
+            got[part] = t
+            if len(got) == 2:
+                del self.halves[(layer, kind)]
+                gate, up = got["ffn_gate_exps"], got["ffn_up_exps"]
+                both = torch.stack([gate, up], dim=-1 if kind == "bias" else -2)  # [E, I, 2(, H)]
+                if kind == "bias":
+                    yield prefix + "mlp.experts.gate_up_proj_bias", both.flatten(1)
+                else:
+                    yield prefix + "mlp.experts.gate_up_proj", both.flatten(1, 2).transpose(1, 2)
 
 
 def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> Iterator[tuple[str, Any]]:
@@ -213,6 +289,7 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
         raise ValueError(f"{path}: {one_line(e)}") from None
     del hf_model
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # MoE processors merge experts here
+    gpt_oss = _GptOssExperts() if arch == "gpt-oss" else None
     for t in reader.tensors:
         if raw_q8_0 and t.tensor_type.name == "Q8_0" and len(t.data.shape) == 2:
             raw = read_q8_0(t.data)
@@ -225,6 +302,9 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
             weights = dequantize(t.data, t.tensor_type)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {one_line(e)}") from None
+        if gpt_oss is not None and gpt_oss.takes(t.name):
+            yield from gpt_oss.add(t.name, _tensor(np.ascontiguousarray(weights)))
+            continue
         result = processor.process(weights=weights, name=t.name, tensor_key_mapping=name_map,
                                    parsed_parameters=merged)
         if result.name in name_map:

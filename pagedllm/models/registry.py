@@ -27,6 +27,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "GraniteMoeForCausalLM": ("granite_moe", "GraniteMoeForCausalLM"),
+    "GraniteMoeSharedForCausalLM": ("granite_moe", "GraniteMoeSharedForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granite_moe", "GraniteMoeHybridForCausalLM"),  # attention layers only
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),

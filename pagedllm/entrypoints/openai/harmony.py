@@ -69,12 +69,12 @@ class HarmonyReasoningParser(ReasoningParser):
                 return None, None
             return None, text or None
         reasoning, content = [], []
-        for i, (channel, recipient, body, complete) in enumerate(messages):
+        for channel, recipient, body, complete in messages:
             if not complete and not finished:  # a marker may be arriving in pieces: hold its start back
                 body = body[:len(body) - max(_partial_tail(body, t) for t in ENDS + ("<|start|>",))]
             if recipient is not None and recipient.startswith("functions."):
-                content.append(f"{CALL}{recipient[len('functions.'):]}{MESSAGE}{body}" + (CALL_END if complete or finished
-                                                                                         else ""))
+                end = CALL_END if complete or finished else ""
+                content.append(f"{CALL}{recipient[len('functions.'):]}{MESSAGE}{body}{end}")
             elif channel == "analysis":
                 reasoning.append(body)
             else:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): the grouped expert computation
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the grouped expert computation
 equals a naive per-token reference, TP shards of the experts sum to the whole, and fp32 greedy ids
 equal transformers' through batching, chunked prefill, preemption, prefix caching and TP=2."""
 from __future__ import annotations
@@ -24,6 +24,11 @@ MOE_CONFIGS = {
                   dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
                        shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[1],
                        num_hidden_layers=3)),
+    # OLMoE: whole-projection q/k norms, q/k/v clipped to 1.0 (the norms make |q| ~ 1: some are);
+    # 8 experts, top-2, not renormalized.
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+              dict(num_experts=8, num_experts_per_tok=2, intermediate_size=48, clip_qkv=1.0, norm_topk_prob=False,
+                   num_hidden_layers=3)),
     # 8 experts, top-3, renormalized; every second layer sparse (decoder_sparse_step=2).
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, intermediate_size=96,

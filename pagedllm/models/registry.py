@@ -36,6 +36,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MinistralForCausalLM": ("llama", "MistralForCausalLM"),  # layer_types (all sliding with a window)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),  # biases: attention_bias (q/k/v), attention_out_bias
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "GlmForCausalLM": ("glm4", "GlmForCausalLM"),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the grouped expert computation
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5): the grouped expert computation
 equals a naive per-token reference, TP shards of the experts sum to the whole, and fp32 greedy ids
 equal transformers' through batching, chunked prefill, preemption, prefix caching and TP=2."""
 from __future__ import annotations
@@ -29,6 +29,13 @@ MOE_CONFIGS = {
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
               dict(num_experts=8, num_experts_per_tok=2, intermediate_size=48, clip_qkv=1.0, norm_topk_prob=False,
                    num_hidden_layers=3)),
+    # GLM-4.5: layer 0 dense, then DeepSeek-V3 routing (sigmoid, correction bias, 2 of 4 groups, top-3,
+    # renormalized, scaled by 1.5) with a shared expert; per-head q/k norms, half-width RoPE, q/k/v biases.
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
+                 dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, intermediate_size=96,
+                      n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+                      routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True, head_dim=16,
+                      num_hidden_layers=3)),
     # 8 experts, top-3, renormalized; every second layer sparse (decoder_sparse_step=2).
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, intermediate_size=96,
@@ -48,6 +55,9 @@ def build_moe_checkpoint(out_dir: str, arch: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():  # GLM-4.5's correction bias: choosing differs from weighting
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     model.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     return out_dir
@@ -189,7 +199,7 @@ def test_preemption_and_prefix_caching(qwen2_moe_dir):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe"])
 def test_tp2_matches_transformers(arch, tmp_path):
     d = build_moe_checkpoint(str(tmp_path), arch, seed=11)
     vocab = transformers.AutoConfig.from_pretrained(d).vocab_size

@@ -1,6 +1,7 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5): the grouped expert computation
-equals a naive per-token reference, TP shards of the experts sum to the whole, and fp32 greedy ids
-equal transformers' through batching, chunked prefill, preemption, prefix caching and TP=2."""
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, ERNIE 4.5 MoE): the
+grouped expert computation equals a naive per-token reference, TP shards of the experts sum to the
+whole, and fp32 greedy ids equal transformers' through batching, chunked prefill, preemption, prefix
+caching and TP=2."""
 from __future__ import annotations
 
 import pytest
@@ -36,6 +37,12 @@ MOE_CONFIGS = {
                       n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
                       routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True, head_dim=16,
                       num_hidden_layers=3)),
+    # ERNIE 4.5 MoE: layer 0 dense, then 6 experts chosen on softmax + correction bias, top-2, a shared
+    # expert; interleaved RoPE.
+    "ernie4_5_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM,
+                     dict(moe_num_experts=6, moe_k=2, moe_intermediate_size=48, intermediate_size=96,
+                          moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
+                          moe_layer_interval=1, num_hidden_layers=3)),
     # 8 experts, top-3, renormalized; every second layer sparse (decoder_sparse_step=2).
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, intermediate_size=96,
@@ -55,7 +62,8 @@ def build_moe_checkpoint(out_dir: str, arch: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
-        for name, b in model.named_buffers():  # GLM-4.5's correction bias: choosing differs from weighting
+        # GLM-4.5's and ERNIE's correction biases (a buffer, a parameter): choosing differs from weighting
+        for name, b in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
     model.save_pretrained(out_dir)

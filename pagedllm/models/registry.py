@@ -39,6 +39,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "SeedOssForCausalLM": ("llama", "LlamaForCausalLM"),  # biases: attention_bias (q/k/v), attention_out_bias
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "GlmForCausalLM": ("glm4", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),

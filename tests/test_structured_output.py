@@ -178,3 +178,23 @@ def test_grammar_wins_over_min_tokens(llm):
               structured_outputs={"choice": ["yes", "no"]})[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert_pool_empty(llm)
+
+
+def test_tokenizer_longer_than_the_logits(tmp_path):
+    """A tokenizer with a token the model has no logit for (a GGUF tokenizer can add one): the grammar's
+    masks are that much wider and cut to the logits; constrained requests work, and the engine lives."""
+    import transformers
+    from conftest import build_checkpoint
+    d = build_checkpoint(str(tmp_path), "llama")
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    vocab = transformers.AutoConfig.from_pretrained(d).vocab_size
+    tok.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    tok.save_pretrained(d)
+    assert len(tok) == vocab + 1
+    llm = LLM(d, kv_cache_memory=1 << 20)
+    so = StructuredOutputsParams(regex="[a-z]{3,6} [0-9]{2}")
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                                             structured_outputs=so), use_tqdm=False)
+    assert all(re.fullmatch("[a-z]{3,6} [0-9]{2}", o.outputs[0].text) for o in outs), [o.outputs[0].text for o in outs]
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) >= 1
+    assert_pool_empty(llm)

@@ -104,7 +104,8 @@ class GrammarCompiler:
 
         from pagedllm.structured_output.matcher import GrammarMatcher
 
-        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0))
+        return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0),
+                              self.vocab_size)
 
 
 def make_compiler(tokenizer, vocab_size: int) -> Optional[GrammarCompiler]:

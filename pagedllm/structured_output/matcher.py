@@ -19,8 +19,12 @@ _executor = None
 
 
 class GrammarMatcher:
-    def __init__(self, ll_matcher) -> None:
+    """``vocab_size``: the width of the grammar's token masks (the larger of the model's logits and
+    the tokenizer's length: a GGUF tokenizer may carry a token the model has no logit for)."""
+
+    def __init__(self, ll_matcher, vocab_size: int = 0) -> None:
         self._m = ll_matcher
+        self.vocab_size = vocab_size
         self.failed = False
 
     def accept(self, token_id: int) -> bool:
@@ -49,10 +53,18 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tenso
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
+    vocab_size = max([vocab_size] + [m.vocab_size for m in matchers])  # apply_bitmask cuts it to the logits
     mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     live = [(m._m, i) for i, m in enumerate(matchers) if not m.failed]
     if live:
-        llguidance.torch.fill_next_token_bitmask_par(_executor, live, mask)
+        try:
+            llguidance.torch.fill_next_token_bitmask_par(_executor, live, mask)
+        except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the engine
+            logger.warning("structured output: computing the token mask failed (%s: %s); mask lifted for %d "
+                           "request(s)", type(e).__name__, e, len(live))
+            for m in matchers:
+                m.failed = True
+            mask.fill_(-1)
     return mask
 
 

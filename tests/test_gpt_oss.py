@@ -200,12 +200,14 @@ def write_gpt_oss_gguf(hf_dir: str, out_path: str) -> None:
                        (w.add_key_length, cfg["head_dim"]), (w.add_value_length, cfg["head_dim"]),
                        (w.add_rope_freq_base, rope["rope_theta"]), (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]),
                        (w.add_expert_count, cfg["num_local_experts"]), (w.add_expert_used_count, cfg["num_experts_per_tok"]),
-                       (w.add_sliding_window, cfg["sliding_window"]), (w.add_rope_scaling_type, gguf.RopeScalingType.YARN),
-                       (w.add_rope_scaling_factor, rope["factor"]),
-                       (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"]),
-                       (w.add_rope_scaling_yarn_beta_fast, rope["beta_fast"]),
-                       (w.add_rope_scaling_yarn_beta_slow, rope["beta_slow"])]:
+                       (w.add_sliding_window, cfg["sliding_window"])]:
         add(value)
+    if rope["rope_type"] == "yarn":  # (llama.cpp's converter writes no scaling keys for plain RoPE)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     add_tokenizer(w, hf_dir, cfg)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, n)
     tensors = load_file(f"{hf_dir}/model.safetensors")
@@ -242,12 +244,17 @@ def write_gpt_oss_gguf(hf_dir: str, out_path: str) -> None:
     save_file(tensors, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
 
 
-def test_gguf_mxfp4_matches_transformers(tmp_path):
+@pytest.mark.parametrize("rope", ["yarn", "default"])
+def test_gguf_mxfp4_matches_transformers(tmp_path, rope):
     """A gpt-oss GGUF as llama.cpp writes it (MXFP4 experts; transformers' GGUF map leaves experts
-    and sinks out, and misreads the YaRN metadata): fp32 greedy ids equal transformers' on the same
-    (MXFP4-rounded) weights."""
+    and sinks out, misreads the YaRN metadata and takes a file without it for YaRN): fp32 greedy ids
+    equal transformers' on the same (MXFP4-rounded) weights."""
     pytest.importorskip("gguf")
     hf = build_gpt_oss(str(tmp_path / "hf"), seed=8)
+    if rope == "default":
+        cfg = json.load(open(f"{hf}/config.json"))
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 150000.0}
+        json.dump(cfg, open(f"{hf}/config.json", "w"))
     path = str(tmp_path / "oss.gguf")
     write_gpt_oss_gguf(hf, path)
     vocab = transformers.AutoConfig.from_pretrained(hf).vocab_size
@@ -255,6 +262,7 @@ def test_gguf_mxfp4_matches_transformers(tmp_path):
     ref = [r[0] for r in reference(hf, prompts, n=8)]
     llm = LLM(path, kv_cache_memory=1 << 22)
     cfg = llm.llm_engine.model_config.hf_config
-    assert (cfg.head_dim, cfg.sliding_window, cfg.rope_parameters["truncate"]) == (16, WINDOW, False)
+    assert (cfg.head_dim, cfg.sliding_window, cfg.rope_parameters["rope_type"]) == (16, WINDOW, rope)
+    assert cfg.rope_parameters.get("truncate", False) is False
     assert ids(llm.generate(prompts, greedy(8), use_tqdm=False)) == ref
     assert_pool_empty(llm)

@@ -150,6 +150,25 @@ def _rope_scaling_values():
         yield
 
 
+def _gpt_oss_config(config: Any, fields: dict) -> None:
+    """What transformers' gpt-oss GGUF mapping leaves out or gets wrong, from the file's metadata:
+    head_dim and the window; RoPE without scaling when the file has none (GptOssConfig's default is
+    YaRN); with YaRN, llama.cpp's names for the betas and no rounding of the correction range (its
+    YaRN does not round; gpt-oss's Hugging Face config says truncate: false)."""
+    for key, attr in (("attention.key_length", "head_dim"), ("attention.sliding_window", "sliding_window")):
+        if f"gpt-oss.{key}" in fields:
+            setattr(config, attr, int(fields[f"gpt-oss.{key}"].contents()))
+    rope = dict(config.rope_parameters or {})
+    if "gpt-oss.rope.scaling.type" not in fields:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 150000.0)}
+        return
+    for k in ("beta_fast", "beta_slow"):
+        if f"yarn_{k}" in rope:
+            rope[k] = rope.pop(f"yarn_{k}")
+    rope.setdefault("truncate", False)
+    config.rope_parameters = rope
+
+
 def load_gguf_config(path: str) -> Any:
     """The transformers config built from the file's metadata (``AutoConfig.from_pretrained(gguf_file=)``),
     with ``architectures`` set to the causal-LM class of its ``model_type``.
@@ -170,21 +189,8 @@ def load_gguf_config(path: str) -> Any:
 
         raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported ({one_line(e)}); "
                          f"supported architectures: {', '.join(supported_architectures())}") from None
-    if config.model_type == "gpt_oss":  # metadata transformers' gpt-oss mapping leaves out
-        fields = open_gguf(path).fields
-        for key, attr in (("attention.key_length", "head_dim"), ("attention.sliding_window", "sliding_window")):
-            if f"gpt-oss.{key}" in fields:
-                setattr(config, attr, int(fields[f"gpt-oss.{key}"].contents()))
-    rope = getattr(config, "rope_scaling", None)
-    if config.model_type == "gpt_oss" and isinstance(rope, dict):
-        # llama.cpp's names for YaRN's betas; its YaRN does not round the correction range (gpt-oss's
-        # Hugging Face config says truncate: false)
-        for k in ("beta_fast", "beta_slow"):
-            if f"yarn_{k}" in rope:
-                rope[k] = rope.pop(f"yarn_{k}")
-        rope.setdefault("truncate", False)
-        if getattr(config, "rope_parameters", None) is not None:
-            config.rope_parameters.update(rope)
+    if config.model_type == "gpt_oss":
+        _gpt_oss_config(config, open_gguf(path).fields)
     if not getattr(config, "architectures", None):
         cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         config.architectures = [cls] if cls else [f"<GGUF architecture {arch}>"]

@@ -33,6 +33,11 @@ def test_split_channels():
     assert p.split(ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>" + role_call) == (
         "User asks the weather.", "Let me check.<|call|>f<|message|>{}<|end|>")
     assert p.split("plain words") == (None, "plain words")  # not harmony (a constrained output): content
+    assert p.split("hi <|channel|>analysis<|message|>x<|end|>") == ("x", "hi ")  # text before the first header
+    assert p.split(" to=functions.f<|channel|>commentary json<|message|>{}") == (None, "<|call|>f<|message|>{}<|end|>")
+    # a call no tool parser reads is left out of the content
+    assert p.without_tool_calls("a<|call|>f<|message|>{}<|end|>b", True) == "ab"
+    assert p.without_tool_calls("a<|call|>f<|message|>{", False) == "a"
     assert p.split(ANALYSIS[:34], finished=False) == ("User", None)
     assert p.split(ANALYSIS[:-3], finished=False) == ("User asks the weather.", None)  # "<|e" held back
 
@@ -44,22 +49,25 @@ def test_openai_tool_parser_whole_and_streamed():
     assert got.tools_called and got.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls] == [
         ("get_weather", {"city": "Rome"})]
-    # streamed: text before the call as it comes, the call whole once the output ends
-    text = "Checking." + content
+    # streamed: text around the call as it comes, the call whole once the output ends
+    text = "Checking." + content + "It is sunny."
     streamer, sent, calls = get_tool_parser("openai")(None), "", []
     for end in range(1, len(text) + 1):
         d = streamer.extract_tool_calls_streaming(text[:end - 1], text[:end], text[end - 1], end == len(text))
         if d is not None:
             sent += d.content or ""
             calls += d.tool_calls or []
-    assert sent == "Checking." and [c.function.name for c in calls] == ["get_weather"] and streamer.called
+    assert sent == "Checking.It is sunny." and [c.function.name for c in calls] == ["get_weather"]
+    assert streamer.called
     assert json.loads(calls[0].function.arguments) == {"city": "Rome"}
 
 
 def test_streamed_pieces_add_up_to_the_split():
     p = get_reasoning_parser("openai_gptoss")
     rng = random.Random(1)
-    for text in (ANALYSIS + FINAL, ANALYSIS + CALL, ANALYSIS + ANALYSIS + FINAL, "no format"):
+    for text in (ANALYSIS + FINAL, ANALYSIS + CALL, ANALYSIS + ANALYSIS + FINAL, "no format",
+                 "hi " + ANALYSIS + FINAL, " to=functions.f<|channel|>commentary json<|message|>{}" + FINAL,
+                 ANALYSIS + CALL + "<|call|>" + FINAL):
         want_r, want_c = p.split(text)
         for _ in range(30):
             cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 8)))
@@ -68,6 +76,8 @@ def test_streamed_pieces_add_up_to_the_split():
                 new, content = stream.delta(text[:end], end == len(text))
                 reasoning += new or ""
                 assert (want_r or "").startswith(reasoning), (text, end)
+                shown = p.without_tool_calls(content, end == len(text))
+                assert p.without_tool_calls(want_c or "", True).startswith(shown), (text, end)  # only grows
             assert (reasoning or None, content or None) == (want_r, want_c)
 
 
@@ -118,7 +128,20 @@ def test_served_gpt_oss_reads_its_channels(server):
     assert c["finish_reason"] == "tool_calls" and c["message"]["reasoning"] == "User asks the weather."
     assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] == [
         ("get_weather", {"city": "Rome"})]
-    # reasoning_effort reaches the template (the prompt grows by "Reasoning: high")
+    # without tools, a call is not shown as text (nor the parser's call markers)
+    for stream in (False, True):
+        r = chat(server, guided_regex=call_regex, stream=stream)
+        if stream:
+            deltas = [json.loads(x[5:])["choices"][0]["delta"] for x in r.text.splitlines()
+                      if x.startswith("data:") and "[DONE]" not in x and json.loads(x[5:])["choices"]]
+            content = "".join(d.get("content") or "" for d in deltas)
+        else:
+            content = r.json()["choices"][0]["message"]["content"] or ""
+        assert content == "" and "<|" not in content, content
+    # reasoning_effort reaches the template (the prompt grows by "Reasoning: high"), if low/medium/high
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "oss", "messages": MSGS, "max_tokens": 1, "reasoning_effort": "bogus"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
     plain = chat(server, max_tokens=1).json()["usage"]["prompt_tokens"]
     assert chat(server, max_tokens=1, reasoning_effort="high").json()["usage"]["prompt_tokens"] > plain
     r = httpx.post(server.url + "/v1/responses", timeout=60, json={

@@ -48,7 +48,7 @@ def test_streamed_pieces_add_up_to_the_split(name):
 
 
 def test_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known: deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("r1")
 
 

@@ -64,11 +64,10 @@ class HarmonyReasoningParser(ReasoningParser):
 
     def split(self, text: str, finished: bool = True, constrained: bool = False) -> tuple[Optional[str], Optional[str]]:
         messages = parse_messages(text)
+        lead = _leading_text(text, finished)
         if not messages:
-            if not finished and (text.startswith("<|") or text == "<"):  # a first header still arriving
-                return None, None
-            return None, text or None
-        reasoning, content = [], []
+            return None, lead or None
+        reasoning, content = [], [lead]
         for channel, recipient, body, complete in messages:
             if not complete and not finished:  # a marker may be arriving in pieces: hold its start back
                 body = body[:len(body) - max(_partial_tail(body, t) for t in ENDS + ("<|start|>",))]
@@ -80,6 +79,39 @@ class HarmonyReasoningParser(ReasoningParser):
             else:
                 content.append(body)
         return "\n".join(reasoning) or None, "".join(content) or None
+
+
+    def without_tool_calls(self, content: str, finished: bool) -> str:
+        """``content`` without its call segments, for a request whose calls no tool parser reads."""
+        return visible_content(content, finished)
+
+
+def _leading_text(text: str, finished: bool) -> str:
+    """The plain text before the first marker: content, unless it is a recipient in the role part
+    (`` to=functions.f<|channel|>...``); while generating, a tail that may still become a marker or
+    a recipient is held back."""
+    cut = text.find("<|")
+    lead = text if cut < 0 else text[:cut]
+    stripped = lead.lstrip()
+    if stripped.startswith("to="):
+        return ""
+    if cut < 0 and not finished:
+        if not stripped or "to=".startswith(stripped):
+            return ""
+        lead = lead[:len(lead) - _partial_tail(lead, "<|")]
+    return lead
+
+
+def visible_content(content: str, finished: bool) -> str:
+    """``content`` with its call segments taken out; while generating, cut where a call (or the
+    start of its marker) begins that is not complete yet, so what is shown only grows."""
+    text = _CALL_RE.sub(lambda m: m.group(0) if not m.group(3) and not finished else "", content)
+    at = text.find(CALL)
+    if at >= 0:  # an incomplete call: not shown (finished: it was taken out above)
+        text = text[:at]
+    elif not finished:
+        text = text[:len(text) - _partial_tail(text, CALL)]
+    return text
 
 
 REASONING_PARSERS[HarmonyReasoningParser.name] = HarmonyReasoningParser
@@ -112,12 +144,11 @@ class OpenAIToolParser(ToolParser):
         content = _CALL_RE.sub("", text)
         return ExtractedToolCalls(tools_called=bool(calls), tool_calls=calls, content=content or None)
 
+    reads_harmony_calls = True  # (the reasoning parser leaves the calls in the content for it)
+
     def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                      finished: bool) -> Optional[DeltaMessage]:
-        first_call = current_text.find(CALL)
-        visible = current_text if first_call < 0 else current_text[:first_call]
-        if first_call < 0 and not finished:  # "<|ca" may be the start of a call
-            visible = visible[:len(visible) - _partial_tail(visible, CALL)]
+        visible = visible_content(current_text, finished)
         text = visible[self.sent_text:]
         self.sent_text = len(visible)
         deltas = []

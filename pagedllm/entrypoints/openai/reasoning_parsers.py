@@ -42,6 +42,10 @@ class ReasoningParser:
     start_required = False
     needs_special_tokens = False  # the text must keep special tokens (skip_special_tokens=False)
 
+    def without_tool_calls(self, content: str, finished: bool) -> str:
+        """``content`` as shown when no tool parser reads calls out of it (harmony's: without them)."""
+        return content
+
     def split(self, text: str, finished: bool = True, constrained: bool = False) -> tuple[Optional[str], Optional[str]]:
         """The output generated so far (``finished``: all of it) as (reasoning, content); while not
         finished, a tail that may be the beginning of a tag is in neither. ``constrained``: the

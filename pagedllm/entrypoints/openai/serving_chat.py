@@ -40,6 +40,8 @@ class OpenAIServingChat(OpenAIServing):
     def reasoning_effort(self, effort: str, param: str) -> str:
         """``effort`` for a chat template that reads ``reasoning_effort`` (gpt-oss's: low, medium,
         high); RequestError when the template does not."""
+        if effort not in ("low", "medium", "high"):
+            raise RequestError(f"{param} must be 'low', 'medium' or 'high', got {effort!r}", param)
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
         if "reasoning_effort" not in str(template):
             raise RequestError(f"{param} is not supported by this model (its chat template has no reasoning_effort)",
@@ -130,6 +132,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = ChatCompletionLogProbs(content=self.logprob_entries(c.token_ids, c.logprobs,
                                                                          req.top_logprobs or 0))
             reasoning, text = self.split_reasoning(c.text, params.structured_outputs is not None)
+            if text is not None and self.reasoning_parser is not None and not tools.reads_harmony_calls:
+                text = self.reasoning_parser.without_tool_calls(text, True) or None
             content, tool_calls, finish_reason = tools.whole(text or "", c.finish_reason)
             message = ChatMessage(content=None if text is None else content, tool_calls=tool_calls,
                                   reasoning=reasoning if req.include_reasoning else None)
@@ -207,6 +211,8 @@ class OpenAIServingChat(OpenAIServing):
                     if thoughts is not None:  # the content so far is what follows the reasoning
                         reasoning, text = thoughts[i].delta(c.text, c.finish_reason is not None)
                         reasoning = reasoning if req.include_reasoning else None
+                        if tools is None or not tools.reads_harmony_calls:
+                            text = self.reasoning_parser.without_tool_calls(text, c.finish_reason is not None)
                     new_text = text[sent_text[i]:]
                     new_ids = c.token_ids[sent_tokens[i]:]
                     has_lp = req.logprobs and bool(new_ids)

@@ -309,6 +309,7 @@ class OpenAIServingResponses:
                 text = c.text
                 if thought is not None:  # the thought streams as a reasoning item, then the message
                     new_thought, text = thought.delta(c.text, c.finish_reason is not None)
+                    text = run.reasoning.without_tool_calls(text, c.finish_reason is not None)  # (no tools here)
                     if new_thought:
                         if reasoning is None:
                             reasoning = self._open_reasoning(run)
@@ -415,6 +416,8 @@ class OpenAIServingResponses:
         status = "completed" if finish_reason == "stop" else "incomplete"
         resp = run.response
         reasoning, text = run.reasoning.split(text, True, run.constrained) if run.reasoning is not None else (None, text)
+        if text is not None and run.reasoning is not None and not (run.tools and run.tools.reads_harmony_calls):
+            text = run.reasoning.without_tool_calls(text, True) or None
         if reasoning:
             item = OutputReasoning(status=status if text is None else "completed",
                                    content=[ReasoningText(text=reasoning)])

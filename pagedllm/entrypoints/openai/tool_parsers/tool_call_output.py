@@ -28,6 +28,11 @@ class ToolCallOutput:
         self.parallel = parallel_tool_calls is not False
 
     @property
+    def reads_harmony_calls(self) -> bool:
+        """Whether the calls gpt-oss's reasoning parser leaves in the content are read (else hidden)."""
+        return bool(getattr(self.parser_cls, "reads_harmony_calls", False))
+
+    @property
     def active(self) -> bool:
         return self.forced or self.parser_cls is not None
 

@@ -74,9 +74,12 @@ def silu_and_mul_halves(gate_up: torch.Tensor) -> torch.Tensor:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, impl: Optional[str] = None, w13_bias: Optional[torch.Tensor] = None,
-                  w2_bias: Optional[torch.Tensor] = None, activation=silu_and_mul_halves) -> torch.Tensor:
+                  w2_bias: Optional[torch.Tensor] = None, activation=silu_and_mul_halves,
+                  weights_on_input: bool = False) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t))), e = topk_ids[t, j]; act is
-    SwiGLU, silu(gate) * up, unless ``activation`` says otherwise (gpt-oss's clamped one).
+    SwiGLU, silu(gate) * up, unless ``activation`` says otherwise (gpt-oss's clamped one); with
+    ``weights_on_input``, sum_j expert_e(topk_weights[t, j] * x_t) (Llama 4's; vLLM's
+    ``apply_router_weight_on_input``).
 
     Args:
         x: [N, H] activations.
@@ -99,6 +102,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     token_idx = order // k
     counts = torch.bincount(flat_ids, minlength=w13.shape[0])
     xs = x.index_select(0, token_idx)
+    sorted_weights = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+    if weights_on_input:
+        xs = xs * sorted_weights
     if impl is None:
         impl = "grouped" if grouped_mm_supported(x, w13, w2) else "loop"
     if impl == "grouped":
@@ -120,7 +126,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             gate_up = F.linear(xs[start:end], w13[e], None if w13_bias is None else w13_bias[e])
             ys[start:end] = F.linear(activation(gate_up), w2[e], None if w2_bias is None else w2_bias[e])
             start = end
-    ys = ys * topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+    if not weights_on_input:
+        ys = ys * sorted_weights
     return torch.zeros_like(x).index_add_(0, token_idx, ys)
 
 

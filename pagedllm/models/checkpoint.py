@@ -69,6 +69,7 @@ def load_hf_config(path: str) -> Any:
 # Qwen2-VL / Qwen2.5-VL: for text alone their M-RoPE is plain RoPE (the three position streams agree).
 # LLaVA: the language model named by its text_config's model_type.
 TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+             "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
              "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
              "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
              "Mistral3ForConditionalGeneration": None,  # Mistral Small 3.1/3.2: mistral; Ministral 3: ministral3

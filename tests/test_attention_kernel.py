@@ -48,7 +48,7 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, group: in
     return q, torch.cat(ks), torch.cat(vs), kv_cache, meta, full_k, full_v
 
 
-def dense_attention(q, seqs, full_k, full_v, scale, window=None, soft_cap=None, sinks=None):
+def dense_attention(q, seqs, full_k, full_v, scale, window=None, soft_cap=None, sinks=None, chunk=None):
     """Per sequence and head, from the definitions, in float64; ``sinks`` [H]: one more logit per
     head in the softmax, with no value (transformers' gpt-oss eager_attention_forward)."""
     out, row = [], 0
@@ -66,6 +66,8 @@ def dense_attention(q, seqs, full_k, full_v, scale, window=None, soft_cap=None, 
         visible = k_pos <= q_pos
         if window is not None:
             visible &= k_pos > q_pos - window  # transformers' sliding_window_overlay
+        if chunk is not None:
+            visible &= k_pos // chunk == q_pos // chunk  # transformers' chunked_overlay
         s = s.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, n, 1)], -1)
@@ -108,6 +110,18 @@ def test_reference_attention_sinks_match_dense_definition(window, soft_cap, bloc
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 16, 40])
+def test_reference_chunked_attention_matches_dense_definition(chunk):
+    """Llama 4's chunked attention: keys in the query's own chunk of positions."""
+    q, k, v, cache, meta, fk, fv = make_batch(MIXED, 5, 2, 3, 16, torch.float32, seed=chunk)
+    out = TorchPagedAttention().forward(q, k, v, cache, meta, 0.25, attention_chunk=chunk)
+    torch.testing.assert_close(out.double(), dense_attention(q, MIXED, fk, fv, 0.25, chunk=chunk), rtol=1e-5, atol=1e-5)
+    seqs = [(0, 30)]
+    q, k, v, _, meta, fk, fv = make_batch(seqs, 4, 2, 2, 8, torch.float32, seed=3)
+    out = TorchPagedAttention().forward(q, k, v, None, meta, 0.3, attention_chunk=chunk)
+    torch.testing.assert_close(out.double(), dense_attention(q, seqs, fk, fv, 0.3, chunk=chunk), rtol=1e-5, atol=1e-5)
+
+
 def test_reference_without_cache_is_causal_attention():
     """The profiling pass (no KV cache) runs prompts from the batch's own K/V."""
     seqs = [(0, 7), (0, 12)]
@@ -142,17 +156,19 @@ def _random_seqs(rng: random.Random, n_decode: int, n_prefill: int, max_ctx: int
     return decodes + prefills
 
 
-def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None, tol=1e-5, sinks=False):
+def _compare(seqs, block_size, hkv, group, d, dtype, seed, window=None, soft_cap=None, tol=1e-5, sinks=False,
+             chunk=None):
     kernel = _kernel()
     q, k, v, cache, meta, _, _ = make_batch(seqs, block_size, hkv, group, d, dtype, seed)
     scale = d ** -0.5
     sink_logits = torch.randn(hkv * group, generator=torch.Generator().manual_seed(seed)) * 3 if sinks else None
     ref_cache = cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_cache, meta, scale, sliding_window=window,
-                                        logits_soft_cap=soft_cap, sinks=sink_logits)
+                                        logits_soft_cap=soft_cap, sinks=sink_logits, attention_chunk=chunk)
     # The kernel alone on every sequence (the backend sends long prefill chunks to the reference).
     write_kv(k, v, cache, meta.slot_mapping)
-    out = paged_attention(torch.empty_like(q), q, cache, meta, scale, window, soft_cap, sinks=sink_logits)
+    out = paged_attention(torch.empty_like(q), q, cache, meta, scale, window, soft_cap, sinks=sink_logits,
+                          attention_chunk=chunk)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.equal(cache, ref_cache)  # both wrote the new K/V to the same slots
     # Relative error of each output row (one query, one head), the largest over the batch: both
@@ -187,6 +203,17 @@ def test_kernel_attention_sinks(d, dtype):
     _compare(_random_seqs(rng, 6, 3, max_ctx=200), 16, 2, 4, d=d, dtype=dtype, seed=13, tol=tol, sinks=True)
     _compare(MIXED, 5, 2, 3, d=d, dtype=dtype, seed=14, window=20, soft_cap=30.0, tol=tol, sinks=True)
     _compare([(3000, 1)], 16, 1, 3, d=d, dtype=dtype, seed=15, tol=tol, sinks=True)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (24, torch.float32), (64, torch.bfloat16)])
+def test_kernel_chunked_attention(d, dtype):
+    """Chunks of 1, 7 and 16 positions (a negative window to the kernel) in the vector and portable
+    loops, decodes and prefill chunks that cross chunk boundaries; a split long decode."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    rng = random.Random(17)
+    for chunk in (1, 7, 16):
+        _compare(_random_seqs(rng, 6, 3, max_ctx=120), 16, 2, 3, d=d, dtype=dtype, seed=chunk, tol=tol, chunk=chunk)
+    _compare([(3000, 1), (2100, 1)], 16, 1, 3, d=d, dtype=dtype, seed=5, tol=tol, chunk=1024)
 
 
 def test_kernel_long_contexts():

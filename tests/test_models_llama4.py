@@ -1,8 +1,8 @@
 """Llama 4 text models: NoPE layers with attention temperature, RoPE layers (interleaved) with
 q/k RMS norms after RoPE, MoE layers whose sigmoid router weights scale the experts' input plus a
 shared expert, dense layers between. fp32 greedy ids equal transformers' with chunked prefill and
-at TP=2; the image-text checkpoint serves its language model; a max_model_len past the attention
-chunk is refused."""
+at TP=2, with the RoPE layers' chunked attention across chunks; the image-text checkpoint serves its
+language model."""
 from __future__ import annotations
 
 import pytest
@@ -51,17 +51,17 @@ def ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("extra", [{}, dict(num_experts_per_tok=2, interleave_moe_layer_step=1, use_qk_norm=False)])
+@pytest.mark.parametrize("extra", [{}, dict(num_experts_per_tok=2, interleave_moe_layer_step=1, use_qk_norm=False),
+                                   dict(attention_chunk_size=16)])  # prompts and outputs across chunks
 def test_greedy_matches_transformers(tmp_path, extra):
     d = build_llama4(str(tmp_path), **extra)
     vocab = transformers.AutoConfig.from_pretrained(d).vocab_size
     prompts = make_prompts(vocab, [1, 17, 60], seed=4)
     ref = [r[0] for r in reference(d, prompts, n=10)]
-    llm = LLM(d, kv_cache_memory=1 << 22, max_model_len=256, max_num_batched_tokens=24)
-    assert ids(llm.generate(prompts, greedy(10), use_tqdm=False)) == ref
-    assert_pool_empty(llm)
-    with pytest.raises(ValueError, match="attend within chunks of 256 tokens"):
-        LLM(d, kv_cache_memory=1 << 22, max_model_len=300)
+    for backend in ("auto", "torch"):
+        llm = LLM(d, kv_cache_memory=1 << 22, max_model_len=256, max_num_batched_tokens=24, attention_backend=backend)
+        assert ids(llm.generate(prompts, greedy(10), use_tqdm=False)) == ref
+        assert_pool_empty(llm)
 
 
 def test_tp2_and_the_image_text_checkpoint(tmp_path):

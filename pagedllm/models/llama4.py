@@ -10,8 +10,8 @@
   the sigmoid of its logit, applied to the expert's *input*; a shared expert every token goes through;
   dense SwiGLU (``intermediate_size_mlp``) on the other layers.
 
-The RoPE layers attend within chunks of ``attention_chunk_size`` tokens; up to that length this is
-plain causal attention, so ``max_model_len`` is limited to it (chunked attention is not implemented).
+The layers ``layer_types`` calls ``chunked_attention`` (the RoPE layers) attend within chunks of
+``attention_chunk_size`` positions (the backends' ``attention_chunk``); the others see the whole context.
 Checkpoints keep each layer's experts stacked: ``feed_forward.experts.gate_up_proj`` [E, H, 2I] (gate
 columns, then up) and ``down_proj`` [E, I, H], split here into the fused layer's per-expert shards.
 """
@@ -36,12 +36,13 @@ def nope_query_scale(positions: torch.Tensor, attn_scale: float, floor_scale: fl
 
 
 class Llama4Attention(LlamaAttention):
-    """LlamaAttention whose ``use_rope``, ``qk_l2_norm`` (eps, or None) and ``temperature``
-    ((attn_scale, floor_scale), or None) the model sets per layer."""
+    """LlamaAttention whose ``use_rope``, ``qk_l2_norm`` (eps, or None), ``temperature``
+    ((attn_scale, floor_scale), or None) and ``attention_chunk`` the model sets per layer."""
 
     use_rope = True
     qk_l2_norm: Optional[float] = None
     temperature: Optional[tuple[float, float]] = None
+    attention_chunk: Optional[int] = None
 
     @staticmethod
     def _l2(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +63,10 @@ class Llama4Attention(LlamaAttention):
             if scale is None:
                 scale = meta.derived["llama4.nope_scale"] = nope_query_scale(positions, *self.temperature)
             q = q * scale.to(q.dtype).view(-1, 1, 1)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.attention_chunk is None:
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, attention_chunk=self.attention_chunk)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -116,11 +120,16 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         self.stacked_params = FusedMoE.expert_params_mapping("w1", "w3", "w2", config.num_local_experts) \
             + LlamaForCausalLM.stacked_params
         tuning = getattr(config, "attn_temperature_tuning", False)
-        for layer, rope in zip(self.layers, self.rope_flags(config)):
+        chunk = getattr(config, "attention_chunk_size", None)
+        types = getattr(config, "layer_types", None) or ["chunked_attention" if r else "full_attention"
+                                                         for r in self.rope_flags(config)]
+        for layer, rope, kind in zip(self.layers, self.rope_flags(config), types):
             if isinstance(layer, PPMissingLayer):
                 continue
             attn = layer.self_attn
             attn.use_rope = rope
+            if kind == "chunked_attention" and chunk:
+                attn.attention_chunk = int(chunk)
             if rope and getattr(config, "use_qk_norm", False):
                 attn.qk_l2_norm = float(config.rms_norm_eps)
             if not rope and tuning:
@@ -130,16 +139,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def rope_flags(config: Any) -> list[bool]:
         flags = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         return [bool(f) for f in flags]
-
-    @classmethod
-    def verify_config(cls, config: Any, max_model_len: int) -> None:
-        """As Llama's; ``max_model_len`` at most ``attention_chunk_size`` where RoPE layers exist."""
-        super().verify_config(config, max_model_len)
-        chunk = getattr(config, "attention_chunk_size", None)
-        if chunk and any(cls.rope_flags(config)) and max_model_len > chunk:
-            raise ValueError(f"Llama4ForCausalLM: its RoPE layers attend within chunks of {chunk} tokens, which is "
-                             f"not implemented; up to that length it is causal attention: set max_model_len <= "
-                             f"{chunk} (got {max_model_len})")
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         if layer_idx in (getattr(config, "moe_layers", None) or []):

@@ -23,6 +23,8 @@ class AttentionBackend:
     ``c * tanh(q.k * scale / c)`` before the softmax (Gemma 2). ``sinks`` [H] (float): attention
     sinks (gpt-oss; Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks"),
     one learned logit per query head that joins the softmax's denominator and carries no value.
+    ``attention_chunk`` C: a query at position p sees keys in its own chunk, floor(p / C) * C <= j <= p
+    (Llama 4's chunked attention; transformers' ``create_chunked_causal_mask``).
     """
 
     name = "base"
@@ -37,7 +39,8 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, scale: float, *, sliding_window: Optional[int] = None,
-                logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                attention_chunk: Optional[int] = None) -> torch.Tensor:
         raise NotImplementedError
 
 

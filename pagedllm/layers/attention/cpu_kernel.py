@@ -66,14 +66,15 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
-                    max_query_len: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    max_query_len: int = 0, sinks: Optional[torch.Tensor] = None,
+                    attention_chunk: Optional[int] = None) -> torch.Tensor:
     """out [N, H, D] <- attention of q [N, H, D] over the paged ``kv_cache``
     [2, num_blocks, block_size, Hkv, D] in q's dtype (or int8 [2, num_blocks, block_size + S, Hkv, D],
     ``kv_quant.py``) for
     the sequences of ``meta``; the step's new K/V must already be in the cache. Rows of sequences
     with more than ``max_query_len`` new tokens (when > 0) are left untouched. Raises ValueError on
     a shape, dtype or layout mismatch. ``sinks`` [H] float32: attention sinks (gpt-oss; see
-    ``AttentionBackend``)."""
+    ``AttentionBackend``); ``attention_chunk``: Llama 4's chunked attention (not with a window)."""
     lib, err = load_kernel()
     if lib is None:
         raise RuntimeError(f"cpu paged-attention kernel unavailable: {err}")
@@ -104,7 +105,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     half = kv_cache.stride(0) * kv_cache.element_size()  # bytes from the K half to the V half
     args = (q.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + half, out.data_ptr(), bt.data_ptr(),
             bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, meta.block_size, float(scale),
-            int(sliding_window or 0), float(logits_soft_cap or 0.0), int(max_query_len),
+            -int(attention_chunk) if attention_chunk else int(sliding_window or 0), float(logits_soft_cap or 0.0),
+            int(max_query_len),
             sinks.data_ptr() if sinks is not None else None)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("pagedllm::paged_attention_cpu"):  # an op of its own in profiles
@@ -181,15 +183,18 @@ class CpuPagedAttention(AttentionBackend):
         _, err = load_kernel()
         return None if err is None else f"the kernel could not be built or loaded ({err})"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None,
+                attention_chunk=None):
         if kv_cache is None or meta.block_tables is None:
             return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
-                                           logits_soft_cap=logits_soft_cap, sinks=sinks)
+                                           logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                           attention_chunk=attention_chunk)
         write_kv_c(k, v, kv_cache, meta.slot_mapping)
         long_prefill = self.LONG_PREFILL
         out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
                               logits_soft_cap, max_query_len=long_prefill or 0,
-                              sinks=None if sinks is None else sinks.float().contiguous())
+                              sinks=None if sinks is None else sinks.float().contiguous(),
+                              attention_chunk=attention_chunk)
         if long_prefill is None:
             return out
         flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)
@@ -197,5 +202,5 @@ class CpuPagedAttention(AttentionBackend):
             if p.query_end - p.query_start > long_prefill:
                 out[p.query_start:p.query_end] = self._reference.prefill(
                     q, k, v, flat_k, flat_v, meta, meta.num_decode_tokens + i, p, scale, sliding_window,
-                    logits_soft_cap, gather=gather_kv, sinks=sinks)
+                    logits_soft_cap, gather=gather_kv, sinks=sinks, chunk=attention_chunk)
         return out

@@ -19,6 +19,8 @@
 //               (x ~ value * scale, scale = max|x| / 127 per (token, KV head) row; kv_write_int8)
 //   block_tables [B, bt_stride] int32; seq_lens [B] int32; query_start_loc [B + 1] int32
 // Sequences with more than max_query_len new tokens (when > 0) are skipped: the caller runs those.
+// window > 0: a query at position p sees keys p - window < j <= p (sliding window); window < 0: keys
+// in its own chunk of -window positions, floor(p / C) * C <= j <= p (Llama 4's chunked attention).
 // sinks [H] float32 or null: attention sinks (gpt-oss), one logit per query head that joins every
 // softmax denominator with no value: out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m)).
 // Accumulation is float32. Plain C ABI (called through ctypes): no torch headers, builds in seconds.
@@ -52,6 +54,12 @@ using pagedllm_cpu::float_to_bf16;
 
 // exp(x) for x <= 0; branch-free so the compiler vectorises the loops that call it.
 inline float exp_nonpos(float x) { return pagedllm_cpu::exp_clamped(std::max(x, -87.0f)); }
+
+// The first key position a query at position p sees (see `window` above).
+inline int first_visible(int p, int window) {
+  if (window > 0) return std::max(0, p - window + 1);
+  return window < 0 ? p / -window * -window : 0;
+}
 
 // 1 / the softmax denominator of a row whose running max is m and sum l, with query head `head`'s
 // attention sink (sinks null: none) as one more logit that has no value row.
@@ -664,7 +672,7 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
       std::fill(m.begin(), m.begin() + rows, -INFINITY);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(rows) * D, 0.0f);
-      const int lo = std::max(w.k_begin, window > 0 ? std::max(0, first_pos - window + 1) : 0);
+      const int lo = std::max(w.k_begin, first_visible(first_pos, window));
       const int hi = std::min(last_pos, w.k_end - 1);  // keys [lo, hi]
       const int32_t* table = block_tables + static_cast<int64_t>(w.seq) * bt_stride;
 
@@ -697,7 +705,7 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
           for (int r = r0; r < r0 + head_rows; ++r) {
             const float* qr = &qf[static_cast<size_t>(r) * D];
             float* sr = &s[static_cast<size_t>(r) * bs];
-            const int p = row_pos[r];
+            const int p = row_pos[r], first = first_visible(p, window);
             float bmax = -INFINITY;
             for (int j = 0; j < n; ++j) {
               const int pos = j0 + j;
@@ -708,7 +716,7 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
               }
               float sc = dot(qr, kp, D) * scale;
               if (soft_cap > 0.0f) sc = soft_cap * std::tanh(sc / soft_cap);
-              const bool visible = pos <= p && (window <= 0 || pos > p - window);
+              const bool visible = pos <= p && pos >= first;
               sr[j] = visible ? sc : -INFINITY;
               bmax = std::max(bmax, sr[j]);
             }
@@ -818,7 +826,7 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       std::fill(m.begin(), m.begin() + rows, -INFINITY);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(rows) * D, 0.0f);
-      const int lo = std::max(w.k_begin, window > 0 ? std::max(0, first_pos - window + 1) : 0);
+      const int lo = std::max(w.k_begin, first_visible(first_pos, window));
       const int hi = std::min(last_pos, w.k_end - 1);  // keys [lo, hi]
       const int32_t* table = block_tables + static_cast<int64_t>(w.seq) * bt_stride;
 
@@ -883,9 +891,9 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             const int p = row_pos[r];
             if (soft_cap > 0.0f)
               for (int j = 0; j < n; ++j) sr[j] = soft_cap * std::tanh(sr[j] / soft_cap);
-            // Visible keys: j < n, position <= p, inside the window.
+            // Visible keys: j < n, position <= p, inside the window (or chunk).
             const int vis_hi = std::min(n, p - c0 + 1);                        // j < vis_hi
-            const int vis_lo = window > 0 ? std::max(0, p - window + 1 - c0) : 0;  // j >= vis_lo
+            const int vis_lo = std::max(0, first_visible(p, window) - c0);  // j >= vis_lo
 #ifdef PAGEDLLM_AVX512
             // Masked to -inf, and the max, 16 at a time (GCC kept this loop scalar: a chain of maxss).
             const __m512i lo_v = _mm512_set1_epi32(vis_lo), hi_v = _mm512_set1_epi32(vis_hi);

@@ -60,11 +60,15 @@ def _sink_rows(sinks: Optional[torch.Tensor], hkv: int, tokens: int) -> Optional
     return sinks.float().view(hkv, g, 1).expand(hkv, g, tokens).reshape(1, hkv, g * tokens, 1)
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    """[..., Tq, L] bool: key position j is visible from query position p (j <= p, and j > p - window)."""
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int],
+             chunk: Optional[int] = None) -> torch.Tensor:
+    """[..., Tq, L] bool: key position j is visible from query position p (j <= p, and j > p - window,
+    and j in p's chunk)."""
     m = k_pos <= q_pos.unsqueeze(-1)
     if window is not None:
         m &= k_pos > q_pos.unsqueeze(-1) - window
+    if chunk is not None:
+        m &= k_pos >= (q_pos.unsqueeze(-1) // chunk) * chunk
     return m
 
 
@@ -85,7 +89,8 @@ def flat_cache(kv_cache: torch.Tensor, i: int) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None,
+                attention_chunk=None):
         out = torch.empty_like(q)
         if kv_cache is not None:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -97,14 +102,14 @@ class TorchPagedAttention(AttentionBackend):
             hkv, d = k.shape[1:]
             ck = gather_rows(flat_k, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
             cv = gather_rows(flat_v, slots.view(-1), q.dtype).view(b, length, hkv, d).transpose(1, 2)
-            mask = _visible(meta.seq_lens[:nd].long() - 1, k_pos, sliding_window).view(b, 1, 1, length)
+            mask = _visible(meta.seq_lens[:nd].long() - 1, k_pos, sliding_window, attention_chunk).view(b, 1, 1, length)
             o = _grouped_attention(q[:nd].view(b, hkv, -1, d), ck, cv, mask, scale, logits_soft_cap,
                                    _sink_rows(sinks, hkv, 1))
             out[:nd] = o.reshape(b, -1, d)
         for i, p in enumerate(meta.prefills):
             out[p.query_start:p.query_end] = self.prefill(
                 q, k, v, flat_k if kv_cache is not None else None, flat_v if kv_cache is not None else None,
-                meta, nd + i, p, scale, sliding_window, logits_soft_cap, sinks=sinks)
+                meta, nd + i, p, scale, sliding_window, logits_soft_cap, sinks=sinks, chunk=attention_chunk)
         return out
 
     @staticmethod
@@ -121,10 +126,10 @@ class TorchPagedAttention(AttentionBackend):
     @staticmethod
     def prefill(q, k, v, flat_k, flat_v, meta: AttentionMetadata, row: int, p: PrefillSeq, scale: float,
                  window: Optional[int], soft_cap: Optional[float], gather=gather_rows,
-                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 sinks: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
         """[T, H, D] for one prompt chunk (batch row ``row`` of ``meta``), whose queries sit at positions
         seq_len - T .. seq_len - 1; flat_k/flat_v are the cache (``flat_cache``; None: no cache)."""
-        plain = window is None and soft_cap is None and sinks is None  # SDPA's own causal mask does
+        plain = window is None and soft_cap is None and sinks is None and chunk is None  # SDPA's causal mask does
         t = p.query_end - p.query_start
         h, d = q.shape[1:]
         hkv = k.shape[1]
@@ -148,7 +153,7 @@ class TorchPagedAttention(AttentionBackend):
                 return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         length = ks.shape[2]
         q_pos = torch.arange(length - t, length, device=q.device)
-        mask = _visible(q_pos, torch.arange(length, device=q.device), window)
+        mask = _visible(q_pos, torch.arange(length, device=q.device), window, chunk)
         # Query heads of one KV head as rows: [1, Hkv, G * T, D], mask tiled per head of the group.
         o = _grouped_attention(qs.reshape(1, hkv, -1, d), ks, vs, mask.repeat(h // hkv, 1).view(1, 1, -1, length),
                                scale, soft_cap, _sink_rows(sinks, hkv, t))

@@ -42,7 +42,7 @@ MOE_CONFIGS = {
     "ernie4_5_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM,
                      dict(moe_num_experts=6, moe_k=2, moe_intermediate_size=48, intermediate_size=96,
                           moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
-                          moe_layer_interval=1, num_hidden_layers=3)),
+                          moe_layer_interval=1, num_hidden_layers=3, use_bias=True)),  # biases, the LM head's too
     # 8 experts, top-3, renormalized; every second layer sparse (decoder_sparse_step=2).
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, intermediate_size=96,
@@ -62,9 +62,10 @@ def build_moe_checkpoint(out_dir: str, arch: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
-        # GLM-4.5's and ERNIE's correction biases (a buffer, a parameter): choosing differs from weighting
+        # GLM-4.5's and ERNIE's correction biases (a buffer, a parameter): choosing differs from weighting;
+        # biases (transformers zero-initializes them) that matter
         for name, b in [*model.named_buffers(), *model.named_parameters()]:
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith("e_score_correction_bias") or name.endswith(("_proj.bias", "lm_head.bias")):
                 b.normal_(0, 0.3)
     model.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
@@ -245,3 +246,17 @@ def test_dummy_bfloat16_then_missing_or_misshapen_expert_is_a_clear_error(tmp_pa
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"shape mismatch for expert 2 w3: expected \(48, 64\), got \(47, 64\)"):
         LLM(d, kv_cache_memory=1 << 20)
+
+
+def test_glm4_moe_groups_of_one_expert_are_refused():
+    """A group scores by its two best experts: n_group = n_routed_experts is refused at build (transformers
+    fails in its first forward)."""
+    from types import SimpleNamespace
+
+    from pagedllm.models.glm4_moe import Glm4MoeBlock
+    cfg = SimpleNamespace(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+                          n_shared_experts=0, n_group=8, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.0)
+    with pytest.raises(ValueError, match="groups of at least 2 experts"):
+        Glm4MoeBlock(cfg, torch.float32)
+    cfg.n_group = 4
+    assert Glm4MoeBlock(cfg, torch.float32).num_groups == 4

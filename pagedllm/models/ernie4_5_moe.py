@@ -9,7 +9,8 @@
 - shared experts every token goes through (``moe_num_shared_experts``).
 
 Checkpoint names: ``mlp.gate.weight``, ``mlp.moe_statics.e_score_correction_bias`` [1, E],
-``mlp.experts.N.{gate,up,down}_proj``, ``mlp.shared_experts.*``.
+``mlp.experts.N.{gate,up,down}_proj``, ``mlp.shared_experts.*``. With ``use_bias`` the LM head has a
+bias too (``lm_head.bias``; the dense ERNIE 4.5's has none).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.fused_moe import FusedMoE, fused_experts, verify_experts_loaded
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.models.ernie4_5 import Ernie4_5ForCausalLM
-from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP, PPMissingLayer
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
@@ -80,11 +81,20 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
         # Expert entries first, or ``experts.N.gate_proj`` would match the dense ``gate_proj`` rule.
         self.stacked_params = FusedMoE.expert_params_mapping("gate_proj", "up_proj", "down_proj",
                                                              config.moe_num_experts) + LlamaForCausalLM.stacked_params
+        self.lm_head_bias = None
+        if getattr(config, "use_bias", False) and not isinstance(self.lm_head, PPMissingLayer):
+            self.lm_head_bias = nn.Parameter(torch.zeros(config.vocab_size, dtype=dtype), requires_grad=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_bias is None:
+            return super().compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return (logits + self.lm_head_bias[: logits.shape[-1]]).float()
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return Ernie4_5_MoeBlock(config, dtype) if is_moe_layer(config, layer_idx) else None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights(weights)
+        loaded = super().load_weights((name.replace("lm_head.bias", "lm_head_bias"), w) for name, w in weights)
         verify_experts_loaded(self)
         return loaded

@@ -76,9 +76,11 @@ class Glm4MoeBlock(nn.Module):
         self.num_groups, self.topk_group = config.n_group, config.topk_group
         self.renormalize = bool(config.norm_topk_prob)
         num_experts = config.n_routed_experts
-        if num_experts % self.num_groups or not 0 < self.topk_group <= self.num_groups:
-            raise ValueError(f"n_routed_experts={num_experts} must split into n_group={self.num_groups} groups, of "
-                             f"which topk_group={self.topk_group} are kept")
+        if num_experts % self.num_groups or num_experts // self.num_groups < 2 \
+                or not 0 < self.topk_group <= self.num_groups:
+            raise ValueError(f"n_routed_experts={num_experts} must split into n_group={self.num_groups} groups of at "
+                             f"least 2 experts (a group scores by its best two), of which topk_group="
+                             f"{self.topk_group} are kept")
         self.gate = Glm4MoeRouter(config.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
                                 renormalize=False, dtype=dtype, reduce_results=False)

@@ -12,10 +12,12 @@ message (``<|start|>assistant``), so the text starts at its channel.
 - ``final`` bodies, and ``commentary`` ones without a recipient (preambles), are the content;
 - a message to ``functions.NAME`` is a tool call: it stays in the content as one canonical segment
   ``<|call|>NAME<|message|>ARGUMENTS<|end|>`` (``<|end|>`` once the call is complete), which the
-  ``openai`` tool-call parser turns into ``tool_calls``.
+  ``openai`` tool-call parser turns into ``tool_calls`` (without that parser the segment is left out
+  of the content: ``without_tool_calls``).
 
-Text with no ``<|message|>`` at all (a constrained output, or a model that ignored the format) is
-all content.
+Plain text before the first header, and text with no ``<|message|>`` at all (a constrained output,
+or a model that ignored the format), is content. While generating, a header or marker still
+arriving is held back, so the reasoning and the content shown only grow.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import re
 from typing import Optional
 
 from pagedllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
-from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, _partial_tail
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, partial_tail
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls, ToolParser, register_tool_parser)
 
@@ -70,7 +72,7 @@ class HarmonyReasoningParser(ReasoningParser):
         reasoning, content = [], [lead]
         for channel, recipient, body, complete in messages:
             if not complete and not finished:  # a marker may be arriving in pieces: hold its start back
-                body = body[:len(body) - max(_partial_tail(body, t) for t in ENDS + ("<|start|>",))]
+                body = body[:len(body) - max(partial_tail(body, t) for t in ENDS + ("<|start|>",))]
             if recipient is not None and recipient.startswith("functions."):
                 end = CALL_END if complete or finished else ""
                 content.append(f"{CALL}{recipient[len('functions.'):]}{MESSAGE}{body}{end}")
@@ -98,7 +100,7 @@ def _leading_text(text: str, finished: bool) -> str:
     if cut < 0 and not finished:
         if not stripped or "to=".startswith(stripped):
             return ""
-        lead = lead[:len(lead) - _partial_tail(lead, "<|")]
+        lead = lead[:len(lead) - partial_tail(lead, "<|")]
     return lead
 
 
@@ -110,7 +112,7 @@ def visible_content(content: str, finished: bool) -> str:
     if at >= 0:  # an incomplete call: not shown (finished: it was taken out above)
         text = text[:at]
     elif not finished:
-        text = text[:len(text) - _partial_tail(text, CALL)]
+        text = text[:len(text) - partial_tail(text, CALL)]
     return text
 
 

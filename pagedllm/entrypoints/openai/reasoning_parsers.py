@@ -27,7 +27,7 @@ from typing import Optional
 START, END = "<think>", "</think>"
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest proper prefix of ``tag`` that ``text`` ends with."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -62,7 +62,7 @@ class ReasoningParser:
             reasoning, _, content = body.partition(END)
             return reasoning or None, content or None
         if not finished:
-            body = body[:len(body) - _partial_tail(body, END)]
+            body = body[:len(body) - partial_tail(body, END)]
         return body or None, None
 
 

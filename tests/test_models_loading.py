@@ -164,3 +164,35 @@ def test_chat_and_timing_metrics(llama_dir):
     two = llm.chat([conv, conv[1:]], GREEDY, use_tqdm=False)
     assert two[0].outputs[0].token_ids == out.outputs[0].token_ids and len(two) == 2
     assert_pool_empty(llm)
+
+
+def test_unused_checkpoint_tensors_are_logged(tmp_path):
+    """A tensor no parameter takes is named in one log line (weights a model ignores must not go
+    unnoticed); a clean checkpoint logs none."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+    from conftest import build_checkpoint
+    from pagedllm import LLM
+    d = build_checkpoint(str(tmp_path), "llama")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # the pagedllm logger may not propagate to caplog
+    log = logging.getLogger("pagedllm")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        LLM(d, kv_cache_memory=1 << 20)
+        assert not [r for r in records if "not loaded" in r.getMessage()]
+        tensors = load_file(f"{d}/model.safetensors")
+        tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
+        tensors["lm_head.bias"] = torch.zeros(3)
+        save_file(tensors, f"{d}/model.safetensors", metadata={"format": "pt"})
+        LLM(d, kv_cache_memory=1 << 20)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    lines = [r.getMessage() for r in records if "not loaded" in r.getMessage()]
+    assert len(lines) == 1 and "2 checkpoint tensor(s)" in lines[0], lines
+    assert "layers.0.mlp.extra.weight" in lines[0] and "lm_head.bias" in lines[0]

@@ -10,13 +10,15 @@ SwiGLU product takes two kernels. fp32 results stay bit-equal to transformers.
 """
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
-from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
+from pagedllm.distributed.parallel_state import get_pp_layer_range, get_tp_rank, is_first_pp_rank, is_last_pp_rank
 from pagedllm.layers import cpu_layer_runner
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
@@ -26,6 +28,10 @@ from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
                                     default_weight_loader)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+logger = logging.getLogger("pagedllm")
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
 class PPMissingLayer(nn.Identity):
@@ -273,6 +279,7 @@ class LlamaForCausalLM(nn.Module):
         loaded. Raises ValueError on a shape mismatch or a missing weight."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        unused: list[str] = []  # checkpoint tensors no parameter of this stage took
         tied = getattr(self.config, "tie_word_embeddings", False)
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
@@ -288,18 +295,37 @@ class LlamaForCausalLM(nn.Module):
                     if pname in params:
                         params[pname].weight_loader(params[pname], w, shard)
                         loaded.add(pname)
+                    else:
+                        unused.append(name)
                     break
             else:
                 if name in params:
                     param = params[name]
                     getattr(param, "weight_loader", default_weight_loader)(param, w)
                     loaded.add(name)
+                else:
+                    unused.append(name)
         if tied and "lm_head.weight" in params and "embed_tokens.weight" in params:
             loaded.add("lm_head.weight")
+        self._log_unused(unused)
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
         return loaded
+
+    def _log_unused(self, names: list[str]) -> None:
+        """One log line naming the checkpoint tensors that no parameter took (another pipeline
+        stage's are expected and not named): weights a model ignores should not go unnoticed."""
+        def ours(name: str) -> bool:
+            m = _LAYER_RE.match(name)
+            if m:
+                return self.start_layer <= int(m.group(1)) < self.end_layer
+            top = name.split(".", 1)[0]
+            return not isinstance(getattr(self, top, None), PPMissingLayer)
+        names = [n for n in names if ours(n)]
+        if names and get_tp_rank() == 0:
+            logger.info("%d checkpoint tensor(s) not loaded (no parameter takes them): %s%s", len(names),
+                        ", ".join(names[:6]), f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -2,6 +2,8 @@
 tokenizer, built in a temp dir with transformers and tokenizers. Nothing is downloaded."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 
@@ -34,6 +36,24 @@ def corpus(n_words: int = 20000, seed: int = 0) -> str:
     for _ in range(n_words // 10):
         lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 17))) + rng.choice([".", ",", "!", "?"]))
     return "\n".join(lines) + " caf\u00e9 na\u00efve \u65e5\u672c \U0001f600"
+
+
+@contextlib.contextmanager
+def pagedllm_logs():
+    """The log records (INFO and up) the ``pagedllm`` logger emits inside the block, as a list (the
+    logger may not propagate to pytest's caplog)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def build_tokenizer(out_dir: str, vocab_size: int = 512):

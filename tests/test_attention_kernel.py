@@ -4,7 +4,6 @@ cap), and the compiled CPU kernel equals the torch reference, on random block ta
 1-32, GQA ratios 1-8, contexts up to 4,096 tokens, decodes and chunked prefills in one batch."""
 from __future__ import annotations
 
-import logging
 import random
 
 import pytest
@@ -310,18 +309,9 @@ def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path):
         cpu_kernel._build()
     monkeypatch.setattr(cpu_kernel._LIBRARY, "lib", None)
     monkeypatch.setattr(cpu_kernel._LIBRARY, "error", "RuntimeError: no C++ compiler found")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # the pagedllm logger may not propagate to caplog
-    logger = logging.getLogger("pagedllm")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    from conftest import pagedllm_logs
+    with pagedllm_logs() as records:
         backend = get_attention_backend("auto", device="cpu", dtype=torch.float32, head_dim=64, block_size=16)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     assert backend.name == "torch"
     lines = [r.getMessage() for r in records if "attention backend" in r.getMessage()]
     assert lines == ["attention backend: torch (cpu: the kernel could not be built or loaded "

@@ -291,8 +291,6 @@ def test_decoder_layer_plain_forward_equals_fused(llama_dir):
 
 def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_path):
     """Without a C++ compiler the layers run their PyTorch code (same results) and say why once."""
-    import logging
-
     from pagedllm.layers import cpu_build, cpu_fused_ops
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -300,21 +298,12 @@ def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_pa
     monkeypatch.setattr(cpu_fused_ops, "ENABLED", True)
     monkeypatch.setattr(cpu_fused_ops, "_LIBRARY", cpu_build.LazyLibrary(cpu_fused_ops._build))
     monkeypatch.setattr(cpu_fused_ops, "_logged_fallback", False)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("pagedllm")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    from conftest import pagedllm_logs
+    with pagedllm_logs() as records:
         gate_up = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
         want = F.silu(gate_up[:, :16]) * gate_up[:, 16:]
         for _ in range(2):
             got = silu_and_mul(gate_up.clone())  # the PyTorch path overwrites its input's gate half
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     assert torch.equal(got, want)
     lines = [r.getMessage() for r in records if "cpu fused ops" in r.getMessage()]
     assert len(lines) == 1 and "could not be built" in lines[0] and "no-such-compiler" in lines[0]

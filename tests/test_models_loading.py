@@ -169,20 +169,11 @@ def test_chat_and_timing_metrics(llama_dir):
 def test_unused_checkpoint_tensors_are_logged(tmp_path):
     """A tensor no parameter takes is named in one log line (weights a model ignores must not go
     unnoticed); a clean checkpoint logs none."""
-    import logging
-
     from safetensors.torch import load_file, save_file
-    from conftest import build_checkpoint
+    from conftest import build_checkpoint, pagedllm_logs
     from pagedllm import LLM
     d = build_checkpoint(str(tmp_path), "llama")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # the pagedllm logger may not propagate to caplog
-    log = logging.getLogger("pagedllm")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
+    with pagedllm_logs() as records:
         LLM(d, kv_cache_memory=1 << 20)
         assert not [r for r in records if "not loaded" in r.getMessage()]
         tensors = load_file(f"{d}/model.safetensors")
@@ -190,9 +181,6 @@ def test_unused_checkpoint_tensors_are_logged(tmp_path):
         tensors["lm_head.bias"] = torch.zeros(3)
         save_file(tensors, f"{d}/model.safetensors", metadata={"format": "pt"})
         LLM(d, kv_cache_memory=1 << 20)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     lines = [r.getMessage() for r in records if "not loaded" in r.getMessage()]
     assert len(lines) == 1 and "2 checkpoint tensor(s)" in lines[0], lines
     assert "layers.0.mlp.extra.weight" in lines[0] and "lm_head.bias" in lines[0]

@@ -210,7 +210,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        return self.compute(x, topk_weights, topk_ids)
+
+    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """The experts on routing a model's own router chose (GLM-4.5's, ERNIE's, Llama 4's): x [N, H],
+        topk_weights / topk_ids [N, k] -> [N, H]; ``kw`` goes to ``fused_experts``."""
+        out = fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids, **kw)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
 

@@ -22,8 +22,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts, verify_experts_loaded
-from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP, PPMissingLayer
 
@@ -41,7 +40,6 @@ class ErnieMoeStatics(nn.Module):
         super().__init__()
         self.e_score_correction_bias = nn.Parameter(torch.zeros(1, num_experts, dtype=torch.float32),
                                                     requires_grad=False)
-        self.e_score_correction_bias.weight_loader = default_weight_loader
 
 
 class Ernie4_5_MoeBlock(nn.Module):
@@ -53,7 +51,6 @@ class Ernie4_5_MoeBlock(nn.Module):
         self.top_k, self.norm_min = config.moe_k, float(getattr(config, "moe_norm_min", 1e-12))
         self.gate = nn.Linear(config.hidden_size, e, bias=False, dtype=torch.float32)
         self.gate.weight.requires_grad_(False)
-        self.gate.weight.weight_loader = default_weight_loader
         self.moe_statics = ErnieMoeStatics(e)
         self.experts = FusedMoE(e, self.top_k, config.hidden_size, config.moe_intermediate_size, renormalize=False,
                                 dtype=dtype, reduce_results=False)
@@ -61,15 +58,14 @@ class Ernie4_5_MoeBlock(nn.Module):
         shared = getattr(config, "moe_num_shared_experts", 0) or 0
         if shared:
             self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared, bias=bias,
-                                           dtype=dtype)
-            self.shared_experts.down_proj.reduce_results = False  # one all-reduce, after the sum
+                                           dtype=dtype, reduce_results=False)  # one all-reduce, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(F.linear(x.float(), self.gate.weight), dim=1, dtype=torch.float)
         ids = torch.topk(probs + self.moe_statics.e_score_correction_bias.squeeze(), self.top_k, dim=-1)[1]
         weights = probs.gather(-1, ids)
         weights = weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=self.norm_min)
-        out = fused_experts(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids)
+        out = self.experts.compute(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out)
@@ -95,6 +91,4 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
         return Ernie4_5_MoeBlock(config, dtype) if is_moe_layer(config, layer_idx) else None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights((name.replace("lm_head.bias", "lm_head_bias"), w) for name, w in weights)
-        verify_experts_loaded(self)
-        return loaded
+        return super().load_weights((name.replace("lm_head.bias", "lm_head_bias"), w) for name, w in weights)

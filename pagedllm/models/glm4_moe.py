@@ -16,7 +16,7 @@ The multi-token-prediction layer some checkpoints carry (index ``num_hidden_laye
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts, verify_experts_loaded
-from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -60,8 +59,6 @@ class Glm4MoeRouter(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
-        for p in (self.weight, self.e_score_correction_bias):
-            p.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
@@ -87,13 +84,12 @@ class Glm4MoeBlock(nn.Module):
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                           bias=False, dtype=dtype)
-            self.shared_experts.down_proj.reduce_results = False  # one all-reduce, after the sum
+                                           bias=False, dtype=dtype, reduce_results=False)  # one all-reduce, after
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.num_groups,
                                     self.topk_group, self.renormalize, self.scaling)
-        out = fused_experts(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids)
+        out = self.experts.compute(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out)
@@ -114,8 +110,3 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return None if layer_idx < config.first_k_dense_replace else Glm4MoeBlock(config, dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights(weights)
-        verify_experts_loaded(self)
-        return loaded

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.fused_moe import FusedMoE, verify_experts_loaded
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import ReplicatedLinear, load_full
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
@@ -43,8 +43,8 @@ class GraniteMoeBlock(nn.Module):
                                 renormalize=True, dtype=dtype, reduce_results=False)
         self.shared_mlp = None
         if shared_size:
-            self.shared_mlp = LlamaMLP(config.hidden_size, shared_size, bias=False, dtype=dtype)
-            self.shared_mlp.down_proj.reduce_results = False  # one all-reduce, after the sum
+            self.shared_mlp = LlamaMLP(config.hidden_size, shared_size, bias=False, dtype=dtype,
+                                       reduce_results=False)  # one all-reduce, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.router(x))
@@ -105,9 +105,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
         return GraniteMoeBlock(config, dtype, self.shared_size(config))
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights(split_stacked(weights, dense_shared=not self.num_experts(self.config)))
-        verify_experts_loaded(self)
-        return loaded
+        return super().load_weights(split_stacked(weights, dense_shared=not self.num_experts(self.config)))
 
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):

@@ -23,6 +23,7 @@ from pagedllm.layers import cpu_layer_runner
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.attention.backend import SlidingWindowBackend
+from pagedllm.layers.fused_moe import verify_experts_loaded
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                     default_weight_loader)
@@ -39,12 +40,13 @@ class PPMissingLayer(nn.Identity):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
+    """SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x)). ``reduce_results=False``: the output is
+    this rank's partial sum (a shared expert, which its MoE block all-reduces once with the experts)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype, reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, dtype=dtype, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -311,6 +313,7 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        verify_experts_loaded(self)  # (a stacked expert parameter counts as loaded once any expert is)
         return loaded
 
     def _log_unused(self, names: list[str]) -> None:

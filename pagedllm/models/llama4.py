@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts, verify_experts_loaded
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import ReplicatedLinear, load_full
 from pagedllm.models.ernie4_5 import interleaved_qk_to_half
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, PPMissingLayer
@@ -83,13 +83,13 @@ class Llama4MoE(nn.Module):
         self.router = ReplicatedLinear(config.hidden_size, e, bias=False, dtype=dtype)
         self.experts = FusedMoE(e, self.top_k, config.hidden_size, config.intermediate_size, renormalize=False,
                                 dtype=dtype, reduce_results=False)
-        self.shared_expert = LlamaMLP(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
-        self.shared_expert.down_proj.reduce_results = False  # one all-reduce, after the sum
+        self.shared_expert = LlamaMLP(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype,
+                                      reduce_results=False)  # one all-reduce, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values, ids = torch.topk(self.router(x), self.top_k, dim=1)
         weights = torch.sigmoid(values.float()).to(x.dtype)
-        out = fused_experts(x, self.experts.w13.weight, self.experts.w2.weight, weights, ids, weights_on_input=True)
+        out = self.experts.compute(x, weights, ids, weights_on_input=True)
         return tensor_model_parallel_all_reduce(out + self.shared_expert(x))
 
 
@@ -146,6 +146,4 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return LlamaMLP(config.hidden_size, config.intermediate_size_mlp, bias=False, dtype=dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights(interleaved_qk_to_half(split_experts(weights), self.rotary_emb))
-        verify_experts_loaded(self)
-        return loaded
+        return super().load_weights(interleaved_qk_to_half(split_experts(weights), self.rotary_emb))

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock, verify_experts_loaded
+from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagedllm.models.llama import LlamaForCausalLM
 
 
@@ -31,6 +31,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
                               config.intermediate_size, renormalize=True, dtype=dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), w) for name, w in weights)
-        verify_experts_loaded(self)
-        return loaded
+        return super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), w) for name, w in weights)

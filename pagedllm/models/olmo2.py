@@ -70,12 +70,18 @@ class Olmo2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
 
 
+def refuse_tensor_parallel(model_cls: type) -> None:
+    """Raise ValueError under tensor parallelism: OLMo 2's whole-projection q/k norms need every head
+    on one rank (models with them also set ``supports_tp = False``, checked before any process starts)."""
+    if get_tp_size() > 1:
+        raise ValueError(f"tensor parallelism is not implemented for {model_cls.__name__} (its q/k norms span all "
+                         f"heads); use --tensor-parallel-size 1 (or --pipeline-parallel-size)")
+
+
 class Olmo2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Olmo2DecoderLayer
     supports_tp = False  # the q/k norms span all heads (checked before any process starts)
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
-        if get_tp_size() > 1:
-            raise ValueError("tensor parallelism is not implemented for Olmo2ForCausalLM (its q/k norms span all "
-                             "heads); use --tensor-parallel-size 1 (or --pipeline-parallel-size)")
+        refuse_tensor_parallel(Olmo2ForCausalLM)
         super().__init__(config, dtype, backend)

@@ -11,15 +11,14 @@ whole-projection norms need all heads on one rank, so tensor parallelism is refu
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
-from pagedllm.distributed.parallel_state import get_tp_size
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
-from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock, verify_experts_loaded
+from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from pagedllm.models.olmo2 import Olmo2Attention
+from pagedllm.models.olmo2 import Olmo2Attention, refuse_tensor_parallel
 
 
 class OlmoeAttention(Olmo2Attention):
@@ -54,9 +53,7 @@ class OlmoeForCausalLM(LlamaForCausalLM):
     supports_tp = False  # the q/k norms span all heads (checked before any process starts)
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
-        if get_tp_size() > 1:
-            raise ValueError("tensor parallelism is not implemented for OlmoeForCausalLM (its q/k norms span all "
-                             "heads); use --tensor-parallel-size 1 (or --pipeline-parallel-size)")
+        refuse_tensor_parallel(OlmoeForCausalLM)
         super().__init__(config, dtype, backend)
         # Expert entries first, or ``experts.N.gate_proj`` would match the dense ``gate_proj`` rule.
         self.stacked_params = FusedMoE.expert_params_mapping("gate_proj", "up_proj", "down_proj",
@@ -66,8 +63,3 @@ class OlmoeForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.intermediate_size, renormalize=bool(getattr(config, "norm_topk_prob", False)),
                               dtype=dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights(weights)
-        verify_experts_loaded(self)
-        return loaded

@@ -8,13 +8,13 @@ Checkpoint names: ``mlp.gate``, ``mlp.experts.N.{gate,up,down}_proj``, ``mlp.sha
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock, verify_experts_loaded
+from pagedllm.layers.fused_moe import FusedMoE, SparseMoeBlock
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -40,13 +40,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
             return None
         shared, shared_size = None, getattr(config, "shared_expert_intermediate_size", 0)
         if shared_size:
-            shared = LlamaMLP(config.hidden_size, shared_size, bias=False, dtype=dtype)
-            shared.down_proj.reduce_results = False  # the MoE block all-reduces once, after the combine
+            # the MoE block all-reduces once, after the combine
+            shared = LlamaMLP(config.hidden_size, shared_size, bias=False, dtype=dtype, reduce_results=False)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob), dtype=dtype,
                               shared_expert=shared, shared_expert_gate=shared is not None)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        loaded = super().load_weights(weights)
-        verify_experts_loaded(self)
-        return loaded

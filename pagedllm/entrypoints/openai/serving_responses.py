@@ -419,17 +419,11 @@ class OpenAIServingResponses:
         if text is not None and run.reasoning is not None and not (run.tools and run.tools.reads_harmony_calls):
             text = run.reasoning.without_tool_calls(text, True) or None
         if reasoning:
-            item = OutputReasoning(status=status if text is None else "completed",
-                                   content=[ReasoningText(text=reasoning)])
-            i = len(resp.output)
-            resp.output.append(item)
-            run.emit("response.output_item.added", output_index=i,
-                     item={**item.model_dump(), "content": [], "status": "in_progress"})
-            run.emit("response.reasoning_text.delta", item_id=item.id, output_index=i, content_index=0,
+            item = OpenAIServingResponses._open_reasoning(run)
+            item.content[0].text = reasoning
+            run.emit("response.reasoning_text.delta", item_id=item.id, output_index=0, content_index=0,
                      delta=reasoning)
-            run.emit("response.reasoning_text.done", item_id=item.id, output_index=i, content_index=0,
-                     text=reasoning)
-            run.emit("response.output_item.done", output_index=i, item=item.model_dump())
+            OpenAIServingResponses._close_reasoning(run, item, status if text is None else "completed")
         text = text or ""
         content, calls, _ = run.tools.whole(text, finish_reason) if run.tools is not None else (text, [], None)
         if content:

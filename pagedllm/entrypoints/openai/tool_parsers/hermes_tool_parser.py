@@ -9,6 +9,7 @@ from typing import Optional
 
 from pagedllm.entrypoints.openai.protocol import (
     DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall)
+from pagedllm.entrypoints.openai.reasoning_parsers import partial_tail
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls, ToolParser, register_tool_parser)
 
@@ -27,14 +28,6 @@ def parse_call(body: str) -> Optional[ToolCall]:
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(function=FunctionCall(name=obj["name"], arguments=args if isinstance(args, str)
                                           else json.dumps(args, ensure_ascii=False)))
-
-
-def _partial_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 @register_tool_parser("hermes")
@@ -68,7 +61,7 @@ class HermesToolParser(ToolParser):
             rest = current_text[self._sent_content:]
             start = rest.find(START)
             if start < 0:
-                hold = 0 if finished else _partial_prefix_len(rest, START)
+                hold = 0 if finished else partial_tail(rest, START)
                 if not finished:  # trailing whitespace waits: before a call it is stripped, as unstreamed
                     sendable = rest[:len(rest) - hold]
                     hold += len(sendable) - len(sendable.rstrip())

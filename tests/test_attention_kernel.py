@@ -343,3 +343,23 @@ def test_engine_backends_agree(llama_dir, dtype):
         lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
         n = len(la) if dtype == "float32" else 1  # bf16 may diverge after the first token
         assert la[:n] == pytest.approx(lb[:n], abs=1e-4 if dtype == "float32" else 5e-2)
+
+
+@pytest.mark.parametrize("d,group,dtype", [(40, 4, torch.float32), (576, 16, torch.float32), (576, 8, torch.bfloat16)])
+def test_one_plane_cache_reads_values_from_keys(d, group, dtype):
+    """A cache of one plane [1, ...] (multi-head latent attention: the values are the keys) in both
+    backends equals a two-plane cache whose V plane copies the K plane; one KV head of MLA's width
+    (576 = 512 + 64) with 8-16 query heads; decodes, a chunk over a prefix, a split long decode."""
+    kernel = _kernel()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    seqs = [(0, 1), (300, 1), (17, 1), (2000, 1), (40, 20), (0, 33)]
+    q, k, _, cache, meta, _, _ = make_batch(seqs, 16, 1, group, d, dtype, seed=d + group)
+    scale = d ** -0.5
+    two = torch.stack([cache[0], cache[0]])
+    ref = TorchPagedAttention().forward(q, k, k, two, meta, scale)
+    for backend in (TorchPagedAttention(), kernel):
+        one = cache[:1].clone()
+        out = backend.forward(q, k, k, one, meta, scale)
+        assert torch.equal(one[0], two[0])  # the new keys written once, where the two-plane cache has them
+        err = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max().item()
+        assert err <= tol, f"{backend.name}: max row relative error {err:.2e} > {tol:.0e}"

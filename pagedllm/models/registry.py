@@ -50,6 +50,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),  # also Kimi K2
+    "Glm4MoeLiteForCausalLM": ("deepseek_v2", "Glm4MoeLiteForCausalLM"),
 }
 
 

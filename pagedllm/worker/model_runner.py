@@ -2,7 +2,8 @@
 
 The number of KV blocks comes from a memory budget (``worker/kv_cache_budget.py``); the cache is
 allocated once, as one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (int8,
-with the block's scales in a few more token rows, for ``--kv-cache-dtype int8``: ``kv_quant.py``).
+with the block's scales in a few more token rows, for ``--kv-cache-dtype int8``: ``kv_quant.py``);
+[1, ...] where the model's keys are its values (``kv_shared``: multi-head latent attention).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class ModelRunner:
         attn = self.model.layers[self.start_layer].self_attn
         self.num_kv_heads = attn.num_kv_heads  # per rank
         self.head_dim = attn.head_dim
+        # K and V planes: 1 where attention reads its values from the keys (MLA's latent)
+        self.kv_planes = 1 if getattr(attn, "kv_shared", False) else 2
         self.attention_backend = attn.backend
         self.num_layers = self.end_layer - self.start_layer  # layers with a KV cache on this rank
         self.dtype = config.model_config.dtype
@@ -56,7 +59,8 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer, on this rank."""
-        return 2 * self.num_layers * self.kv_block_rows * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
+        return (self.kv_planes * self.num_layers * self.kv_block_rows * self.num_kv_heads * self.head_dim
+                * self.kv_cache_dtype.itemsize)
 
     def sliding_windows(self) -> list[Optional[int]]:
         """The sliding window of each of this rank's layers, in tokens (None: whole context)."""
@@ -75,11 +79,10 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        bs = self.config.cache_config.block_size
         # A backend that never reads unwritten slots needs no zero-fill (saves touching every page at
         # start); one that gathers padded slots needs finite values there (NaN * 0 is NaN).
         alloc = torch.zeros if self.attention_backend.needs_zeroed_cache else torch.empty
-        self.kv_caches = [alloc(2, num_blocks, self.kv_block_rows, self.num_kv_heads, self.head_dim, dtype=self.kv_cache_dtype,
+        self.kv_caches = [alloc(self.kv_planes, num_blocks, self.kv_block_rows, self.num_kv_heads, self.head_dim, dtype=self.kv_cache_dtype,
                                 device=self.device) if self.start_layer <= i < self.end_layer else None
                           for i in range(len(self.model.layers))]
 

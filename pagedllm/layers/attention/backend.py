@@ -16,6 +16,8 @@ class AttentionBackend:
     tokens, written into ``kv_cache`` by ``meta.slot_mapping`` first) -> [N, H, D] in q's dtype.
     ``kv_cache`` [2, num_blocks, block_size, Hkv, D] in q's dtype, or the int8 cache of
     ``kv_quant.py`` [2, num_blocks, block_size + S, Hkv, D] (values, then the block's scales).
+    A cache of one plane, [1, ...], holds keys that are also the values (multi-head latent
+    attention's latent, ``models/deepseek_v2.py``): v must then be k, and is read from the keys.
 
     Head h reads KV head ``h // (H // Hkv)`` (grouped-query attention, transformers' ``repeat_kv``).
     ``sliding_window`` W: a query at position p sees keys at positions p - W < j <= p (transformers'
@@ -70,9 +72,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     """Write this step's K/V [N, Hkv, D] into their slots of the paged cache (before reading, so a
     sequence's new tokens attend to themselves through the cache); an int8 cache quantizes them
     (``kv_quant.py``)."""
-    if kv_quant.is_int8(kv_cache):
-        kv_quant.write(k, kv_cache[0], slot_mapping)
-        kv_quant.write(v, kv_cache[1], slot_mapping)
-        return
-    kv_cache[0].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, v)
+    planes = ((k, v) if kv_cache.shape[0] == 2 else (k,))  # one plane: the keys are the values
+    for i, x in enumerate(planes):
+        if kv_quant.is_int8(kv_cache):
+            kv_quant.write(x, kv_cache[i], slot_mapping)
+        else:
+            kv_cache[i].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, x)

@@ -93,7 +93,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     b = sl.shape[0]
     if (d_cache != d or h % hkv or out.shape != q.shape or bt.shape[0] != b
             or rows != kv_quant.block_rows(meta.block_size, d, "int8" if int8 else "auto")
-            or qsl.shape[0] != b + 1 or kv_cache.shape[0] != 2 or q.dtype not in SUPPORTED_DTYPES):
+            or qsl.shape[0] != b + 1 or kv_cache.shape[0] not in (1, 2) or q.dtype not in SUPPORTED_DTYPES):
         raise ValueError(f"cpu paged attention: inconsistent shapes q {tuple(q.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(bt.shape)}, seq_lens {tuple(sl.shape)}, "
                          f"query_start_loc {tuple(qsl.shape)}, block_size {meta.block_size}")
@@ -102,7 +102,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         if sinks.shape[0] != h:
             raise ValueError(f"cpu paged attention: sinks {tuple(sinks.shape)} for {h} query heads")
     fn = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}{'_i8' if int8 else ''}")
-    half = kv_cache.stride(0) * kv_cache.element_size()  # bytes from the K half to the V half
+    # bytes from the K half to the V half (0: a one-plane cache, whose keys are the values)
+    half = kv_cache.stride(0) * kv_cache.element_size() * (kv_cache.shape[0] - 1)
     args = (q.data_ptr(), kv_cache.data_ptr(), kv_cache.data_ptr() + half, out.data_ptr(), bt.data_ptr(),
             bt.stride(0), sl.data_ptr(), qsl.data_ptr(), b, h, hkv, d, meta.block_size, float(scale),
             -int(attention_chunk) if attention_chunk else int(sliding_window or 0), float(logits_soft_cap or 0.0),
@@ -123,13 +124,15 @@ def write_kv_c(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_ma
     lib, _ = load_kernel()
     n, hkv, d = k.shape
     int8 = kv_quant.is_int8(kv_cache)
+    if kv_cache.shape[0] == 1:  # one plane: the keys are the values
+        v = k
     if (lib is None or k.dtype not in _SUFFIX or v.dtype != k.dtype or not kv_cache.is_contiguous()
             or (not int8 and kv_cache.dtype != k.dtype) or kv_cache.shape[-2:] != (hkv, d) or v.shape != k.shape
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
             or any(t.stride(1) != d or t.stride(2) != 1 for t in (k, v))):
         write_kv(k, v, kv_cache, slot_mapping)
         return
-    half = kv_cache.stride(0) * kv_cache.element_size()
+    half = kv_cache.stride(0) * kv_cache.element_size() * (kv_cache.shape[0] - 1)  # one plane: V is K
     ptrs = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, hkv, d)
     if int8:
         getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(*ptrs, kv_quant.block_size_of(kv_cache.shape[2], d),
@@ -197,7 +200,7 @@ class CpuPagedAttention(AttentionBackend):
                               attention_chunk=attention_chunk)
         if long_prefill is None:
             return out
-        flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)
+        flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, -1)
         for i, p in enumerate(meta.prefills):
             if p.query_end - p.query_start > long_prefill:
                 out[p.query_start:p.query_end] = self._reference.prefill(

@@ -81,7 +81,7 @@ def gather_rows(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def flat_cache(kv_cache: torch.Tensor, i: int) -> torch.Tensor:
-    """K (i = 0) or V (1) of a layer's cache as gather_rows reads it: [num_slots, Hkv, D] for a float
+    """K (i = 0) or V (i = -1: the keys in a one-plane cache) of a layer's cache as gather_rows reads it: [num_slots, Hkv, D] for a float
     cache; an int8 cache stays [num_blocks, block_size + S, Hkv, D] (its scales sit in each block)."""
     return kv_cache[i] if kv_quant.is_int8(kv_cache) else kv_cache[i].view(-1, *kv_cache.shape[-2:])
 
@@ -94,7 +94,7 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         if kv_cache is not None:
             write_kv(k, v, kv_cache, meta.slot_mapping)
-            flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, 1)
+            flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, -1)
         nd = meta.num_decode_tokens
         if nd:
             slots, k_pos = self._decode_slots(meta)

@@ -18,7 +18,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import get_tp_rank
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
-from pagedllm.layers.quantization import Int8Config, get_quantization_config, process_weights_after_loading
+from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
 from pagedllm.layers.quantization.smoothquant import smooth_for_quantization
 from pagedllm.models.checkpoint import text_only_weights
 from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
@@ -121,6 +121,7 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
     then let each layer's linear method process them (e.g. quantize them to int8)."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
+    checkpoint_quant = fp8.checkpoint_quantization(model_config.hf_config)  # raises for a format we cannot read
     backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
                                     head_dim=model_config.head_dim, block_size=block_size)
     # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
@@ -145,6 +146,8 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
             raw = iterate_weights(path)
             if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
                 raw = text_only_weights(raw)
+            if checkpoint_quant and checkpoint_quant.get("quant_method") == "fp8":
+                raw = fp8.dequantized(raw, checkpoint_quant)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)

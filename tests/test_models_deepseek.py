@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 and GLM-4.7-Flash (multi-head latent attention): fp32 greedy ids equal
+"""DeepSeek-V2 / V3, GLM-4.7-Flash and MiniCPM3 (multi-head latent attention): fp32 greedy ids equal
 transformers' on tiny random checkpoints in both attention backends, through batching, chunked
 prefill, preemption, prefix caching and TP=2; the KV cache holds the latent once (one plane of
 kv_lora_rank + qk_rope_head_dim channels, one KV head)."""
@@ -38,6 +38,11 @@ CONFIGS = {
     "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM,
                       dict(q_lora_rank=24, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
                            mlp_layer_types=["sparse", "dense", "sparse"])),
+    # MiniCPM3: dense MLPs, rotate-half RoPE (LongRoPE's short factors), embedding, residual and logit scalings.
+    "minicpm3": (transformers.MiniCPM3Config, transformers.MiniCPM3ForCausalLM,
+                 dict(q_lora_rank=24, scale_emb=12, scale_depth=1.4, dim_model_base=32,
+                      rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5, 2.0, 4.0],
+                                           long_factor=[2.0, 3.0, 5.0, 8.0], original_max_position_embeddings=1024))),
 }
 LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim: one cached KV head
 
@@ -45,12 +50,14 @@ LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim: one cached KV head
 def build_checkpoint(out_dir: str, arch: str, seed: int = 0) -> str:
     cfg_cls, model_cls, extra = CONFIGS[arch]
     tok = build_tokenizer(out_dir)
+    moe = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)
+    if cfg_cls is transformers.MiniCPM3Config:
+        moe = {}
     config = cfg_cls(vocab_size=len(tok), hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                     num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=32,
-                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
-                     n_shared_experts=1, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                     num_hidden_layers=3, intermediate_size=96, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                     v_head_dim=12, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, initializer_range=0.15,
-                     tie_word_embeddings=False, **extra)
+                     tie_word_embeddings=False, **moe, **extra)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # what transformers initializes to 0 or 1 made random, so that each matters
@@ -89,15 +96,19 @@ def v2_dir(tmp_path_factory):
 def test_greedy_matches_transformers(ds_dir, backend, monkeypatch):
     vocab = transformers.AutoConfig.from_pretrained(ds_dir).vocab_size
     prompts = make_prompts(vocab, [1, 5, 17, 40, 96], seed=3)
-    ref = [r[0] for r in reference(ds_dir, prompts)]
+    ref = reference(ds_dir, prompts)
     llm = LLM(ds_dir, kv_cache_memory=2 << 20, max_num_batched_tokens=48, attention_backend=backend)
     runner = llm.llm_engine.executor.runner
     # The latent once: one plane, one KV head of kv_lora_rank + qk_rope_head_dim channels, every layer.
     assert all(c.shape[0] == 1 and c.shape[-2:] == (1, LATENT) for c in runner.kv_caches)
     assert runner.bytes_per_block() == 3 * 16 * LATENT * 4
     log = record_schedule(llm, monkeypatch)
-    outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert ids(outs) == ref
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    assert ids(outs) == [r[0] for r in ref]
+    for (_, ref_lps), out in zip(ref, outs):  # (MiniCPM3's logit scaling moves logprobs, not the argmax)
+        comp = out.outputs[0]
+        assert max(abs(comp.logprobs[i][t].logprob - lp) for i, (t, lp) in enumerate(zip(comp.token_ids, ref_lps))) < 1e-4
     assert max(n for _, _, n, _ in log) <= 48 and sum(n > 1 for rid, _, n, _ in log if rid == outs[-1].request_id) >= 2
     assert_pool_empty(llm)
 

@@ -1,5 +1,5 @@
-"""DeepSeek-V2 / V3 (and the models built on them: Kimi K2, GLM-4.7-Flash's ``Glm4MoeLite``) with
-multi-head latent attention (MLA; DeepSeek-AI, 2024, "DeepSeek-V2: A Strong, Economical, and
+"""DeepSeek-V2 / V3 (and the models built on them: Kimi K2, GLM-4.7-Flash's ``Glm4MoeLite``, and
+OpenBMB's MiniCPM3, dense) with multi-head latent attention (MLA; DeepSeek-AI, 2024, "DeepSeek-V2: A Strong, Economical, and
 Efficient Mixture-of-Experts Language Model", section 2.1; transformers' ``modeling_deepseek_v2.py``,
 ``modeling_deepseek_v3.py``).
 
@@ -28,6 +28,7 @@ mscale_all_dim)^2. The multi-token-prediction layer V3 checkpoints carry is not 
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Iterable, Iterator, Optional
 
@@ -42,6 +43,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _copy, load_full,
                                     load_narrow)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.layers.rotary_longrope import LONGROPE_TYPES, get_phi3_rope
 from pagedllm.models.glm4_moe import Glm4MoeBlock
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, make_rotary_embedding
 
@@ -233,15 +235,24 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         super().__init__(config, dtype, backend)
-        if self.rotary_emb.head_dim != config.qk_rope_head_dim:  # (a config whose head_dim is not the RoPE width)
-            self.rotary_emb = make_rotary_embedding(config, config.qk_rope_head_dim, dtype)
+        rotary = self.make_rope(config, dtype)
+        if rotary is not None:  # one table for every layer
+            self.rotary_emb = rotary
             for layer in self.layers:
                 if isinstance(layer, DeepseekV2DecoderLayer):
-                    layer.self_attn.rotary_emb = self.rotary_emb
+                    layer.self_attn.rotary_emb = rotary
         # Experts first (``experts.N.gate_proj`` would match the dense rule); no q/k/v fusion (V2-Lite's
         # ``q_proj`` is a parameter of its own).
-        self.stacked_params = FusedMoE.expert_params_mapping("gate_proj", "up_proj", "down_proj", config.n_routed_experts) \
+        experts = getattr(config, "n_routed_experts", None) or 0
+        self.stacked_params = FusedMoE.expert_params_mapping("gate_proj", "up_proj", "down_proj", experts) \
             + [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+
+    def make_rope(self, config: Any, dtype: torch.dtype) -> Optional[RotaryEmbedding]:
+        """The RoPE table over qk_rope_head_dim channels, where the one built from ``head_dim`` is not it
+        (None: keep that one)."""
+        if self.rotary_emb.head_dim == config.qk_rope_head_dim:
+            return None
+        return make_rotary_embedding(config, config.qk_rope_head_dim, dtype)
 
     @staticmethod
     def is_moe_layer(config: Any, layer_idx: int) -> bool:
@@ -293,3 +304,52 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): DeepSeek-V3's attention and router, with dense
     and sparse layers named by ``mlp_layer_types``."""
+
+
+class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
+    """MiniCPM3 (OpenBMB, 2024; transformers' ``modeling_minicpm3.py``): DeepSeek-V2's attention with
+    RoPE in the rotate-half layout (LongRoPE in MiniCPM3-4B), dense SwiGLU MLPs, and MiniCPM's
+    scalings: embeddings times ``scale_emb``, each residual branch times scale_depth /
+    sqrt(num_hidden_layers), the final hidden states divided by hidden_size / dim_model_base
+    before the LM head."""
+
+    rope_interleave_default = False
+
+    def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None,
+                 max_model_len: Optional[int] = None) -> None:
+        rope = get_rope_parameters(config)
+        longrope = rope.get("rope_type", "default") in LONGROPE_TYPES
+        base = config
+        if longrope:  # the layers are built with a placeholder RoPE, then share the LongRoPE table (as Phi-3's)
+            base = copy.copy(config)
+            base.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+            base.max_position_embeddings = 1
+            if "rope_scaling" in vars(base):  # transformers 4.x keeps it apart (5.x: an alias of the above)
+                base.rope_scaling = None
+        super().__init__(base, dtype, backend)
+        self.config = config
+        if longrope:
+            rotary = get_phi3_rope(config.qk_rope_head_dim, config.max_position_embeddings, rope, dtype,
+                                   max_model_len or config.max_position_embeddings)
+            self.rotary_emb = rotary
+            for layer in self.layers:
+                if isinstance(layer, DeepseekV2DecoderLayer):
+                    layer.self_attn.rotary_emb = rotary
+        branch = float(config.scale_depth) / math.sqrt(config.num_hidden_layers)
+        for layer in self.layers:
+            if isinstance(layer, DeepseekV2DecoderLayer):
+                layer.residual_multiplier = branch
+        # transformers keeps the scale as a float32 buffer cast to the weights' dtype
+        self.embed_scale = float(torch.tensor(float(config.scale_emb)).to(dtype))
+        self.logits_scaling = config.hidden_size / (config.dim_model_base or config.hidden_size)
+
+    def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
+        return None
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids).mul_(self.embed_scale)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_scaling != 1.0:
+            hidden = hidden / self.logits_scaling
+        return self.lm_head.compute_logits(hidden).float()

@@ -53,6 +53,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),  # also Kimi K2
     "Glm4MoeLiteForCausalLM": ("deepseek_v2", "Glm4MoeLiteForCausalLM"),
+    "MiniCPM3ForCausalLM": ("deepseek_v2", "MiniCPM3ForCausalLM"),
 }
 
 

@@ -92,14 +92,31 @@ class ModelConfig:
         return archs[0] if archs else "<none>"
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3: ``kv_lora_rank``): the KV cache holds
+        one latent of kv_lora_rank + qk_rope_head_dim channels a token, keys and values at once."""
+        return bool(getattr(self.hf_config, "kv_lora_rank", None))
+
+    @property
     def head_dim(self) -> int:
+        """Channels of one cached KV head (MLA: the latent's)."""
         c = self.hf_config
+        if self.is_mla:
+            return c.kv_lora_rank + c.qk_rope_head_dim
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:
+        """Cached KV heads (MLA: 1)."""
         c = self.hf_config
+        if self.is_mla:
+            return 1
         return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors a token's cache entry has: K and V (2), or the one latent of MLA (1)."""
+        return 1 if self.is_mla else 2
 
 
 @dataclass

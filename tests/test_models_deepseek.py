@@ -102,6 +102,8 @@ def test_greedy_matches_transformers(ds_dir, backend, monkeypatch):
     # The latent once: one plane, one KV head of kv_lora_rank + qk_rope_head_dim channels, every layer.
     assert all(c.shape[0] == 1 and c.shape[-2:] == (1, LATENT) for c in runner.kv_caches)
     assert runner.bytes_per_block() == 3 * 16 * LATENT * 4
+    mc = llm.llm_engine.config.model_config  # what the benchmarks size caches by says the same
+    assert (mc.kv_planes, mc.num_kv_heads, mc.head_dim) == (1, 1, LATENT)
     log = record_schedule(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0),
                         use_tqdm=False)

@@ -230,7 +230,7 @@ def step_cost(engine, batch: int, context: int) -> dict[str, float]:
     heads = cfg.num_attention_heads
     attn_flops = cfg.num_hidden_layers * 2 * 2 * batch * context * heads * mc.head_dim
     runner = engine.executor.runner
-    kv_bytes = (2 * cfg.num_hidden_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache_dtype.itemsize
+    kv_bytes = (mc.kv_planes * cfg.num_hidden_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache_dtype.itemsize
                 * runner.kv_block_rows / engine.config.cache_config.block_size * batch * context)
     return {"linear_flops": 2 * batch * linear_params, "attention_flops": attn_flops,
             "weight_bytes_read": weight_bytes, "kv_bytes_read": kv_bytes}
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> dict:
 
     cfg = EngineArgs(model=model, dtype=args.dtype, max_model_len=max_len).create_engine_config()
     mc = cfg.model_config
-    per_token = 2 * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize  # >= int8's
+    per_token = mc.kv_planes * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize  # >= int8's
     llm = LLM(model, dtype=args.dtype, load_format=load_format, max_model_len=max_len, block_size=args.block_size,
               max_num_seqs=args.batch_size, max_num_batched_tokens=max(2048, args.context_len),
               kv_cache_memory=tokens_needed * per_token, seed=args.seed, enable_prefix_caching=False,

@@ -89,7 +89,7 @@ class Setup:
         self.hf_config = cfg.model_config.hf_config
         self.dtype = cfg.model_config.dtype
         mc = cfg.model_config
-        self.kv_bytes_per_token = 2 * self.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * \
+        self.kv_bytes_per_token = mc.kv_planes * self.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * \
             self.dtype.itemsize
         total_tokens = sum(r.prompt_len + r.output_len for r in self.requests)
         if args.kv_cache_memory:
@@ -108,7 +108,7 @@ class Setup:
         if getattr(args, "kv_cache_dtype", "auto") == "int8":  # pagedllm's int8 cache: more tokens, same bytes
             from pagedllm.layers.attention.kv_quant import block_rows
 
-            per_token = (2 * self.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim
+            per_token = (mc.kv_planes * self.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim
                          * block_rows(bs, mc.head_dim, "int8") / bs)
             self.budget_info["budget_tokens_int8"] = int(self.kv_budget // per_token)
 

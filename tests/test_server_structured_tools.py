@@ -293,3 +293,41 @@ def test_hermes_streamed_content_equals_unstreamed(text):
                 calls += [(c.function.name, c.function.arguments) for c in d.tool_calls or []]
         assert content == (whole.content or ""), (step, content)
         assert calls == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"}}'
+
+
+@pytest.mark.parametrize("text,calls", [
+    (LLAMA_CALL, [("get_weather", {"city": "Rome", "unit": "C"})]),
+    ("<|python_tag|>" + LLAMA_CALL, [("get_weather", {"city": "Rome", "unit": "C"})]),
+    (" \n" + LLAMA_CALL + "; " + '{"name": "get_time", "arguments": {"tz": "CET"}}',
+     [("get_weather", {"city": "Rome", "unit": "C"}), ("get_time", {"tz": "CET"})]),
+    ('{"name": "f", "parameters": "{\\"x\\": 1}"}', [("f", {"x": 1})]),
+    ("It is sunny in Rome.", None), ("  {not json", None), ('{"name": 5}', None), (LLAMA_CALL + " and more", None),
+    ("<|python", None), ("", None), ("  ", None)])
+def test_llama3_json_calls_whole_and_streamed(text, calls):
+    """Llama 3.x JSON calls (one, or several separated by ';'; after <|python_tag|>; "parameters" or
+    "arguments"); anything else is content. Fed in chunks of 1, 3 and 7 characters, the streaming
+    parser sends exactly what the whole-text parser finds."""
+    from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+    cls = get_tool_parser("llama3_json")
+    whole = cls(None).extract_tool_calls(text)
+    assert whole.tools_called == (calls is not None)
+    if calls is None:
+        assert whole.content == (text or None) and not whole.tool_calls
+    else:
+        assert whole.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == calls
+    for step in (1, 3, 7):
+        parser, content, got, prev = cls(None), "", [], 0
+        for i in [*range(step, len(text), step), len(text)]:
+            d = parser.extract_tool_calls_streaming(text[:prev], text[:i], text[prev:i], i == len(text))
+            prev = i
+            if d is not None:
+                content += d.content or ""
+                got += [(c.index, c.function.name, json.loads(c.function.arguments)) for c in d.tool_calls or []]
+        assert content == (whole.content or ""), (step, content)
+        assert got == [(i, n, a) for i, (n, a) in enumerate(calls or [])]
+        assert parser.called == (calls is not None)

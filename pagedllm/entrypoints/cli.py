@@ -115,7 +115,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None,
-                   help="how tool calls are read from the model's text (hermes)")
+                   help="how tool calls are read from the model's text: hermes, llama3_json, openai (gpt-oss)")
     p.add_argument("--reasoning-parser", default=None,
                    help="split a reasoning model's <think>...</think> into message.reasoning (deepseek_r1: the "
                         "opening tag optional; qwen3: only an output that opens with it)")

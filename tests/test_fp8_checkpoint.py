@@ -128,3 +128,45 @@ def test_unreadable_quantized_checkpoints_are_refused(tmp_path, quant, message):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match=message):
         LLM(d, kv_cache_memory=1 << 20)
+
+
+def test_scale_slices_upper_case_method_and_unreadable_float8(tmp_path):
+    """A 0-d per-tensor scale read as a safetensors slice (as the loader reads it); "FP8" in capitals
+    is fp8; float8 tensors in a checkpoint without an FP8 config are refused, not cast; a pairing
+    error names its tensor."""
+    from safetensors import safe_open
+
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    s = w.abs().max() / FP8_MAX
+    q = (w / s).to(torch.float8_e4m3fn)
+    save_file({"a.weight": q, "a.weight_scale": s, "b.weight_scale": s.clone().view(1), "b.weight": q.clone()},
+              str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        out = dict(fp8.dequantized([(k, f.get_slice(k)) for k in f.keys()], {"quant_method": "fp8"}))
+    assert torch.equal(out["a.weight"], q.float() * s) and torch.equal(out["b.weight"], q.float() * s)
+
+    src = build_checkpoint(str(tmp_path / "float"), "v2_lite", seed=4)
+    fp8_dir, float_dir = str(tmp_path / "fp8"), str(tmp_path / "dequantized")
+    write_fp8_pair(src, fp8_dir, float_dir, (16, 32))
+    cfg_path = os.path.join(fp8_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["quant_method"] = "FP8"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    vocab = transformers.AutoConfig.from_pretrained(fp8_dir).vocab_size
+    prompts = make_prompts(vocab, [6, 25], seed=9)
+    llm = LLM(fp8_dir, kv_cache_memory=1 << 20)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                ignore_eos=True), use_tqdm=False)]
+    assert got == [r[0] for r in reference(float_dir, prompts, n=6)]
+    del cfg["quantization_config"]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"float8 tensor, but config.json declares no FP8 quantization_config"):
+        LLM(fp8_dir, kv_cache_memory=1 << 20)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}  # not the scales' blocks
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"cannot load \S+: model\.layers\.\d\.\S+_proj\S*\.weight: FP8 weight"):
+        LLM(fp8_dir, kv_cache_memory=1 << 20)

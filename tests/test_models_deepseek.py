@@ -18,9 +18,11 @@ from test_tensor_parallel import KV_BYTES, wait_gone, worker_pids
 _YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256, mscale=0.707,
              mscale_all_dim=0.707, beta_fast=32, beta_slow=1)
 CONFIGS = {
-    # V2-Lite's layout: q_proj (no q LoRA), softmax router, greedy top-2, scaled; interleaved RoPE.
+    # V2-Lite's layout: q_proj (no q LoRA), softmax router, greedy top-2, scaled; interleaved RoPE. V2
+    # reads neither norm_topk_prob nor rope_interleave (transformers does not): set, they change nothing.
     "v2_lite": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM,
-                dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5, first_k_dense_replace=1)),
+                dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5, first_k_dense_replace=1,
+                     norm_topk_prob=True, rope_interleave=False)),
     # V2: q LoRA, group-limited routing (2 of 4 groups), YaRN with mscale (the softmax scale grows by mscale^2).
     "v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM,
            dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
@@ -177,17 +179,17 @@ def test_tp2_matches_transformers(tmp_path):
 
 def test_v2_routing_and_refusals():
     """Group-limited greedy keeps experts of the best groups only (a group scores by its best
-    expert); DeepSeek's norm_topk_prob renormalizes instead of scaling; unknown methods are refused."""
+    expert); weights are the scaled scores; unknown methods are refused."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 8, generator=g) * 3
-    w, e = deepseek_v2_topk(logits, 2, "group_limited_greedy", 4, 2, False, 2.0)
+    w, e = deepseek_v2_topk(logits, 2, "group_limited_greedy", 4, 2, 2.0)
     probs = logits.softmax(-1)
     best_groups = probs.view(64, 4, 2).amax(-1).topk(2, -1).indices
     assert all(set((e[t] // 2).tolist()) <= set(best_groups[t].tolist()) for t in range(64))
     torch.testing.assert_close(w, probs.gather(1, e) * 2.0)
-    w, e = deepseek_v2_topk(logits, 3, "greedy", None, None, True, 2.0)
+    w, e = deepseek_v2_topk(logits, 3, "greedy", None, None, 1.5)
     assert torch.equal(e.sort(-1).values, probs.topk(3, -1).indices.sort(-1).values)
-    torch.testing.assert_close(w.sum(-1), torch.ones(64))
+    torch.testing.assert_close(w, probs.gather(1, e) * 1.5)
     from types import SimpleNamespace
     cfg = SimpleNamespace(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                           n_shared_experts=0, n_group=3, topk_group=2, routed_scaling_factor=1.0,
@@ -216,3 +218,38 @@ def test_multi_token_prediction_layer_is_skipped(tmp_path):
     unused = [r.getMessage() for r in records if "not loaded" in r.getMessage()]
     assert len(unused) == 1 and "stray.weight" in unused[0] and "layers.3" not in unused[0]
     assert ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == [r[0] for r in reference(d, prompts, n=6)]
+
+
+def test_kimi_k2_config_is_read_as_deepseek_v3(tmp_path):
+    """Kimi K2's config.json names remote code (model_type kimi_k2, auto_map): read with transformers'
+    DeepseekV3Config, no code run; the model equals the same checkpoint as deepseek_v3."""
+    import json
+    import shutil
+    d = build_checkpoint(str(tmp_path / "v3"), "v3", seed=2)
+    kimi = str(tmp_path / "kimi")
+    shutil.copytree(d, kimi)
+    with open(f"{kimi}/config.json") as f:
+        cfg = json.load(f)
+    cfg["model_type"] = "kimi_k2"
+    cfg["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    with open(f"{kimi}/config.json", "w") as f:
+        json.dump(cfg, f)
+    vocab = transformers.AutoConfig.from_pretrained(d).vocab_size
+    prompts = make_prompts(vocab, [7, 30], seed=4)
+    llm = LLM(kimi, kv_cache_memory=1 << 20)
+    assert type(llm.llm_engine.config.model_config.hf_config) is transformers.DeepseekV3Config
+    assert ids(llm.generate(prompts, greedy(8), use_tqdm=False)) == [r[0] for r in reference(d, prompts, n=8)]
+
+
+def test_int8_weights(v2_dir):
+    """--quantization int8 quantizes MLA's linear layers (SmoothQuant folds into Llama-style layers only,
+    and skips these); output stays close to the float model's."""
+    vocab = transformers.AutoConfig.from_pretrained(v2_dir).vocab_size
+    prompts = make_prompts(vocab, [5, 40, 96], seed=12)
+    ref = [r[0] for r in reference(v2_dir, prompts, n=6)]
+    llm = LLM(v2_dir, kv_cache_memory=1 << 20, quantization="int8")
+    assert llm.llm_engine.executor.runner.model.quantization_report.num_quantized >= 3 * 5  # q/kv_a/q_b|q/o + MLPs
+    got = ids(llm.generate(prompts, greedy(6), use_tqdm=False))
+    assert sum(g[0] == r[0] for g, r in zip(got, ref)) >= 2
+    assert_pool_empty(llm)

@@ -34,7 +34,9 @@ def load_narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
 
 
 def load_full(loaded: Any) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    return loaded[:] if loaded.get_shape() else loaded[()]  # (a 0-d slice cannot be sliced)
 
 
 def _copy(param: torch.Tensor, target: torch.Tensor, src: torch.Tensor) -> None:

@@ -31,6 +31,11 @@ def local_model_path(path: str) -> str:
     return find_gguf_file(path) or path
 
 
+# model_type of checkpoints whose config.json names remote code (``auto_map``) for a configuration
+# transformers has under another name: read with that class, no code run (Kimi K2 is DeepSeek-V3).
+REMOTE_CODE_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
+
+
 def load_hf_config(path: str) -> Any:
     """The transformers config of a local model (a folder with config.json, or a GGUF file).
 
@@ -49,13 +54,18 @@ def load_hf_config(path: str) -> Any:
                          f"Hugging Face model folder (config.json + *.safetensors) or a .gguf file")
     try:
         with open(config_file) as f:
-            json.load(f)
+            raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {config_file}: {one_line(e)}") from None
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        same_as = REMOTE_CODE_MODEL_TYPES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+        if same_as:  # the config class is remote code; transformers' own class reads the same fields
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+            config = AutoConfig.for_model(same_as, **fields)
+        else:
+            config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - unknown model_type, bad values, ...
         from pagedllm.models.registry import supported_architectures
 

@@ -160,11 +160,14 @@ class DeepseekV2Router(nn.Module):
 
 
 def deepseek_v2_topk(logits: torch.Tensor, top_k: int, method: str, num_groups: Optional[int],
-                     topk_group: Optional[int], renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2's routing (``DeepseekV2TopkRouter``; ``norm_topk_prob`` as in DeepSeek's own code:
-    renormalized instead of scaled). logits [N, E] float32 -> (weights [N, top_k] float32, ids
-    [N, top_k] int64). ``group_limited_greedy``: experts only from the ``topk_group`` groups (of
-    ``num_groups``) whose best expert scores highest. Raises ValueError on another method."""
+                     topk_group: Optional[int], scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing (transformers' ``DeepseekV2TopkRouter``): the top-k softmax scores times
+    ``scaling``. logits [N, E] float32 -> (weights [N, top_k] float32, ids [N, top_k] int64).
+    ``group_limited_greedy``: experts only from the ``topk_group`` groups (of ``num_groups``) whose
+    best expert scores highest. Raises ValueError on another method.
+
+    ``norm_topk_prob`` is not read, as transformers does not (it is false in every released V2
+    config; DeepSeek's code renormalizes instead of scaling when it is set, vLLM does both)."""
     scores = logits.softmax(dim=-1, dtype=torch.float32)
     if method == "group_limited_greedy":
         n, e = scores.shape
@@ -176,8 +179,6 @@ def deepseek_v2_topk(logits: torch.Tensor, top_k: int, method: str, num_groups: 
     elif method != "greedy":
         raise ValueError(f"topk_method {method!r} is not supported (greedy, group_limited_greedy)")
     weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
-    if renormalize and top_k > 1:
-        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
     return weights * scaling, ids
 
 
@@ -189,7 +190,6 @@ class DeepseekV2MoeBlock(nn.Module):
         self.top_k, self.scaling = config.num_experts_per_tok, float(config.routed_scaling_factor)
         self.method = getattr(config, "topk_method", None) or "greedy"
         self.num_groups, self.topk_group = config.n_group, config.topk_group
-        self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         num_experts = config.n_routed_experts
         if self.method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method {self.method!r} is not supported (greedy, group_limited_greedy)")
@@ -207,7 +207,7 @@ class DeepseekV2MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = deepseek_v2_topk(self.gate(x), self.top_k, self.method, self.num_groups, self.topk_group,
-                                        self.renormalize, self.scaling)
+                                        self.scaling)
         out = self.experts.compute(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -231,7 +231,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     decoder_layer_cls = DeepseekV2DecoderLayer
     use_cpu_layer_runner = False  # the runner covers Llama-style q/k/v attention, not MLA
-    rope_interleave_default = True  # V2 always rotates interleaved pairs
+    # RoPE on interleaved pairs: V2 always (its config's rope_interleave, if any, is not read, as in
+    # transformers); V3 and its relatives where rope_interleave is true or absent; MiniCPM3 never.
+    reads_rope_interleave = False
+    rope_interleave_default = True
 
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         super().__init__(config, dtype, backend)
@@ -266,7 +269,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         weights = self._skip_mtp_layers(weights)
-        if getattr(self.config, "rope_interleave", self.rope_interleave_default):
+        interleaved = self.rope_interleave_default
+        if self.reads_rope_interleave:
+            interleaved = getattr(self.config, "rope_interleave", interleaved)
+        if interleaved:
             weights = self._interleaved_rope_to_half(weights)
         return super().load_weights(weights)
 
@@ -296,6 +302,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3 / R1 / V3.1, Kimi K2 (``DeepseekV3ForCausalLM``): V2's attention with V3's sigmoid
     router (GLM-4.5's block); RoPE interleaved unless ``rope_interleave`` is false."""
+
+    reads_rope_interleave = True
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return Glm4MoeBlock(config, dtype) if self.is_moe_layer(config, layer_idx) else None

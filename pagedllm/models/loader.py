@@ -146,13 +146,17 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
             raw = iterate_weights(path)
             if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
                 raw = text_only_weights(raw)
-            if checkpoint_quant and checkpoint_quant.get("quant_method") == "fp8":
+            if checkpoint_quant and checkpoint_quant["quant_method"] == "fp8":
                 raw = fp8.dequantized(raw, checkpoint_quant)
+            else:
+                raw = fp8.refuse_float8(raw)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)
         except ValueError as e:
-            where = f"weight {weights.name}: " if weights.name and "missing" not in str(e) else ""
+            # (an FP8 pairing error names its tensor; the last one read may be another)
+            named = isinstance(e, fp8.CheckpointFormatError) or "missing" in str(e)
+            where = f"weight {weights.name}: " if weights.name and not named else ""
             raise ValueError(f"cannot load {path}: {where}{one_line(e)}") from None
         except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
             raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None

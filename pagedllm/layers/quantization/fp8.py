@@ -27,8 +27,13 @@ _ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
 SUPPORTED_CHECKPOINT_METHODS = ("fp8", "mxfp4")
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint's quantized tensors do not fit together; the message names the tensor."""
+
+
 def checkpoint_quantization(hf_config: Any) -> Optional[dict]:
-    """The checkpoint's ``quantization_config`` as a dict (None: a float checkpoint).
+    """The checkpoint's ``quantization_config`` as a dict, ``quant_method`` lower-cased (None: a float
+    checkpoint).
 
     Raises:
         ValueError: a method the loader cannot read (GPTQ, AWQ, bitsandbytes, compressed-tensors, ...),
@@ -45,7 +50,7 @@ def checkpoint_quantization(hf_config: Any) -> Optional[dict]:
                          f"gpt-oss's MXFP4 and GGUF files (use a float or FP8 release of the model, or its GGUF)")
     if method == "fp8" and str(q.get("fmt", "e4m3")).lower() != "e4m3":
         raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (e4m3 only)")
-    return q
+    return {**q, "quant_method": method}
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size: Optional[list[int]] = None) -> torch.Tensor:
@@ -77,7 +82,8 @@ def dequantized(weights: Iterable[tuple[str, Any]], quant: dict) -> Iterator[tup
     ``<x>.weight`` in float32 (``dequantize``); activation scales dropped; the rest unchanged.
 
     Raises:
-        ValueError: an FP8 weight without a scale, or a scale without its weight.
+        CheckpointFormatError: an FP8 weight without a scale, a scale without its weight, or a scale
+            whose shape does not fit its weight.
     """
     block = quant.get("weight_block_size")
     fp8: dict[str, torch.Tensor] = {}  # module name -> its FP8 weight, waiting for the scale
@@ -89,21 +95,41 @@ def dequantized(weights: Iterable[tuple[str, Any]], quant: dict) -> Iterator[tup
         if scale_suffix is not None:
             base = name[:-len(scale_suffix)]
             if base in fp8:
-                yield base + ".weight", dequantize(fp8.pop(base), load_full(w), block)
+                yield base + ".weight", _dequantize_named(base, fp8.pop(base), load_full(w), block)
             else:
                 scales[base] = load_full(w)
             continue
         if name.endswith(".weight") and _dtype(w) in FP8_DTYPES:
             base = name[:-len(".weight")]
             if base in scales:
-                yield name, dequantize(load_full(w), scales.pop(base), block)
+                yield name, _dequantize_named(base, load_full(w), scales.pop(base), block)
             else:
                 fp8[base] = load_full(w)
             continue
         yield name, w
     if fp8 or scales:
-        raise ValueError(f"FP8 checkpoint: weights without a scale {sorted(fp8)[:4]}, scales without a weight "
+        raise CheckpointFormatError(f"FP8 checkpoint: weights without a scale {sorted(fp8)[:4]}, scales without a weight "
                          f"{sorted(scales)[:4]}")
+
+
+def refuse_float8(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The pairs unchanged, for a checkpoint whose config declares no FP8 quantization.
+
+    Raises:
+        CheckpointFormatError: a float8 tensor (its scales would be ignored: wrong weights).
+    """
+    for name, w in weights:
+        if _dtype(w) in FP8_DTYPES:
+            raise CheckpointFormatError(f"{name} is a float8 tensor, but config.json declares no FP8 "
+                                        f"quantization_config (quant_method fp8) to read its scales with")
+        yield name, w
+
+
+def _dequantize_named(base: str, weight: torch.Tensor, scale: torch.Tensor, block: Optional[list[int]]) -> torch.Tensor:
+    try:
+        return dequantize(weight, scale, block)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{base}.weight: {e}") from None
 
 
 def _dtype(w: Any) -> Optional[torch.dtype]:

@@ -266,7 +266,7 @@ def smoothable_layers(model: nn.Module) -> list[nn.Module]:
 
     return [layer for layer in getattr(model, "layers", [])
             if isinstance(layer, LlamaDecoderLayer) and type(layer.input_layernorm) is RMSNorm
-            and getattr(layer.self_attn.qkv_proj, "weight", None) is not None]
+            and getattr(getattr(layer.self_attn, "qkv_proj", None), "weight", None) is not None]  # (not MLA's)
 
 
 def smooth_model(model: nn.Module, stats: dict[nn.Module, torch.Tensor], alpha: float) -> int:

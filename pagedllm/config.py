@@ -85,6 +85,9 @@ class ModelConfig:
     quantization: Optional[str] = None  # a name in layers.quantization.QUANTIZATION_METHODS
     attention_backend: str = "auto"  # see layers/attention/selector.py
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    # "generate" (sample tokens) or "pooling" (embeddings: each prompt's last hidden state, normalized;
+    # vLLM's --runner pooling); see layers/pooler.py
+    runner: str = "generate"
 
     @property
     def architecture(self) -> str:
@@ -240,6 +243,9 @@ def resolve_dtype(dtype: Any, hf_config: Any, device: str) -> tuple[torch.dtype,
     return _DTYPES[dtype], "given"
 
 
+RUNNERS = ("generate", "pooling")
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine settings; defaults follow vLLM where it has one."""
@@ -270,6 +276,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     max_logprobs: int = 20
+    runner: str = "generate"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -323,6 +330,8 @@ class EngineArgs:
                              f"{self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "ray" and self.nnodes > 1:
             raise ValueError("with the ray backend the Ray cluster spans the nodes: drop --nnodes")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
         from pagedllm.layers.quantization import get_quantization_config
@@ -369,6 +378,7 @@ class EngineArgs:
             quantization=None if self.quantization == "none" else self.quantization,
             attention_backend=self.attention_backend,
             max_logprobs=self.max_logprobs,
+            runner=self.runner,
         )
         return EngineConfig(
             model_config=model_config,

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import init_logger
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -52,6 +52,8 @@ class LLM:
             bfloat16's in the same memory; see ``layers/attention/kv_quant.py``).
         max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
             default, 20); ``generate`` raises ValueError above it.
+        runner: "generate" (``generate``, ``chat``) or "pooling" (``embed``: embedding models such as
+            Qwen3-Embedding or E5-Mistral; ``layers/pooler.py``).
 
     Raises:
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
@@ -67,7 +69,7 @@ class LLM:
                  num_threads: Optional[int] = None,
                  quantization: Optional[str] = None,
                  attention_backend: str = "auto", pipeline_parallel_size: int = 1,
-                 kv_cache_dtype: str = "auto", max_logprobs: int = 20) -> None:
+                 kv_cache_dtype: str = "auto", max_logprobs: int = 20, runner: str = "generate") -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -76,7 +78,7 @@ class LLM:
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
                           device=device, num_threads=num_threads, quantization=quantization,
                           attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-                          pipeline_parallel_size=pipeline_parallel_size, max_logprobs=max_logprobs)
+                          pipeline_parallel_size=pipeline_parallel_size, max_logprobs=max_logprobs, runner=runner)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):
@@ -90,9 +92,10 @@ class LLM:
         Returns one RequestOutput per prompt, in prompt order. Raises ValueError (before anything
         runs) for an invalid prompt, e.g. one longer than max_model_len.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        if self.llm_engine.pooling:
+            raise ValueError("this LLM runs the pooling runner (runner='pooling'): use embed(), or create it with "
+                             "runner='generate' to generate")
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -110,6 +113,33 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
+              truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+        """Embed prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) with the pooling
+        runner: each one's last hidden state, L2-normalized (``layers/pooler.py``).
+        ``truncate_prompt_tokens``: keep only each prompt's last that many tokens.
+
+        Returns one EmbeddingRequestOutput per prompt, in prompt order (``.outputs.embedding``: a list
+        of hidden_size floats). Raises ValueError when the LLM was not created with runner="pooling",
+        or for an invalid prompt (empty, longer than max_model_len)."""
+        engine = self.llm_engine
+        if not engine.pooling:
+            raise ValueError("embed() needs the pooling runner: create the LLM with runner='pooling'")
+        prompts = _as_prompt_list(prompts)
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens < 1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1, got {truncate_prompt_tokens}")
+            prompts = [{"prompt_token_ids": engine.tokenize_prompt(p)[1][-truncate_prompt_tokens:]} for p in prompts]
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return [EmbeddingRequestOutput.from_request_output(o) for o in self._run_engine(ids, use_tqdm)]
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -149,6 +179,13 @@ class LLM:
             engine.final_outputs_only = False
             bar.close()
         return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list:
+    """One prompt (a string, a dict or a list of token ids) or a sequence of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[str] = None,

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -72,3 +75,34 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default=None)  # type: ignore[assignment]
     num_cached_tokens: int = 0
+    # The pooling runner's embedding of the prompt: float32 [hidden_size], unit L2 norm (None otherwise).
+    pooled: Optional["torch.Tensor"] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """``embedding``: the prompt's embedding (hidden_size floats, unit L2 norm)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's class of that name)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> "EmbeddingRequestOutput":
+        if out.pooled is None:
+            raise ValueError(f"request {out.request_id} has no embedding (not run by the pooling runner)")
+        return cls(out.request_id, EmbeddingOutput(out.pooled.tolist()), out.prompt_token_ids, out.finished,
+                   out.num_cached_tokens)

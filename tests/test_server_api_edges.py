@@ -464,3 +464,10 @@ def test_serve_errors_name_cli_flags(llama_dir):
     assert err.startswith("pagedllm serve: error:")
     assert "--kv-cache-memory" in err and "--max-model-len" in err
     assert "gpu-memory-utilization" not in err and "gpu_memory_utilization" not in err
+
+
+def test_embeddings_need_the_pooling_runner(http):
+    """A generating server answers /v1/embeddings with a 400 that says how to serve embeddings."""
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}, headers=AUTH)
+    err = r.json()["error"]
+    assert r.status_code == 400 and "--runner pooling" in err["message"] and err["code"] == "model_not_supported"

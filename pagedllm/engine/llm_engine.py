@@ -88,6 +88,8 @@ class LLMEngine:
         self._last_log = time.time()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # The pooling runner: a request ends with its prompt, its output is the embedding (``pooled``).
+        self.pooling = mc.runner == "pooling"
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
@@ -134,7 +136,8 @@ class LLMEngine:
             "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences%s | weights %.1f MiB%s | "
             "prefix caching %s%s",
             mc.model, mc.architecture + (f" (the text model of {text_of}; images are not supported)"
-                                         if (text_of := getattr(mc.hf_config, "text_only_of", None)) else ""),
+                                         if (text_of := getattr(mc.hf_config, "text_only_of", None)) else "")
+            + (" runner=pooling (embeddings)" if mc.runner == "pooling" else ""),
             str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
             self.config.device, pc.tensor_parallel_size, pc.pipeline_parallel_size,
             " (int8)" if cc.cache_dtype == "int8" else "", num_blocks, cc.block_size, kv_bytes / 2**20, how, capped,
@@ -184,6 +187,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is still in use: it was aborted while its batch was "
                              f"in flight (pipeline parallelism); use another id")
         self.verify_logits_fields(params)
+        if self.pooling and (params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None
+                             or params.structured_outputs is not None):
+            raise ValueError("the pooling runner embeds prompts: n, logprobs, prompt_logprobs and structured "
+                             "outputs do not apply")
         max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
         arrival_time = arrival_time or time.time()
         children = []
@@ -304,7 +311,11 @@ class LLMEngine:
         """Sample, update the requests of one batch and make their outputs."""
         num_sample = len(plan.sampling_requests)
         sampled: dict[str, int] = {}
-        if num_sample:
+        if self.pooling:  # rows are embeddings: no token is sampled and the requests end (scheduler)
+            rows = logits[:num_sample].cpu()
+            for i, r in enumerate(plan.sampling_requests):
+                r.pooled = rows[i]
+        elif num_sample:
             rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
                                 self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
@@ -324,7 +335,7 @@ class LLMEngine:
             r.num_prompt_tokens for r, n in sched_out.scheduled
             if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched_out, sampled)
-        self.num_generation_tokens_total += len(updated)
+        self.num_generation_tokens_total += len(sampled)
         stopped = self.output_processor.process(updated)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -105,7 +105,8 @@ class OutputProcessor:
         plp = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
         output = RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                                prompt_logprobs=list(plp) if plp is not None else None, outputs=outs,
-                               finished=finished, metrics=metrics, num_cached_tokens=max(0, first.num_cached_tokens))
+                               finished=finished, metrics=metrics, num_cached_tokens=max(0, first.num_cached_tokens),
+                               pooled=first.pooled)
         if finished:
             del self.states[request_id]
         return output

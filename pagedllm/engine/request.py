@@ -72,6 +72,7 @@ class Request:
             self.generator.manual_seed(sampling_params.seed)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
         self.grammar = None  # structured outputs: GrammarMatcher over output_token_ids
+        self.pooled: Optional[torch.Tensor] = None  # the pooling runner's embedding [hidden_size], float32
 
     @property
     def num_tokens(self) -> int:

@@ -216,7 +216,8 @@ class Scheduler:
         """Advance computed-token counts, append sampled tokens, finish requests that hit EOS, a
         stop token id, ``max_tokens`` or ``max_model_len`` (freeing their blocks now).
 
-        Returns the requests that received a new token this step.
+        Returns the requests that received a new token this step (under the pooling runner, with no
+        ``sampled`` token: those whose prompt is done, now finished).
         """
         updated = []
         for req, n in out.scheduled:
@@ -245,7 +246,13 @@ class Scheduler:
                 new_reqs.append(sibling)
             now = time.time()
             for r in new_reqs:
-                token = sampled[r.request_id]
+                token = sampled.get(r.request_id)
+                if token is None:  # the pooling runner: done once the prompt is, with no token
+                    r.metrics.first_token_time = r.metrics.last_token_time = now
+                    self.running.remove(r)
+                    self._finish(r, RequestStatus.FINISHED_STOPPED)
+                    updated.append(r)
+                    continue
                 r.append_output_token(token)
                 if r.metrics.first_token_time is None:
                     r.metrics.first_token_time = now

@@ -3,6 +3,7 @@ or fill it with random weights (``load_format="dummy"``). Unreadable files and w
 the config raise ValueError with a one-line message naming the file and the tensor."""
 from __future__ import annotations
 
+import copy
 import glob
 import inspect
 import json
@@ -126,8 +127,14 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
                                     head_dim=model_config.head_dim, block_size=block_size)
     # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
     extra = {"max_model_len": model_config.max_model_len} if "max_model_len" in inspect.signature(cls).parameters else {}
+    hf_config = model_config.hf_config
+    if model_config.runner == "pooling" and not getattr(hf_config, "tie_word_embeddings", False):
+        # The pooling runner never uses the LM head: tie it, so that embedding checkpoints (saved
+        # without one, as Qwen3-Embedding's) load, and a causal LM's head is not held twice.
+        hf_config = copy.copy(hf_config)
+        hf_config.tie_word_embeddings = True
     with torch.device(device):
-        model = cls(model_config.hf_config, model_config.dtype, backend=backend, **extra)
+        model = cls(hf_config, model_config.dtype, backend=backend, **extra)
     if model_config.load_format == "dummy":
         gen = torch.Generator(device="cpu").manual_seed(model_config.seed)
         for name, p in model.named_parameters():

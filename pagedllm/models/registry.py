@@ -50,6 +50,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    # Base models (no LM head), as embedding checkpoints are saved: for --runner pooling
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("llama", "MistralForCausalLM"),
+    "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),  # also Kimi K2
     "Glm4MoeLiteForCausalLM": ("deepseek_v2", "Glm4MoeLiteForCausalLM"),

@@ -15,6 +15,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
+from pagedllm.layers.pooler import last_token_embeddings
 from pagedllm.models.loader import load_model
 from pagedllm.worker import cpu_malloc
 from pagedllm.worker.input_batch import ModelInput
@@ -46,6 +47,7 @@ class ModelRunner:
         self.kv_block_rows = kv_quant.block_rows(config.cache_config.block_size, self.head_dim,
                                                  config.cache_config.cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
+        self.pooling = config.model_config.runner == "pooling"
 
     @property
     def weight_bytes(self) -> int:
@@ -86,12 +88,17 @@ class ModelRunner:
                                 device=self.device) if self.start_layer <= i < self.end_layer else None
                           for i in range(len(self.model.layers))]
 
+    def compute_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows the engine asked for (``logits_indices``) -> float32 logits [M, vocab_size], or
+        under the pooling runner their embeddings [M, hidden_size] (``layers/pooler.py``)."""
+        return last_token_embeddings(hidden) if self.pooling else self.model.compute_logits(hidden)
+
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """One forward pass; returns float32 logits [len(logits_indices), vocab_size]."""
+        """One forward pass; returns ``compute_output`` of the rows ``logits_indices`` names."""
         if model_input.block_copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
                 cache[:, dst] = cache[:, src]
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
-        return self.model.compute_logits(hidden[model_input.logits_indices])
+        return self.compute_output(hidden[model_input.logits_indices])

@@ -68,7 +68,9 @@ class PPModelRunner(ModelRunner):
         self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
         self.first, self.last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.hidden_size = config.model_config.hf_config.hidden_size
-        self.vocab_size = config.model_config.hf_config.vocab_size
+        # width of the last stage's output rows: logits, or embeddings under the pooling runner
+        hf = config.model_config.hf_config
+        self.vocab_size = hf.hidden_size if config.model_config.runner == "pooling" else hf.vocab_size
 
     def _intermediate(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden states, residual stream) from the previous stage; None on the first."""
@@ -111,7 +113,7 @@ class PPModelRunner(ModelRunner):
                 logits = torch.empty(m, self.vocab_size, dtype=torch.float32, device=self.device)
                 return PendingLogits(dist.irecv(logits, (self.pp_size - 1) * get_tp_size()), logits)
             return None
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        logits = self.compute_output(hidden[model_input.logits_indices])
         if get_tp_rank() == 0:
             dist.send(logits.contiguous(), 0)
         return logits

@@ -33,8 +33,8 @@ from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-    RequestError, TokenizeRequest, TokenizeResponse)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
+    ModelList, RequestError, TokenizeRequest, TokenizeResponse)
 from pagedllm.entrypoints.openai.http_server import GracefulServer, ensure_file_limit, guarded_http_protocol
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
@@ -187,6 +188,13 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
                     "--enable-auto-tool-choice --tool-call-parser openai)")
     chat.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
+    embeddings = OpenAIServingEmbedding(llm, served, chat_template)
+
+    def generating() -> None:
+        """The text endpoints need the generating runner."""
+        if llm.engine.pooling:
+            raise RequestError("this server runs an embedding model (--runner pooling): use /v1/embeddings",
+                               "model", 400, "model_not_supported")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -255,15 +263,22 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request):
+        generating()
         return await completions.create_completion(body, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+        generating()
         return await chat.create_chat_completion(body, raw_request)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw_request: Request):
+        generating()
         return await responses.create(body, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw_request: Request):
+        return JSONResponse(await embeddings.create_embedding(body, raw_request))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: Optional[bool] = None, starting_after: Optional[int] = None):
@@ -418,7 +433,7 @@ def _engine_args(args: argparse.Namespace):
         quantization=getattr(args, "quantization", None),
         attention_backend=getattr(args, "attention_backend", "auto"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        max_logprobs=getattr(args, "max_logprobs", 20))
+        max_logprobs=getattr(args, "max_logprobs", 20), runner=getattr(args, "runner", "generate"))
 
 
 def _run_headless(args: argparse.Namespace) -> int:

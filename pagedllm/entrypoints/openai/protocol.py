@@ -699,3 +699,50 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """``/v1/embeddings`` (OpenAI's Embeddings API): ``input`` is a string, a list of strings, a list
+    of token ids, or a list of such lists (at most 2,048 inputs, as OpenAI allows); ``dimensions``
+    keeps the first that many channels and normalizes them again (Matryoshka embeddings);
+    ``encoding_format`` "base64" sends each embedding as the base64 of its float32 bytes (little
+    endian), as the ``openai`` client asks by default. ``truncate_prompt_tokens`` (vLLM's): keep
+    each input's last that many tokens."""
+
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, ge=1)
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The inputs as a list. Raises RequestError when there are none or too many."""
+        x = self.input
+        items = [x] if isinstance(x, str) or (x and isinstance(x[0], int)) else list(x)
+        if not items:
+            raise RequestError("input must not be empty", "input")
+        if len(items) > 2048:
+            raise RequestError(f"input has {len(items)} items; the limit is 2048", "input")
+        return items
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -53,6 +53,7 @@ class FrontEngine:
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
+        self.pooling = config.model_config.runner == "pooling"  # (as LLMEngine.pooling)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One data-parallel engine replica: a process that owns a full ``LLMEngine`` (its own model
 copy, KV cache and torch threads) and serves the front end (``engine/dp_client.py``) over one
 duplex ``multiprocessing`` pipe. Only small pickles cross the pipe (prompts as token ids,
-sampling params, RequestOutputs, counters); tensors never do.
+sampling params, RequestOutputs, counters); no tensor but the pooling runner's embeddings ([hidden] each).
 
 Messages front -> replica: ("add", request_id, prompt, params, arrival_time), ("abort", request_id),
 ("shutdown",). Replica -> front: ("ready", info), ("out", outputs, snapshot), ("snap", snapshot),

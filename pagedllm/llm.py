@@ -118,7 +118,7 @@ class LLM:
               truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
         """Embed prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) with the pooling
         runner: each one's last hidden state, L2-normalized (``layers/pooler.py``).
-        ``truncate_prompt_tokens``: keep only each prompt's last that many tokens.
+        ``truncate_prompt_tokens``: keep only each prompt's last that many tokens (-1: max_model_len).
 
         Returns one EmbeddingRequestOutput per prompt, in prompt order (``.outputs.embedding``: a list
         of hidden_size floats). Raises ValueError when the LLM was not created with runner="pooling",
@@ -128,8 +128,11 @@ class LLM:
             raise ValueError("embed() needs the pooling runner: create the LLM with runner='pooling'")
         prompts = _as_prompt_list(prompts)
         if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens == -1:
+                truncate_prompt_tokens = engine.model_config.max_model_len
             if truncate_prompt_tokens < 1:
-                raise ValueError(f"truncate_prompt_tokens must be >= 1, got {truncate_prompt_tokens}")
+                raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
+                                 f"{truncate_prompt_tokens}")
             prompts = [{"prompt_token_ids": engine.tokenize_prompt(p)[1][-truncate_prompt_tokens:]} for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=1)
         ids = []
@@ -183,8 +186,12 @@ class LLM:
 
 def _as_prompt_list(prompts: Any) -> list:
     """One prompt (a string, a dict or a list of token ids) or a sequence of them -> a list of prompts."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt (a string, a list of token ids, a dict) or a list of them, "
+                         f"got {type(prompts).__name__}")
     return list(prompts)
 
 

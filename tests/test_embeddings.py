@@ -65,6 +65,11 @@ def test_embed_matches_transformers_chunked_and_cached(embed_dir):
     last = llm.embed([{"prompt_token_ids": prompts[5]}], truncate_prompt_tokens=20, use_tqdm=False)
     torch.testing.assert_close(embeddings(last)[0], reference_embeddings(embed_dir, [prompts[5][-20:]])[0],
                                rtol=0, atol=2e-6)
+    whole = llm.embed([tuple(prompts[5])], truncate_prompt_tokens=-1, use_tqdm=False)  # -1: max_model_len
+    torch.testing.assert_close(embeddings(whole), got[5:], rtol=0, atol=1e-6)
+    for bad in (torch.tensor([1, 2, 3]), 7, [1.0, 2.0], [[True, 5]]):
+        with pytest.raises(ValueError, match="prompt|token ids"):
+            llm.embed(bad, use_tqdm=False)
     with pytest.raises(ValueError, match="use embed()"):
         llm.generate(prompts[:1])
     with pytest.raises(ValueError, match="prompt has 2000 tokens"):
@@ -88,6 +93,11 @@ def test_causal_lm_checkpoint_and_pipeline_stages(tmp_path):
     gen = LLM(d, kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="runner='pooling'"):
         gen.embed(prompts)
+
+
+def test_base_model_without_the_pooling_runner_says_so(embed_dir):
+    with pytest.raises(ValueError, match=r"missing weights: \['lm_head.weight'\].*--runner pooling"):
+        LLM(embed_dir, kv_cache_memory=1 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +137,8 @@ def test_openai_client_embeddings(client, http, embed_dir):
     ({"input": "hi", "dimensions": 65}, "dimensions", "more than the model's 64"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", ""),
     ({"input": [10 ** 9]}, "input", "token ids must be integers"),
+    ({"input": [True, False]}, "input", ""),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 (max_model_len) or at least 1"),
 ])
 def test_bad_embedding_requests_get_400(http, body, param, words):
     r = http.post("/v1/embeddings", json={"model": MODEL, **body})

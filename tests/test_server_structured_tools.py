@@ -304,6 +304,10 @@ LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"
     (" \n" + LLAMA_CALL + "; " + '{"name": "get_time", "arguments": {"tz": "CET"}}',
      [("get_weather", {"city": "Rome", "unit": "C"}), ("get_time", {"tz": "CET"})]),
     ('{"name": "f", "parameters": "{\\"x\\": 1}"}', [("f", {"x": 1})]),
+    ("<|python_tag|>" + LLAMA_CALL + ";<|python_tag|>" + LLAMA_CALL,
+     [("get_weather", {"city": "Rome", "unit": "C"})] * 2),
+    ('{"name": "f", "parameters": "not json"}', None), ('{"name": "", "parameters": {}}', None),
+    ('{"name": "f", "parameters": [1]}', None),
     ("It is sunny in Rome.", None), ("  {not json", None), ('{"name": 5}', None), (LLAMA_CALL + " and more", None),
     ("<|python", None), ("", None), ("  ", None)])
 def test_llama3_json_calls_whole_and_streamed(text, calls):

@@ -223,19 +223,22 @@ class AsyncLLM:
             except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 self._deliver({request_id: err})
+        at_exit: list[str] = []  # requests aborted at shutdown: one log line for all of them
         for request_id, at_shutdown in [(r, False) for r in aborts] + [(r, True) for r in notify]:
             if request_id not in self.engine.output_processor.states:
                 continue
             finals = self.engine.abort_request(request_id)
             if at_shutdown and finals:
-                logger.warning("aborted request %s at shutdown after %d generated token(s)", request_id,
-                               sum(len(c.token_ids) for c in finals[0].outputs))
+                at_exit.append(f"{request_id} ({sum(len(c.token_ids) for c in finals[0].outputs)} generated tokens)")
                 self._deliver({request_id: finals[0]})
             if self.on_abort is not None:
                 try:
                     self.on_abort(request_id)
                 except Exception:  # noqa: BLE001 - metrics must never stop serving
                     logger.exception("metrics update failed")
+        if at_exit:
+            logger.warning("aborted %d request(s) at shutdown: %s%s", len(at_exit), ", ".join(at_exit[:8]),
+                           f" and {len(at_exit) - 8} more" if len(at_exit) > 8 else "")
 
     def _run(self) -> None:
         last_health = time.monotonic()

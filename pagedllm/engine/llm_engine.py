@@ -160,9 +160,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             text: Optional[str] = prompt
+        elif not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         else:
             ids, text = list(prompt), None
-            if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
+            if any(type(t) is not int or t < 0 or t >= self.vocab_size for t in ids):  # (not bool)
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if not ids:
             raise ValueError("prompt must not be empty")

@@ -164,7 +164,10 @@ def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> 
             # (an FP8 pairing error names its tensor; the last one read may be another)
             named = isinstance(e, fp8.CheckpointFormatError) or "missing" in str(e)
             where = f"weight {weights.name}: " if weights.name and not named else ""
-            raise ValueError(f"cannot load {path}: {where}{one_line(e)}") from None
+            hint = ""
+            if "'lm_head.weight'" in str(e) and model_config.runner != "pooling":
+                hint = " (no LM head: an embedding model? run it with --runner pooling)"
+            raise ValueError(f"cannot load {path}: {where}{one_line(e)}{hint}") from None
         except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
             raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None
     quant_config = get_quantization_config(model_config.quantization)

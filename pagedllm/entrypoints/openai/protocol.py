@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -707,14 +707,21 @@ class EmbeddingRequest(OpenAIBaseModel):
     keeps the first that many channels and normalizes them again (Matryoshka embeddings);
     ``encoding_format`` "base64" sends each embedding as the base64 of its float32 bytes (little
     endian), as the ``openai`` client asks by default. ``truncate_prompt_tokens`` (vLLM's): keep
-    each input's last that many tokens."""
+    each input's last that many tokens (-1: max_model_len)."""
 
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # (true is not a token id)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(default=None, ge=1)
     user: Optional[str] = None
-    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, v: Optional[int]) -> Optional[int]:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1")
+        return v
     add_special_tokens: bool = True
 
     def inputs(self) -> list[Union[str, list[int]]]:

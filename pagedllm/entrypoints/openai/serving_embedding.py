@@ -37,8 +37,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompt_ids = []
         for p in items:
             ids = await self.tokenize(p, "input", offload=offload, add_special_tokens=req.add_special_tokens)
-            if req.truncate_prompt_tokens is not None:
-                ids = ids[-req.truncate_prompt_tokens:]
+            if req.truncate_prompt_tokens is not None:  # (-1: to max_model_len, as vLLM)
+                ids = ids[-(self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens):]
             if len(ids) > self.max_model_len:
                 raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens, but an "
                                    f"input has {len(ids)} tokens.", "input", code="context_length_exceeded")
@@ -55,6 +55,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             return final
 
         finals = await run_unless_disconnected(raw_request, collect())
+        if any(out.pooled is None for out in finals):  # aborted: the server is shutting down
+            raise RequestError("the request was aborted before its embeddings were computed (the server is "
+                               "shutting down)", None, 503, "aborted", "service_unavailable")
         data = []
         for i, out in enumerate(finals):
             e = out.pooled

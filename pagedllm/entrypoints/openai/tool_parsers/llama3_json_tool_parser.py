@@ -1,7 +1,8 @@
 """Llama 3.1 / 3.2 / 3.3 JSON tool calls (``--tool-call-parser llama3_json``, vLLM's name; Meta's
 "JSON based tool calling" prompt format): the whole answer is one call ``{"name": ..., "parameters":
-{...}}`` (``arguments`` also accepted), or several separated by ``;``, optionally after the
-``<|python_tag|>`` token. An answer that does not parse that way is content.
+{...}}`` (``arguments`` also accepted, an object or its JSON text), or several separated by ``;``,
+optionally after the ``<|python_tag|>`` token (before the first call or before each). An answer
+that does not parse that way is content.
 
 Streaming: an answer that opens with ``{`` (or the tag) is held until it ends, then sent as its calls
 (each with id, name and arguments at once) or, if it does not parse, as content; any other answer
@@ -22,13 +23,19 @@ _DECODER = json.JSONDecoder()
 
 
 def _call(obj: Any) -> Optional[ToolCall]:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """A call from ``{"name": ..., "parameters"/"arguments": {...}}``; the arguments may be a JSON
+    object's text. None for anything else (no name, arguments that are not an object)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("parameters", obj.get("arguments", {}))
-    if not isinstance(args, (dict, str)):
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
         return None
-    return ToolCall(function=FunctionCall(name=obj["name"], arguments=args if isinstance(args, str)
-                                          else json.dumps(args, ensure_ascii=False)))
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)))
 
 
 def parse_json_calls(text: str) -> Optional[list[ToolCall]]:
@@ -38,6 +45,9 @@ def parse_json_calls(text: str) -> Optional[list[ToolCall]]:
         body = body[len(PYTHON_TAG):].lstrip()
     calls, i = [], 0
     while i < len(body):
+        if body.startswith(PYTHON_TAG, i):  # (a tag before each call)
+            i += len(PYTHON_TAG)
+            continue
         try:
             obj, i = _DECODER.raw_decode(body, i)
         except ValueError:

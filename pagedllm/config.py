@@ -146,6 +146,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # "fcfs" (arrival order) or "priority" (each request's priority, lower first, then arrival: vLLM's
+    # --scheduling-policy); see engine/scheduler.py
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -244,6 +247,7 @@ def resolve_dtype(dtype: Any, hf_config: Any, device: str) -> tuple[torch.dtype,
 
 
 RUNNERS = ("generate", "pooling")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -277,6 +281,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     max_logprobs: int = 20
     runner: str = "generate"
+    scheduling_policy: str = "fcfs"
     extra: dict = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -330,6 +335,9 @@ class EngineArgs:
                              f"{self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "ray" and self.nnodes > 1:
             raise ValueError("with the ray backend the Ray cluster spans the nodes: drop --nnodes")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got "
+                             f"{self.scheduling_policy!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -395,6 +403,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
+                policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            pipeline_parallel_size=self.pipeline_parallel_size,

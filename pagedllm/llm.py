@@ -54,6 +54,8 @@ class LLM:
             default, 20); ``generate`` raises ValueError above it.
         runner: "generate" (``generate``, ``chat``) or "pooling" (``embed``: embedding models such as
             Qwen3-Embedding or E5-Mistral; ``layers/pooler.py``).
+        scheduling_policy: "fcfs" (arrival order) or "priority" (``generate(..., priority=[...])``,
+            lower first; the least urgent running request is the one preempted).
 
     Raises:
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
@@ -69,7 +71,8 @@ class LLM:
                  num_threads: Optional[int] = None,
                  quantization: Optional[str] = None,
                  attention_backend: str = "auto", pipeline_parallel_size: int = 1,
-                 kv_cache_dtype: str = "auto", max_logprobs: int = 20, runner: str = "generate") -> None:
+                 kv_cache_dtype: str = "auto", max_logprobs: int = 20, runner: str = "generate",
+                 scheduling_policy: str = "fcfs") -> None:
         init_logger()
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                           block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -78,7 +81,8 @@ class LLM:
                           seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
                           device=device, num_threads=num_threads, quantization=quantization,
                           attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-                          pipeline_parallel_size=pipeline_parallel_size, max_logprobs=max_logprobs, runner=runner)
+                          pipeline_parallel_size=pipeline_parallel_size, max_logprobs=max_logprobs, runner=runner,
+                          scheduling_policy=scheduling_policy)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):
@@ -86,8 +90,9 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion.
+        ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``).
 
         Returns one RequestOutput per prompt, in prompt order. Raises ValueError (before anything
         runs) for an invalid prompt, e.g. one longer than max_model_len.
@@ -104,11 +109,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, sp))
+            for prompt, sp, prio in zip(prompts, params, priorities):
+                ids.append(engine.add_request(None, prompt, sp, priority=prio))
         except Exception:
             engine.abort_request(ids)
             raise

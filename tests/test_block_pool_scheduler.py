@@ -157,3 +157,40 @@ def test_scheduler_abort_frees_blocks():
     sched.schedule()
     sched.finish_requests(["a", "w", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert kv.block_pool.get_num_free_blocks() == 8 and not sched.has_unfinished_requests()
+
+
+def test_priority_policy_admits_urgent_first_and_preempts_least_urgent():
+    """--scheduling-policy priority: waiting requests are admitted by (priority, arrival), running
+    ones served in that order, and when blocks run out the least urgent running request is
+    preempted (not the newest); it waits again in its place. FCFS on the same requests preempts the
+    newest and admits in arrival order."""
+    def run(policy: str):
+        kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                          policy=policy), kv)
+        reqs = {}
+        for i, (rid, prio) in enumerate([("low", 5), ("mid", 1), ("urgent", -3)]):
+            r = make_req(rid, 8, max_tokens=6, first=50 * i)
+            r.priority, r.metrics.arrival_time = prio, float(i)  # arrival order: low, mid, urgent
+            reqs[rid] = r
+            sched.add_request(r)
+        first = sched.schedule()
+        sched.update_from_output(first, {r.request_id: 1 for r, _ in first.scheduled})
+        second = sched.schedule()  # each holds 2 blocks of 6: the first to need a third preempts
+        return sched, kv, reqs, first, second
+
+    sched, kv, reqs, first, second = run("priority")
+    assert [r.request_id for r, _ in first.scheduled] == ["urgent", "mid", "low"]
+    assert [r.request_id for r in sched.running] == ["urgent", "mid"] and second.preempted == [reqs["low"]]
+    assert [r.request_id for r, _ in second.scheduled] == ["urgent", "mid"] and list(sched.waiting) == [reqs["low"]]
+    late = make_req("later-urgent", 4, max_tokens=2, first=300)
+    late.priority, late.metrics.arrival_time = -3, 9.0
+    sched.add_request(late)  # ahead of "low" however late it came
+    assert [r.request_id for r in sched.waiting] == ["later-urgent", "low"]
+    sched.update_from_output(second, {r.request_id: 1 for r, _ in second.scheduled})
+    _run_fake_steps(sched)
+    assert all(r.num_output_tokens == 6 for r in reqs.values()) and kv.block_pool.get_num_free_blocks() == 6
+
+    sched, kv, reqs, first, second = run("fcfs")
+    assert [r.request_id for r, _ in first.scheduled] == ["low", "mid", "urgent"]
+    assert second.preempted == [reqs["urgent"]] and sched.waiting[0] is reqs["urgent"]

@@ -108,3 +108,29 @@ def test_chat_rejects_a_bare_string(llama_dir):
     llm = LLM(llama_dir, kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="messages"):
         llm.chat("hi")
+
+
+def test_priority_scheduling_offline(llama_dir):
+    """LLM(scheduling_policy="priority").generate(..., priority=[...]): outputs equal the FCFS
+    engine's (the order of work changes, not what is computed); in a cache that holds one sequence at
+    a time, the most urgent request is admitted first and finishes first. Under FCFS a priority is a
+    ValueError."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    fcfs = LLM(llama_dir, kv_cache_memory=1 << 20, max_model_len=32)
+    expected = [o.outputs[0].token_ids for o in fcfs.generate(prompts, sp, use_tqdm=False)]
+    with pytest.raises(ValueError, match="needs the priority scheduling policy"):
+        fcfs.generate(prompts, sp, priority=[0, 1, 0, 0], use_tqdm=False)
+    # 2 blocks of 16: one sequence of 25 tokens at a time
+    llm = LLM(llama_dir, kv_cache_memory=2 * fcfs.llm_engine.executor.bytes_per_block(), block_size=16,
+              max_model_len=32, scheduling_policy="priority")
+    assert llm.llm_engine.config.cache_config.num_blocks == 2
+    outs = llm.generate(prompts, sp, priority=[3, 0, 2, -1], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    done = sorted(range(4), key=lambda i: outs[i].metrics.finished_time)
+    assert done == [3, 1, 2, 0]
+    with pytest.raises(ValueError, match="got 2 priorities for 4 prompts"):
+        llm.generate(prompts, sp, priority=[0, 1], use_tqdm=False)
+    assert_pool_empty(llm)

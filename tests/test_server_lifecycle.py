@@ -188,3 +188,37 @@ def test_engine_death_fails_requests_and_health(engine, monkeypatch):
     monkeypatch.undo()
     engine.abort_request("x")
     assert_pool_empty(engine)
+
+
+def test_priority_reaches_the_engine_from_each_endpoint(llama_dir, monkeypatch):
+    """--scheduling-policy priority: the priority field of completions, chat and Responses requests
+    reaches the engine's requests (in-process server)."""
+    from starlette.testclient import TestClient
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    eng = LLMEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=256, kv_cache_memory=2 * 2 ** 20,
+                                                device="cpu", scheduling_policy="priority"))
+    seen = []
+    real = eng.add_request
+
+    def spy(request_id, prompt, params=None, arrival_time=None, priority=0):
+        seen.append(priority)
+        return real(request_id, prompt, params, arrival_time=arrival_time, priority=priority)
+
+    monkeypatch.setattr(eng, "add_request", spy)
+    llm = AsyncLLM(eng).start()
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            assert client.post("/v1/completions", json={"prompt": "the king", "max_tokens": 2,
+                                                        "priority": 7}).status_code == 200
+            assert client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -2}).status_code == 200
+            assert client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                                      "priority": 3}).status_code == 200
+    finally:
+        llm.shutdown()
+    assert seen == [7, -2, 3]

@@ -149,7 +149,7 @@ class AsyncLLM:
 
     # ---- caller side (asyncio) -----------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs of one request as the engine produces them.
 
         Raises ValueError when the engine rejects the request, EngineDeadError when the engine
@@ -162,7 +162,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._submit(request_id, prompt, params, time.time())
+            self._submit(request_id, prompt, params, time.time(), priority)
         self._wake.set()
         try:
             while True:
@@ -184,10 +184,11 @@ class AsyncLLM:
                 if self._streams.get(request_id) is stream:
                     del self._streams[request_id]
 
-    def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float) -> None:
+    def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float,
+                priority: int = 0) -> None:
         """Hand a new request to the engine (called with ``_lock`` held; the data-parallel
         front end overrides it to route the request to a replica)."""
-        self._new.append((request_id, prompt, params, arrival))
+        self._new.append((request_id, prompt, params, arrival, priority))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread); its KV blocks are freed before the next step."""
@@ -217,9 +218,9 @@ class AsyncLLM:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
             notify, self._aborts_notify = self._aborts_notify, []
-        for request_id, prompt, params, arrival in new:
+        for request_id, prompt, params, arrival, priority in new:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
             except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 self._deliver({request_id: err})

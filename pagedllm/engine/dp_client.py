@@ -44,6 +44,7 @@ class FrontEngine:
 
     tokenize_prompt = LLMEngine.tokenize_prompt
     verify_logits_fields = LLMEngine.verify_logits_fields
+    check_priority = LLMEngine.check_priority
     bad_words_token_ids = LLMEngine.bad_words_token_ids
 
     def __init__(self, config: EngineConfig) -> None:
@@ -248,7 +249,8 @@ class DPAsyncLLM(AsyncLLM):
         """The replica with the least outstanding work (tokens, then KV usage, then requests routed, then index)."""
         return min(self.replicas, key=_Replica.load)
 
-    def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float) -> None:
+    def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float,
+                priority: int = 0) -> None:
         r = self.pick_replica()
         n_prompt, n_new = self._estimate_tokens(prompt, params)
         r.outstanding[request_id] = n_prompt + n_new
@@ -256,7 +258,7 @@ class DPAsyncLLM(AsyncLLM):
         r.requests_routed += 1
         self._route[request_id] = r
         try:
-            r.send(("add", request_id, prompt, params, arrival))
+            r.send(("add", request_id, prompt, params, arrival, priority))
         except (OSError, ValueError) as e:  # the replica is gone; its reader marks the engine dead
             self._forget(request_id)
             raise EngineDeadError(f"data-parallel replica {r.index} is gone: {e}") from None

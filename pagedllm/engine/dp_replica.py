@@ -3,7 +3,7 @@ copy, KV cache and torch threads) and serves the front end (``engine/dp_client.p
 duplex ``multiprocessing`` pipe. Only small pickles cross the pipe (prompts as token ids,
 sampling params, RequestOutputs, counters); no tensor but the pooling runner's embeddings ([hidden] each).
 
-Messages front -> replica: ("add", request_id, prompt, params, arrival_time), ("abort", request_id),
+Messages front -> replica: ("add", request_id, prompt, params, arrival_time, priority), ("abort", request_id),
 ("shutdown",). Replica -> front: ("ready", info), ("out", outputs, snapshot), ("snap", snapshot),
 ("reject", request_id, message), ("dead", reason), ("start_error", message, is_value_error).
 
@@ -91,9 +91,9 @@ class _ReplicaLoop:
         for msg in msgs:
             kind = msg[0]
             if kind == "add":
-                _, rid, prompt, params, arrival = msg
+                _, rid, prompt, params, arrival, priority = msg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
                 except Exception as e:  # noqa: BLE001 - a bad request must not stop the replica
                     self.conn.send(("reject", rid, str(e) if isinstance(e, ValueError) else
                                     f"{type(e).__name__}: {e}"))

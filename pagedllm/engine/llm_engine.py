@@ -171,9 +171,11 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> str:
-        """Queue a request. Returns its id. Raises ValueError when the prompt is empty, longer
-        than max_model_len, or has ids outside the vocabulary."""
+                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+        """Queue a request. Returns its id. ``priority``: under the priority scheduling policy, lower
+        runs first (vLLM's convention). Raises ValueError when the prompt is empty, longer than
+        max_model_len, or has ids outside the vocabulary, or for a priority under the FCFS policy."""
+        self.check_priority(priority)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._counter))
         text, ids = self.tokenize_prompt(prompt)
@@ -203,13 +205,21 @@ class LLMEngine:
             sp.all_stop_token_ids = set(self.generation_eos_ids)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
-                            parent_id=request_id, index=i, device=self.config.device)
+                            parent_id=request_id, index=i, device=self.config.device, priority=priority)
             if sp.structured_outputs is not None:  # each sample follows its own grammar state
                 child.grammar = self.grammar_compiler.matcher(sp.structured_outputs)
             children.append(child)
         self.output_processor.add_request(request_id, text, ids, children)
         self.scheduler.add_request(children[0], forks=children[1:])
         return request_id
+
+    def check_priority(self, priority: int) -> None:
+        """ValueError for a non-integer priority, or a non-zero one under the FCFS policy."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(f"priority={priority} needs the priority scheduling policy (--scheduling-policy "
+                             f"priority); requests are served first come, first served")
 
     def verify_logits_fields(self, params: SamplingParams) -> None:
         """Check logprobs against max_logprobs and token ids against the vocabulary, tokenize

@@ -41,7 +41,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: Optional[int], arrival_time: Optional[float] = None,
                  max_tokens: int = 16, parent_id: Optional[str] = None, index: int = 0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", priority: int = 0) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         # The sample that prefills the prompt for all ``n`` samples (itself for sample 0).
@@ -73,6 +73,12 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
         self.grammar = None  # structured outputs: GrammarMatcher over output_token_ids
         self.pooled: Optional[torch.Tensor] = None  # the pooling runner's embedding [hidden_size], float32
+        self.priority = priority  # under the priority policy, lower runs first (then earlier arrival)
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """Order under the priority policy: (priority, arrival time), smallest first."""
+        return self.priority, self.metrics.arrival_time
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler (FCFS, chunked prefill, preemption by recompute).
+"""Continuous-batching scheduler (FCFS or priority, chunked prefill, preemption by recompute).
 
 Each ``schedule()`` call plans one engine step: every running request gets its next tokens
 (one decode token, or the next chunk of its prompt), then waiting requests are admitted while
@@ -7,6 +7,12 @@ When a running request cannot get a block, the most recently admitted running re
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
 recomputed later (prefill of prompt + generated tokens). Design after vLLM v1's unified
 scheduler, where "prefill" and "decode" are just a number of new tokens per request.
+
+The priority policy (``--scheduling-policy priority``, vLLM's) keeps both queues ordered by
+(priority, arrival time), lower first: the most urgent waiting request is admitted first, running
+requests get their tokens in that order, and the least urgent running request is the one
+preempted (it waits again in its place in that order). FCFS is that order with every priority 0,
+except that a preempted request goes back to the front.
 
 Pipeline parallelism (``pipeline_depth`` P > 1): up to P batches are in flight, and ``schedule()``
 may run again before an earlier batch's output is back. A request in a batch in flight
@@ -21,6 +27,7 @@ runs the batches in order.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,12 +74,13 @@ class Scheduler:
         # Leader request id -> sibling samples waiting for the leader's prefill to fork from it.
         self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.priority = config.policy == "priority"
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
         """Queue ``request``; ``forks`` (the other samples of an ``n`` > 1 request) join it once its
         prompt is prefilled, sharing its blocks (one prefill for all samples)."""
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
         self.requests[request.request_id] = request
         forks = list(forks)
         if forks:
@@ -128,7 +136,17 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.priority:
+            self._enqueue(self.waiting, req)
+        else:
+            self.waiting.appendleft(req)
+
+    def _enqueue(self, queue, req: Request) -> None:
+        """Append ``req`` (FCFS), or insert it in (priority, arrival) order after its equals."""
+        if self.priority:
+            bisect.insort_right(queue, req, key=lambda r: r.priority_key)
+        else:
+            queue.append(req)
 
     def _pop_victim(self, first: int) -> Request:
         """The newest running request at index >= ``first`` that is not in flight (index
@@ -200,7 +218,7 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
-            self.running.append(req)
+            self._enqueue(self.running, req)
             num_seqs += width
             scheduled.append((req, num_new))
             budget -= num_new
@@ -242,7 +260,7 @@ class Scheduler:
                 sibling.status = RequestStatus.RUNNING
                 sibling.metrics.first_scheduled_time = req.metrics.first_scheduled_time
                 sibling.num_cached_tokens = req.num_cached_tokens
-                self.running.append(sibling)
+                self._enqueue(self.running, sibling)
                 new_reqs.append(sibling)
             now = time.time()
             for r in new_reqs:

@@ -65,6 +65,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "token and KV head (at head_dim 64: 3.8x the tokens of float32 in the same memory, 1.9x "
                         "bfloat16's)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="device to run on")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs = arrival order; priority = each request's priority field first (lower runs "
+                        "first), then arrival; the least urgent running request is the one preempted")
     p.add_argument("--runner", default="generate", choices=["generate", "pooling"],
                    help="generate = text (completions, chat, responses); pooling = an embedding model served on "
                         "/v1/embeddings (each input's last hidden state, L2-normalized)")

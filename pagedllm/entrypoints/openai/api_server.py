@@ -433,7 +433,8 @@ def _engine_args(args: argparse.Namespace):
         quantization=getattr(args, "quantization", None),
         attention_backend=getattr(args, "attention_backend", "auto"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        max_logprobs=getattr(args, "max_logprobs", 20), runner=getattr(args, "runner", "generate"))
+        max_logprobs=getattr(args, "max_logprobs", 20), runner=getattr(args, "runner", "generate"),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
 
 def _run_headless(args: argparse.Namespace) -> int:

@@ -230,7 +230,7 @@ class _DocumentedFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
     prompt_logprobs: Optional[int] = None
-    priority: int = 0
+    priority: int = 0  # lower runs first under --scheduling-policy priority (a 400 otherwise)
     request_id: Optional[str] = None
     logits_processors: Optional[Any] = None
     return_tokens_as_token_ids: Optional[bool] = None
@@ -265,7 +265,6 @@ class _DocumentedFields(OpenAIBaseModel):
                                "length_penalty applies to beam search, which is not supported"),
             "spaces_between_special_tokens": (not self.spaces_between_special_tokens,
                                               "spaces_between_special_tokens=false is not supported"),
-            "priority": (self.priority != 0, "priority is not supported: requests are served first come, first served"),
             "logits_processors": (self.logits_processors is not None, "logits_processors is not supported"),
             "return_tokens_as_token_ids": (bool(self.return_tokens_as_token_ids),
                                            "return_tokens_as_token_ids is not supported"),

@@ -177,6 +177,7 @@ class ResponsesRequest(OpenAIBaseModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
+    priority: int = 0  # lower runs first under --scheduling-policy priority (a 400 otherwise)
 
     @field_validator("input", mode="before")
     @classmethod

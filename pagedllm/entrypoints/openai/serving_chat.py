@@ -106,7 +106,8 @@ class OpenAIServingChat(OpenAIServing):
         tools = self.tool_call_output(req, params)
         await self.verify_logits_fields(params, req)
         request_id = random_id("chatcmpl")
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id)
+        self.check_priority(req.priority)
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
         request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
         if req.stream:

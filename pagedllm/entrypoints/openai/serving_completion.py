@@ -30,6 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # Many short prompts add up: tokenize them off the event loop too.
         offload = sum(len(p) for p in prompts if isinstance(p, str)) > BIG_PROMPT_CHARS
         self.check_limits(req)
+        self.check_priority(req.priority)
         scoring = req.scores_prompt_only
         for k, p in enumerate(prompts):
             ids = await self.tokenize(p, offload=offload, add_special_tokens=req.add_special_tokens)
@@ -50,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if scoring:
             return await self._score_prompts(req, raw_request, prompt_ids, prompt_texts, params)
         request_id = random_id("cmpl")
-        gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}")
+        gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}", req.priority)
                 for i, (ids, sp) in enumerate(zip(prompt_ids, params))]
         request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = self.served_model_name
@@ -105,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 sp = sp.clone()
                 sp.n = 1  # every choice of one prompt scores the same
-                gens.append(self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}"))
+                gens.append(self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}", req.priority))
 
             async def collect() -> list[RequestOutput]:
                 async for i, out in merge_streams(gens):

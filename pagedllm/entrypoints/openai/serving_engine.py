@@ -134,6 +134,14 @@ class OpenAIServing:
             raise RequestError(f"n={req.n} is more than the server runs at once (--max-num-seqs {max_num_seqs})",
                                "n")
 
+    def check_priority(self, priority: int) -> None:
+        """RequestError unless the scheduling policy takes ``priority`` (any value under
+        ``--scheduling-policy priority``, only 0 under FCFS)."""
+        try:
+            self.llm.engine.check_priority(priority)
+        except ValueError as e:
+            raise RequestError(str(e), "priority") from None
+
     @staticmethod
     def response_id(req, engine_request_id: str) -> str:
         """The id the client sees: vLLM's ``request_id`` field when given (prefixed like ours), else

@@ -172,6 +172,7 @@ class OpenAIServingResponses:
             params.skip_special_tokens = False  # gpt-oss's channels are special tokens
         params.structured_outputs = self._structured_outputs(req, chat_tools, tool_choice)
         await self.chat.verify_logits_fields(params, req)
+        self.chat.check_priority(req.priority)
 
         response = ResponseObject(
             model=self.chat.served_model_name, status="queued" if req.background else "in_progress",
@@ -194,7 +195,7 @@ class OpenAIServingResponses:
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items(),
                                           events=run.log))
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id)
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id, req.priority)
         run.task = asyncio.ensure_future(self._produce(run, gen, len(ids)))
         self.runs[response.id] = run
         run.task.add_done_callback(lambda _t, rid=response.id: self.runs.pop(rid, None))

@@ -38,12 +38,39 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.run_batch import run_batch
+
+    return run_batch(args)
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="start the OpenAI-compatible API server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
         formatter_class=_HelpFormatter)
+    add_server_args(p)
+    p.set_defaults(func=_serve)
+    return p
+
+
+def add_run_batch_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "run-batch", help="run a file of OpenAI Batch API requests offline",
+        description="Run OpenAI Batch API requests (JSONL: custom_id, method, url, body; url /v1/chat/completions, "
+                    "/v1/completions or /v1/embeddings) through the server's handlers without a server, and write "
+                    "one result line per request, in input order (vLLM's run-batch). Takes serve's model and "
+                    "engine options.", formatter_class=_HelpFormatter)
+    p.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object a line ('-': stdin)")
+    p.add_argument("-o", "--output-file", required=True, help="where the results go ('-': stdout)")
+    add_server_args(p)
+    p.set_defaults(func=_run_batch)
+    return p
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The model, engine and server options of ``serve`` (``run-batch`` takes them too)."""
     p.add_argument("model", nargs="?", default=None,
                    help="local Hugging Face model folder, GGUF file (or a folder holding one) or hub id; "
                         "omitted = the bundled demo model")
@@ -155,8 +182,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of pagedllm and uvicorn")
     p.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
-    p.set_defaults(func=_serve)
-    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_serve_parser(subparsers)
+    add_run_batch_parser(subparsers)
     try:
         from pagedllm.benchmarks import cli as bench_cli
     except ImportError as e:

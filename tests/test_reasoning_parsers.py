@@ -91,9 +91,13 @@ def test_deepseek_r1_server(r1_server):
     whole = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
     m = whole.json()["choices"][0]["message"]
     assert m["content"] is None and m["reasoning"]
+    usage = whole.json()["usage"]  # every token is the thought
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 12} and usage["completion_tokens"] == 12
     chunks = [json.loads(line[5:]) for line in post(r1_server, "/v1/chat/completions", {
-        "messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True}).text.splitlines()
+        "messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}).text.splitlines()
         if line.startswith("data:") and "[DONE]" not in line]
+    assert chunks[-1]["usage"] == usage
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == m["reasoning"]
     assert not any(d.get("content") for d in deltas)
@@ -102,6 +106,9 @@ def test_deepseek_r1_server(r1_server):
         m = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 60, "tools": TOOLS,
                                                      "tool_choice": choice}).json()["choices"][0]["message"]
         assert m["reasoning"] is None and json.loads(m["tool_calls"][0]["function"]["arguments"])["a"] in (1, 2)
+    r = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 60, "tools": TOOLS,
+                                                 "tool_choice": "required"}).json()
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     m = post(r1_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 60,
                                                  "response_format": {"type": "json_object"}}).json()
     m = m["choices"][0]["message"]
@@ -122,7 +129,31 @@ def test_deepseek_r1_server(r1_server):
     thought = final["output"][0]["content"][0]["text"]
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
     assert "<" not in thought + final["output"][1]["content"][0]["text"]
+    # the thought's tokens (up to </think>) are reasoning tokens; the answer's are not
+    assert 0 < final["usage"]["output_tokens_details"]["reasoning_tokens"] < final["usage"]["output_tokens"]
     # logprobs with a reasoning parser: the message's tokens carry them
     out = post(r1_server, "/v1/responses", {"input": "hi", "max_output_tokens": 6, "top_logprobs": 2,
                                             "structured_outputs": {"regex": "[a-z]{3,5}"}}).json()
     assert out["output"][0]["type"] == "message" and out["output"][0]["content"][0]["logprobs"]
+
+
+def test_reasoning_token_counts():
+    """usage's reasoning_tokens from the output's tokens: up to and including the one that completes
+    </think> (deepseek_r1: all of them when it never closes; qwen3: none without an opening tag);
+    gpt-oss: the tokens of its analysis messages, headers included, not those of final or of calls."""
+    from pagedllm.entrypoints.openai.harmony import HarmonyReasoningParser
+
+    r1, qwen3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
+    toks = ["Let", " me", " see", "</", "think", ">", "\n", "Yes"]
+    assert r1.reasoning_token_count(toks) == 6 and qwen3.reasoning_token_count(toks) == 0
+    assert qwen3.reasoning_token_count(["<think>", *toks]) == 7 and r1.reasoning_token_count(toks[:3]) == 3
+    assert r1.reasoning_token_count(["{", '"a"', "}"], constrained=True) == 0
+    assert r1.reasoning_token_count([]) == 0
+    h = HarmonyReasoningParser()
+    analysis = ["<|channel|>", "analysis", "<|message|>", "hm", "m", "<|end|>"]
+    call = ["<|start|>", "assistant", " to=functions.f", "<|channel|>", "commentary", "<|message|>", "{}", "<|call|>"]
+    final = ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Hi", "<|return|>"]
+    assert h.reasoning_token_count(analysis + final) == 6
+    assert h.reasoning_token_count(analysis + ["<|start|>", "assistant"] + analysis + final) == 14
+    assert h.reasoning_token_count(call) == 0 and h.reasoning_token_count(["plain", " text"]) == 0
+    assert h.reasoning_token_count(analysis[:4]) == 4  # cut inside the thought

@@ -87,6 +87,32 @@ class HarmonyReasoningParser(ReasoningParser):
         """``content`` without its call segments, for a request whose calls no tool parser reads."""
         return visible_content(content, finished)
 
+    def reasoning_token_count(self, token_texts: list[str], constrained: bool = False) -> int:
+        """The tokens of the analysis messages, headers and terminators included (each marker is
+        one token): a message's tokens are counted once its ``<|message|>`` shows its channel."""
+        count, pending, header, channel = 0, 0, "", None
+        for t in token_texts:
+            if channel is None:  # in a header (or before the first one)
+                pending += 1
+                if t != MESSAGE:
+                    header += t
+                    continue
+                fields = header.split("<|channel|>", 1)[1].split("<|constrain|>")[0].split() \
+                    if "<|channel|>" in header else []
+                channel = fields[0] if fields else ""
+                if channel == "analysis" and not _RECIPIENT_RE.search(header):
+                    count += pending
+                pending, header = 0, ""
+                continue
+            if t == "<|start|>":  # the next message's header (the body ended without a terminator)
+                channel, pending, header = None, 1, t
+                continue
+            if channel == "analysis":
+                count += 1
+            if t in ENDS:
+                channel = None
+        return count
+
 
 def _leading_text(text: str, finished: bool) -> str:
     """The plain text before the first marker: content, unless it is a recipient in the role part

@@ -405,10 +405,20 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with a reasoning parser: how many of the completion tokens are the thought (OpenAI's field)
+    completion_tokens_details: Optional[CompletionTokensDetails] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 def json_logprob(value: float) -> float:

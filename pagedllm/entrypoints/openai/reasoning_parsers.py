@@ -65,6 +65,25 @@ class ReasoningParser:
             body = body[:len(body) - partial_tail(body, END)]
         return body or None, None
 
+    def reasoning_token_count(self, token_texts: list[str], constrained: bool = False) -> int:
+        """How many of a finished output's tokens (each one's text, special tokens kept) are its
+        reasoning (usage's ``reasoning_tokens``): those up to and including the one that completes
+        ``</think>``; all of them when the thought never closes; none without a thought."""
+        text = "".join(token_texts)
+        reasoning, _ = self.split(text, True, constrained)
+        if reasoning is None:
+            return 0
+        end = text.find(END)
+        if end < 0:
+            return len(token_texts)
+        end += len(END)
+        length = 0
+        for i, t in enumerate(token_texts):
+            length += len(t)
+            if length >= end:
+                return i + 1
+        return len(token_texts)
+
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"

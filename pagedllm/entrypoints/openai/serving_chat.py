@@ -12,7 +12,8 @@ from starlette.responses import Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
-    ChatMessageParam, DeltaMessage, RequestError, UsageInfo, json_logprob, prompt_logprobs_of, random_id)
+    ChatMessageParam, CompletionTokensDetails, DeltaMessage, RequestError, UsageInfo, json_logprob, prompt_logprobs_of,
+    random_id)
 from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
@@ -36,6 +37,21 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is None:
             return None, text
         return self.reasoning_parser.split(text, True, constrained)
+
+    def reasoning_tokens(self, token_ids: list[int], constrained: bool) -> int:
+        """How many of a finished choice's tokens are its thought (0 without a reasoning parser)."""
+        if self.reasoning_parser is None or not token_ids:
+            return 0
+        return self.reasoning_parser.reasoning_token_count([self.token_text(t) for t in token_ids], constrained)
+
+    def reasoning_details(self, choices_token_ids: list[list[int]], constrained: bool
+                          ) -> Optional[CompletionTokensDetails]:
+        """usage.completion_tokens_details of finished choices: their reasoning tokens, summed (None
+        without a reasoning parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return CompletionTokensDetails(reasoning_tokens=sum(self.reasoning_tokens(ids, constrained)
+                                                            for ids in choices_token_ids))
 
     def reasoning_effort(self, effort: str, param: str) -> str:
         """``effort`` for a chat template that reads ``reasoning_effort`` (gpt-oss's: low, medium,
@@ -142,7 +158,9 @@ class OpenAIServingChat(OpenAIServing):
                                                         logprobs=logprobs, finish_reason=finish_reason,
                                                         stop_reason=c.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                          total_tokens=len(ids) + completion_tokens)
+                          total_tokens=len(ids) + completion_tokens,
+                          completion_tokens_details=self.reasoning_details(
+                              [c.token_ids for c in out.outputs], params.structured_outputs is not None))
         plp = prompt_logprobs_of(out.prompt_logprobs) if req.prompt_logprobs is not None else None
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage, prompt_logprobs=plp)
         return Response(resp.model_dump_json(), media_type="application/json")
@@ -187,6 +205,7 @@ class OpenAIServingChat(OpenAIServing):
         sent_tokens = [0] * n
         done = [False] * n
         completion_tokens = [0] * n
+        final_ids: list[list[int]] = [[] for _ in range(n)]
         streamers = [tools.streamer() for _ in range(n)] if tools is not None and tools.active else None
         thoughts = [ReasoningStream(self.reasoning_parser, constrained) for _ in range(n)] \
             if self.reasoning_parser is not None else None
@@ -229,6 +248,7 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason is not None:
                         done[i] = True
                         completion_tokens[i] = len(c.token_ids)
+                        final_ids[i] = c.token_ids
                     delta, finish_reason = DeltaMessage(content=new_text), c.finish_reason
                     if thoughts is not None:  # a reasoning step sends no empty content
                         delta = DeltaMessage(content=new_text or None)
@@ -247,7 +267,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
                     usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
-                                    total_tokens=num_prompt_tokens + total)).model_dump_json())
+                                    total_tokens=num_prompt_tokens + total,
+                                    completion_tokens_details=self.reasoning_details(final_ids, constrained)
+                                    )).model_dump_json())
         except Exception as e:  # noqa: BLE001 - report in-band; headers are already sent
             yield sse_error(e)
         yield sse("[DONE]")

@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResp
 from pagedllm.entrypoints.openai.responses_protocol import (
     DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage, OutputFunctionCall,
     OutputMessage, OutputReasoning, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject,
-    ResponsesRequest, ResponseUsage, InputTokensDetails)
+    ResponsesRequest, ResponseUsage, InputTokensDetails, OutputTokensDetails)
 from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import run_unless_disconnected
@@ -361,9 +361,11 @@ class OpenAIServingResponses:
                 run.emit("response.content_part.done", item_id=message.id, output_index=at, content_index=0,
                          part=part.model_dump())
                 run.emit("response.output_item.done", output_index=at, item=message.model_dump())
+            thought = self.chat.reasoning_tokens(c.token_ids, run.constrained) if run.reasoning is not None else 0
             resp.usage = ResponseUsage(input_tokens=num_input_tokens,
                                        input_tokens_details=InputTokensDetails(cached_tokens=out.num_cached_tokens),
                                        output_tokens=len(c.token_ids),
+                                       output_tokens_details=OutputTokensDetails(reasoning_tokens=thought),
                                        total_tokens=num_input_tokens + len(c.token_ids))
             if aborted:
                 resp.status = "failed"

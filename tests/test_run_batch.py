@@ -79,3 +79,23 @@ def test_run_batch_takes_the_engine_flags(flag):
 
     args = build_parser().parse_args(["run-batch", "-i", "a", "-o", "b", "m", flag, "2"])
     assert args.input_file == "a" and args.output_file == "b" and args.model == "m"
+
+
+def test_input_and_output_files(llama_dir, tmp_path, capsys):
+    """Lines end at newlines only (U+2028 inside a JSON string stays in its line); a BOM and CRLF are
+    read; an unreadable output path or a file that is not UTF-8 fails at once, before any model is
+    loaded (a one-line error)."""
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "x\u2028y", "max_tokens": 2}}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps(line, ensure_ascii=False).encode() + b"\r\n"
+                    + json.dumps({**line, "custom_id": "b"}).encode() + b"\n")
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), llama_dir, *ENGINE]) == 0
+    out = read_lines(dst)
+    assert [r["custom_id"] for r in out] == ["a", "b"] and all(r["response"]["status_code"] == 200 for r in out)
+    capsys.readouterr()
+    assert main(["run-batch", "-i", str(src), "-o", str(tmp_path / "no" / "dir.jsonl"), "/nonexistent-model"]) == 1
+    assert "cannot write" in capsys.readouterr().err  # (the model path was never looked at)
+    src.write_bytes(b'{"custom_id": "caf\xe9"}\n')
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), "/nonexistent-model"]) == 1
+    assert "cannot read" in capsys.readouterr().err

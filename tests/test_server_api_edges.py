@@ -150,6 +150,7 @@ def test_min_tokens_holds_back_stop_strings(client):
 
 # ---- nothing accepted and silently ignored -------------------------------------------------
 REFUSED_COMMON = [("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
+                  ("priority", True), ("priority", "2"),
                   ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
                   ("return_token_ids", True), ("cache_salt", "s"), ("kv_transfer_params", {}),
                   ("vllm_xargs", {"a": 1}), ("store", True), ("service_tier", "flex"),

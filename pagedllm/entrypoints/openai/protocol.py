@@ -230,7 +230,7 @@ class _DocumentedFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1)
     prompt_logprobs: Optional[int] = None
-    priority: int = 0  # lower runs first under --scheduling-policy priority (a 400 otherwise)
+    priority: StrictInt = 0  # lower runs first under --scheduling-policy priority (a 400 otherwise)
     request_id: Optional[str] = None
     logits_processors: Optional[Any] = None
     return_tokens_as_token_ids: Optional[bool] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, StrictInt, ValidationError, field_validator
 
 import uuid
 
@@ -177,7 +177,7 @@ class ResponsesRequest(OpenAIBaseModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
-    priority: int = 0  # lower runs first under --scheduling-policy priority (a 400 otherwise)
+    priority: StrictInt = 0  # lower runs first under --scheduling-policy priority (a 400 otherwise)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -114,37 +114,53 @@ def run_batch(args: argparse.Namespace) -> int:
         if args.input_file == "-":
             text = sys.stdin.read()
         else:
-            with open(args.input_file, encoding="utf-8") as f:
+            with open(args.input_file, encoding="utf-8-sig") as f:  # (a BOM, as Windows editors write, dropped)
                 text = f.read()
-    except OSError as e:
-        print(f"pagedllm run-batch: error: cannot read {args.input_file}: {e.strerror or e}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"pagedllm run-batch: error: cannot read {args.input_file}: {getattr(e, 'strerror', None) or e}",
+              file=sys.stderr)
         return 1
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    try:
-        chat_template = _read_chat_template(args.chat_template)
-        _check_tool_flags(args)
-        llm = AsyncLLM.from_engine_args(_engine_args(args)).start()
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"pagedllm run-batch: error: {flag_names(str(e))}", file=sys.stderr)
-        return 1
-    try:
-        app = build_app(llm, chat_template=chat_template, dashboard=False, shutdown_engine=False,
-                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(args, "tool_call_parser", None),
-                        reasoning_parser=getattr(args, "reasoning_parser", None))
-        results = asyncio.run(run_lines(app, lines))
-    finally:
-        llm.shutdown()
-    out = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-    try:
-        if args.output_file == "-":
-            sys.stdout.write(out)
-        else:
-            with open(args.output_file, "w", encoding="utf-8") as f:
-                f.write(out)
+    # Lines end at "\n" only: U+2028 and its kind may sit raw inside a JSON string (str.splitlines splits there).
+    lines = [ln.rstrip("\r") for ln in text.split("\n") if ln.strip()]
+    try:  # the output file is opened before any work, so a bad path fails at once
+        sink = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     except OSError as e:
         print(f"pagedllm run-batch: error: cannot write {args.output_file}: {e.strerror or e}", file=sys.stderr)
         return 1
+    try:
+        try:
+            chat_template = _read_chat_template(args.chat_template)
+            _check_tool_flags(args)
+            engine_args = _engine_args(args)
+            if getattr(args, "data_parallel_size", 1) > 1:
+                from pagedllm.engine.dp_client import DPAsyncLLM
+
+                llm = DPAsyncLLM(engine_args, args.data_parallel_size, log_level=args.log_level.upper()).start()
+            else:
+                llm = AsyncLLM.from_engine_args(engine_args).start()
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"pagedllm run-batch: error: {flag_names(str(e))}", file=sys.stderr)
+            return 1
+        try:
+            app = build_app(llm, chat_template=chat_template, dashboard=False, shutdown_engine=False,
+                            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                            tool_call_parser=getattr(args, "tool_call_parser", None),
+                            reasoning_parser=getattr(args, "reasoning_parser", None))
+            results = asyncio.run(run_lines(app, lines))
+        except KeyboardInterrupt:
+            print("pagedllm run-batch: interrupted; no results written", file=sys.stderr)
+            return 130
+        finally:
+            llm.shutdown()
+        try:
+            sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+            sink.flush()
+        except OSError as e:
+            print(f"pagedllm run-batch: error: cannot write {args.output_file}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
     failed = sum(r["error"] is not None or r["response"]["status_code"] != 200 for r in results)
     print(f"pagedllm run-batch: {len(results)} requests, {len(results) - failed} succeeded, {failed} failed; "
           f"results in {args.output_file}", file=sys.stderr)

@@ -127,10 +127,13 @@ def test_priority_scheduling_offline(llama_dir):
     llm = LLM(llama_dir, kv_cache_memory=2 * fcfs.llm_engine.executor.bytes_per_block(), block_size=16,
               max_model_len=32, scheduling_policy="priority")
     assert llm.llm_engine.config.cache_config.num_blocks == 2
-    outs = llm.generate(prompts, sp, priority=[3, 0, 2, -1], use_tqdm=False)
+    import numpy as np
+    outs = llm.generate(prompts, sp, priority=[3, 0, np.int64(2), -1], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     done = sorted(range(4), key=lambda i: outs[i].metrics.finished_time)
     assert done == [3, 1, 2, 0]
     with pytest.raises(ValueError, match="got 2 priorities for 4 prompts"):
         llm.generate(prompts, sp, priority=[0, 1], use_tqdm=False)
+    with pytest.raises(ValueError, match="priority must be an integer, got True"):
+        llm.generate(prompts, sp, priority=[True, 0, 0, 0], use_tqdm=False)
     assert_pool_empty(llm)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections import deque
 from typing import Iterable, Optional, Union
@@ -176,6 +177,7 @@ class LLMEngine:
         runs first (vLLM's convention). Raises ValueError when the prompt is empty, longer than
         max_model_len, or has ids outside the vocabulary, or for a priority under the FCFS policy."""
         self.check_priority(priority)
+        priority = int(priority)  # (a NumPy integer too)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._counter))
         text, ids = self.tokenize_prompt(prompt)
@@ -214,8 +216,8 @@ class LLMEngine:
         return request_id
 
     def check_priority(self, priority: int) -> None:
-        """ValueError for a non-integer priority, or a non-zero one under the FCFS policy."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        """ValueError for a non-integer priority (booleans included), or a non-zero one under FCFS."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError(f"priority={priority} needs the priority scheduling policy (--scheduling-policy "

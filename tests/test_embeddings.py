@@ -153,3 +153,22 @@ def test_text_endpoints_refuse_the_pooling_runner(http):
                        ("/v1/responses", {"input": "hi"})):
         r = http.post(path, json={"model": MODEL, **body})
         assert r.status_code == 400 and "use /v1/embeddings" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_chat_form_embeds_the_rendered_conversation(http, embed_dir):
+    """vLLM's chat form: messages rendered with the chat template (no generation prompt unless asked)
+    and embedded as one input; input and messages together, or neither, are a 400."""
+    from pagedllm.llm import apply_chat_template
+
+    tok = transformers.AutoTokenizer.from_pretrained(embed_dir)
+    msgs = [{"role": "user", "content": "the king said"}]
+    for agp in (False, True):
+        body = http.post("/v1/embeddings", json={"model": MODEL, "messages": msgs, "encoding_format": "float",
+                                                  "add_generation_prompt": agp}).json()
+        ids = apply_chat_template(tok, msgs, add_generation_prompt=agp)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
+                                   reference_embeddings(embed_dir, [ids])[0], rtol=0, atol=2e-6)
+    for bad in ({"input": "hi", "messages": msgs}, {}):
+        r = http.post("/v1/embeddings", json={"model": MODEL, **bad})
+        assert r.status_code == 400 and "exactly one of input or messages" in r.json()["error"]["message"]

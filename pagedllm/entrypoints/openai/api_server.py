@@ -188,7 +188,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
                     "--enable-auto-tool-choice --tool-call-parser openai)")
     chat.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
-    embeddings = OpenAIServingEmbedding(llm, served, chat_template)
+    embeddings = OpenAIServingEmbedding(llm, served, chat)
 
     def generating() -> None:
         """The text endpoints need the generating runner."""

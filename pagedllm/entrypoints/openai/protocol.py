@@ -712,14 +712,20 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 class EmbeddingRequest(OpenAIBaseModel):
     """``/v1/embeddings`` (OpenAI's Embeddings API): ``input`` is a string, a list of strings, a list
-    of token ids, or a list of such lists (at most 2,048 inputs, as OpenAI allows); ``dimensions``
+    of token ids, or a list of such lists (at most 2,048 inputs, as OpenAI allows), or (vLLM's chat
+    form) ``messages``, one conversation rendered with the chat template; ``dimensions``
     keeps the first that many channels and normalizes them again (Matryoshka embeddings);
     ``encoding_format`` "base64" sends each embedding as the base64 of its float32 bytes (little
     endian), as the ``openai`` client asks by default. ``truncate_prompt_tokens`` (vLLM's): keep
     each input's last that many tokens (-1: max_model_len)."""
 
     model: Optional[str] = None
-    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # (true is not a token id)
+    input: Optional[Union[str, list[str], list[StrictInt], list[list[StrictInt]]]] = None  # (true is no token id)
+    # vLLM's chat form: one conversation rendered with the chat template (no generation prompt by default)
+    messages: Optional[list[ChatMessageParam]] = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(default=None, ge=1)
     user: Optional[str] = None
@@ -732,6 +738,12 @@ class EmbeddingRequest(OpenAIBaseModel):
             raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1")
         return v
     add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _input_or_messages(self) -> "EmbeddingRequest":
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input or messages")
+        return self
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The inputs as a list. Raises RequestError when there are none or too many."""

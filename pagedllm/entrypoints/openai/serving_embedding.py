@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import time
+from typing import Any
 
 import torch
 from starlette.requests import Request
@@ -24,6 +25,10 @@ def encode_embedding(e: torch.Tensor, encoding_format: str):
 
 
 class OpenAIServingEmbedding(OpenAIServing):
+    def __init__(self, llm, served_model_name: str, chat: Any) -> None:
+        super().__init__(llm, served_model_name, chat.chat_template)
+        self.chat = chat  # renders the chat form's messages (OpenAIServingChat)
+
     async def create_embedding(self, req: EmbeddingRequest, raw_request: Request) -> dict:
         self.check_model(req.model)
         if not self.llm.engine.pooling:
@@ -32,11 +37,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         hidden = self.llm.model_config.hf_config.hidden_size
         if req.dimensions is not None and req.dimensions > hidden:
             raise RequestError(f"dimensions={req.dimensions} is more than the model's {hidden}", "dimensions")
-        items = req.inputs()
+        if req.messages is not None:  # one conversation, rendered as chat completions render it
+            items = [self.chat.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template_kwargs)]
+        else:
+            items = req.inputs()
         offload = sum(len(p) for p in items if isinstance(p, str)) > BIG_PROMPT_CHARS
         prompt_ids = []
         for p in items:
-            ids = await self.tokenize(p, "input", offload=offload, add_special_tokens=req.add_special_tokens)
+            param = "messages" if req.messages is not None else "input"
+            ids = await self.tokenize(p, param, offload=offload, add_special_tokens=req.add_special_tokens)
             if req.truncate_prompt_tokens is not None:  # (-1: to max_model_len, as vLLM)
                 ids = ids[-(self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens):]
             if len(ids) > self.max_model_len:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import assert_pool_empty, build_checkpoint
 from pagedllm import LLM

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import get_rope_parameters
-from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
@@ -44,8 +44,8 @@ from pagedllm.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowP
                                     load_narrow)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.rotary_longrope import LONGROPE_TYPES, get_phi3_rope
-from pagedllm.models.glm4_moe import Glm4MoeBlock
-from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, make_rotary_embedding
+from pagedllm.models.glm4_moe import Glm4MoeBlock, Glm4MoeRouter, SharedExpertsMoeBlock
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, make_rotary_embedding
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not the config's
 _LATENT_NORM_EPS = 1e-6
@@ -148,17 +148,6 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(n, h * self.v_head_dim))
 
 
-class DeepseekV2Router(nn.Module):
-    """``weight`` [E, hidden] in float32 (as transformers keeps it). forward: [N, hidden] -> float32 logits."""
-
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.float(), self.weight)
-
-
 def deepseek_v2_topk(logits: torch.Tensor, top_k: int, method: str, num_groups: Optional[int],
                      topk_group: Optional[int], scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2's routing (transformers' ``DeepseekV2TopkRouter``): the top-k softmax scores times
@@ -182,36 +171,24 @@ def deepseek_v2_topk(logits: torch.Tensor, top_k: int, method: str, num_groups: 
     return weights * scaling, ids
 
 
-class DeepseekV2MoeBlock(nn.Module):
-    """``gate`` (the router) + routed ``experts`` + ``shared_experts``; one all-reduce. [N, H] -> [N, H]."""
+class DeepseekV2MoeBlock(SharedExpertsMoeBlock):
+    """DeepSeek-V2's softmax router (``deepseek_v2_topk``) over the shared-experts block."""
 
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.top_k, self.scaling = config.num_experts_per_tok, float(config.routed_scaling_factor)
-        self.method = getattr(config, "topk_method", None) or "greedy"
-        self.num_groups, self.topk_group = config.n_group, config.topk_group
-        num_experts = config.n_routed_experts
-        if self.method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"topk_method {self.method!r} is not supported (greedy, group_limited_greedy)")
-        if self.method == "group_limited_greedy" and (
-                not self.num_groups or num_experts % self.num_groups or not 0 < (self.topk_group or 0) <= self.num_groups):
+        method = getattr(config, "topk_method", None) or "greedy"
+        num_experts, num_groups, topk_group = config.n_routed_experts, config.n_group, config.topk_group
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        if method == "group_limited_greedy" and (
+                not num_groups or num_experts % num_groups or not 0 < (topk_group or 0) <= num_groups):
             raise ValueError(f"group_limited_greedy needs n_routed_experts={num_experts} split into n_group="
-                             f"{self.num_groups} equal groups, of which topk_group={self.topk_group} are kept")
-        self.gate = DeepseekV2Router(config.hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
-                                renormalize=False, dtype=dtype, reduce_results=False)
-        self.shared_experts = None
-        if config.n_shared_experts:
-            self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                           bias=False, dtype=dtype, reduce_results=False)  # one all-reduce, after
+                             f"{num_groups} equal groups, of which topk_group={topk_group} are kept")
+        super().__init__(config, dtype)
+        self.method, self.num_groups, self.topk_group = method, num_groups, topk_group
+        self.gate = Glm4MoeRouter(config.hidden_size, num_experts, correction_bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = deepseek_v2_topk(self.gate(x), self.top_k, self.method, self.num_groups, self.topk_group,
-                                        self.scaling)
-        out = self.experts.compute(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return tensor_model_parallel_all_reduce(out)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return deepseek_v2_topk(self.gate(x), self.top_k, self.method, self.num_groups, self.topk_group, self.scaling)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

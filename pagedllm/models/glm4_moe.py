@@ -53,46 +53,63 @@ def grouped_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
 
 
 class Glm4MoeRouter(nn.Module):
-    """``weight`` [E, hidden] and ``e_score_correction_bias`` [E], float32 whatever the model's dtype."""
+    """``weight`` [E, hidden] and (``correction_bias``) ``e_score_correction_bias`` [E], float32 whatever
+    the model's dtype. forward: [N, hidden] -> float32 logits [N, E]."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
 
 
-class Glm4MoeBlock(nn.Module):
-    """``gate`` (the router) + routed ``experts`` + ``shared_experts``; one all-reduce. [N, H] -> [N, H]."""
+class SharedExpertsMoeBlock(nn.Module):
+    """DeepSeek-style MoE block: ``gate`` (a subclass's router) + routed ``experts`` + ``shared_experts``,
+    one all-reduce. [N, H] -> [N, H]. Subclasses set ``gate`` and implement ``route``."""
 
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.top_k, self.scaling = config.num_experts_per_tok, float(config.routed_scaling_factor)
-        self.num_groups, self.topk_group = config.n_group, config.topk_group
-        self.renormalize = bool(config.norm_topk_prob)
-        num_experts = config.n_routed_experts
-        if num_experts % self.num_groups or num_experts // self.num_groups < 2 \
-                or not 0 < self.topk_group <= self.num_groups:
-            raise ValueError(f"n_routed_experts={num_experts} must split into n_group={self.num_groups} groups of at "
-                             f"least 2 experts (a group scores by its best two), of which topk_group="
-                             f"{self.topk_group} are kept")
-        self.gate = Glm4MoeRouter(config.hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
+        self.experts = FusedMoE(config.n_routed_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
                                 renormalize=False, dtype=dtype, reduce_results=False)
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                            bias=False, dtype=dtype, reduce_results=False)  # one all-reduce, after
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, top_k] float32, expert ids [N, top_k] int64)."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.num_groups,
-                                    self.topk_group, self.renormalize, self.scaling)
+        weights, ids = self.route(x)
         out = self.experts.compute(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out)
+
+
+class Glm4MoeBlock(SharedExpertsMoeBlock):
+    """DeepSeek-V3's sigmoid router (``grouped_topk``) over the shared-experts block."""
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        num_experts, num_groups, topk_group = config.n_routed_experts, config.n_group, config.topk_group
+        if num_experts % num_groups or num_experts // num_groups < 2 or not 0 < topk_group <= num_groups:
+            raise ValueError(f"n_routed_experts={num_experts} must split into n_group={num_groups} groups of at "
+                             f"least 2 experts (a group scores by its best two), of which topk_group="
+                             f"{topk_group} are kept")
+        super().__init__(config, dtype)
+        self.num_groups, self.topk_group = num_groups, topk_group
+        self.renormalize = bool(config.norm_topk_prob)
+        self.gate = Glm4MoeRouter(config.hidden_size, num_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.num_groups,
+                            self.topk_group, self.renormalize, self.scaling)
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):

@@ -24,11 +24,29 @@ def test_block_pool_refcounts_and_lru_order():
         pool.get_new_blocks(2)
     pool.free_blocks(reversed(a))
     assert pool.get_num_free_blocks() == 4
-    # Freed last-first: the remaining never-used block goes first, then a[2], a[1], a[0].
+    # Uncached blocks go back to the head of the free queue: freed last-first, they come out in
+    # the request's order, before the never-used block 3 (its pages stay untouched).
     order = [b.block_id for b in pool.get_new_blocks(4)]
-    assert order == [3, a[2].block_id, a[1].block_id, a[0].block_id]
+    assert order == [a[0].block_id, a[1].block_id, a[2].block_id, 3]
     with pytest.raises(RuntimeError):
         pool.free_blocks([pool.blocks[0], pool.blocks[0]])
+
+
+def test_block_pool_hands_out_uncached_blocks_before_evicting_cached_ones():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(4)
+    hashes = [hash_block_tokens(ROOT_HASH, [i]) for i in range(2)]
+    pool.cache_block(a[0], hashes[0])
+    pool.cache_block(a[1], hashes[1])
+    pool.free_blocks(reversed(a))  # a[3], a[2] uncached -> head; a[1], a[0] cached -> tail (LRU)
+    assert pool.num_cached_free_blocks == 2
+    order = [b.block_id for b in pool.get_new_blocks(4)]
+    # Uncached a[2], a[3] first, then the never-used 4 and 5; the cached blocks survive.
+    assert order == [a[2].block_id, a[3].block_id, 4, 5]
+    assert pool.get_cached_block(hashes[0]) is a[0] and pool.get_cached_block(hashes[1]) is a[1]
+    # Under more pressure the cached blocks go, least recently freed first (a[1] before a[0]).
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [a[1].block_id]
+    assert pool.get_cached_block(hashes[1]) is None and pool.get_cached_block(hashes[0]) is a[0]
 
 
 def test_cached_block_survives_free_until_evicted():
@@ -63,6 +81,32 @@ def test_allocate_slots_block_table_and_free():
     assert kv.block_pool.get_num_free_blocks() == 7 and "b" not in kv.req_to_blocks
     kv.free(r)
     assert kv.block_pool.get_num_free_blocks() == 10 and kv.usage == 0.0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_pool_reuses_uncached_blocks_first(caching):
+    # 30 requests, two at a time, 9-23 tokens each (at most 6 blocks of 4). Without caching, the
+    # blocks ever handed out stay within what two requests hold at once, not the pool of 200.
+    # With caching, full blocks stay cached (LRU) and only each request's partial last block is
+    # reused: the blocks touched are the full ones plus the last pair's partial ones.
+    kv = KVCacheManager(num_blocks=200, block_size=4, enable_caching=caching)
+    lengths = [9 + j % 15 for j in range(30)]
+    seen: set[int] = set()
+    for i in range(0, 30, 2):
+        pair = [make_req(str(j), lengths[j], first=1000 * j) for j in (i, i + 1)]
+        for r in pair:
+            assert kv.allocate_slots(r, r.num_prompt_tokens)
+            seen.update(kv.get_block_ids(r.request_id))
+        for r in pair:
+            r.num_computed_tokens = r.num_prompt_tokens
+            kv.free(r)
+    assert kv.block_pool.get_num_free_blocks() == 200
+    if not caching:
+        assert len(seen) <= 12 and kv.block_pool.num_cached_free_blocks == 0
+    else:
+        full = sum(n // 4 for n in lengths)
+        assert kv.block_pool.num_cached_free_blocks == full
+        assert full < len(seen) <= full + 2
 
 
 def test_prefix_cache_hit_leaves_last_token_to_compute():

@@ -111,7 +111,14 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; a block reaching 0 joins the tail of the free queue.
+        """Drop one reference on each block. A block reaching 0 that holds prefix-cached K/V joins
+        the tail of the free queue (evicted last, in LRU order); one without goes to the head,
+        to be handed out first.
+
+        Handing out uncached blocks first keeps cached K/V longer, and keeps the pool's working
+        set at the peak number of blocks in use: blocks never used are never touched, so their
+        memory pages are neither faulted in nor resident (a CPU cache that is not zero-filled
+        costs memory only where K/V were written).
 
         Pass a request's blocks in reverse order so that its last (least shareable) blocks are
         evicted first.
@@ -124,6 +131,8 @@ class BlockPool:
                 self.free_block_queue[block.block_id] = block
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
+                else:
+                    self.free_block_queue.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Record that ``block`` holds the full block ``block_hash``. First writer wins: a second

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -126,9 +126,11 @@ class ServerMetrics:
                 for c in out.outputs:
                     self.request_success.labels(self.model_name, c.finish_reason or "stop").inc()
 
-    def record_abort(self, request_id: str) -> None:
+    def record_abort(self, request_id: str, finish_reasons: Sequence[Optional[str]] = (None,)) -> None:
+        """An aborted request: one count per choice, by its finish reason (None: aborted)."""
         self._last_token_time.pop(request_id, None)
-        self.request_success.labels(self.model_name, "abort").inc()
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason or "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

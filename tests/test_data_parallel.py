@@ -113,7 +113,7 @@ def test_dp2_answers_equal_one_engine_and_both_replicas_work(server, llama_dir):
 def test_disconnect_aborts_on_the_right_replica(server):
     before = metric(httpx.get(server.url + "/metrics").text, "pagedllm:request_success_total", finished_reason="abort")
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 200, "temperature": 0.0,
+            "model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 200, "temperature": 0.0, "n": 3,
             "ignore_eos": True, "stream": True}) as r:
         chunks = 0
         for line in r.iter_lines():
@@ -125,9 +125,9 @@ def test_disconnect_aborts_on_the_right_replica(server):
     running = [metric(text, "pagedllm:num_requests_running", engine=e) for e in ("0", "1")]
     usage = [metric(text, "pagedllm:kv_cache_usage_perc", engine=e) for e in ("0", "1")]
     assert running == [0, 0] and usage == [0.0, 0.0], text
-    assert metric(text, "pagedllm:request_success_total", finished_reason="abort") == before + 1
+    assert metric(text, "pagedllm:request_success_total", finished_reason="abort") == before + 3  # one a choice
     gen = metric(text, "pagedllm:generation_tokens_total", engine="all")
-    assert gen < MAX_TOKENS * len(PROMPTS) + 200  # it stopped early
+    assert gen < MAX_TOKENS * len(PROMPTS) + 3 * 200  # it stopped early
 
 
 def test_killed_replica_makes_health_503_and_server_exit(server):

@@ -316,6 +316,11 @@ BAD = [
                               "logprobs": True}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                               "chat_template_kwargs": {"tokenize": True}}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "a"}]},
+     400, "messages.0"),
+    ("/v1/completions", {"prompt": ["a"] * 1025}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, 400, "n"),
     ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model"),
     ("/tokenize", {}, 400, None),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
@@ -333,6 +338,29 @@ def test_bad_input_gets_openai_error(http, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("content,ctype,expect", [
+    (b'{"prompt": "a", "max_tokens": 1}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+    (b'{"prompt": "a", "max_tokens": 1}', "text/plain", "(got 'text/plain')"),
+    (b"", "application/json", "The request body is empty"),
+    (b"[1, 2]", "application/json", "must be a JSON object"),
+    (b'{"prompt": "\\ud800 hi"}', "application/json", "lone UTF-16 surrogate"),
+])
+def test_body_errors_say_what_is_wrong(http, content, ctype, expect):
+    r = http.post("/v1/completions", content=content, headers={"Content-Type": ctype})
+    assert r.status_code == 400, r.text
+    assert expect in r.json()["error"]["message"], r.text
+
+
+def test_chat_message_content_may_be_absent_only_for_assistant_and_tool_turns(http):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    r = http.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "user", "content": "b"}]})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "a user message needs content", r.text
 
 
 def test_body_too_large(http):
@@ -416,10 +444,10 @@ def test_disconnect_mid_stream_aborts_request(server, http):
     assert running == 1
     assert metric(text, "pagedllm:request_success_total", finished_reason="abort") == aborted_before + 1
 
-    # a non-streaming client that gives up is aborted too
+    # a non-streaming client that gives up is aborted too: one count per choice
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={**body, "n": 16, "stream": False},
                    timeout=httpx.Timeout(60, read=0.2))
     text = wait_idle(http)
-    assert metric(text, "pagedllm:request_success_total", finished_reason="abort") == aborted_before + 2
+    assert metric(text, "pagedllm:request_success_total", finished_reason="abort") == aborted_before + 17
     json.loads(http.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False}).text)

@@ -74,14 +74,15 @@ class _Stream:
 class AsyncLLM:
     """Thread-backed async wrapper of an ``LLMEngine``.
 
-    ``on_outputs(outputs)`` and ``on_abort(request_id)``, if given, are called from the engine
+    ``on_outputs(outputs)`` and ``on_abort(request_id, finish_reasons)`` (one per choice; None
+    where it was aborted), if given, are called from the engine
     thread (used by the Prometheus metrics); so is ``on_step(engine, stepped)``, after every step
     (``stepped`` True) and before the loop idles (False), between steps (used by the dashboard).
     """
 
     def __init__(self, engine: LLMEngine,
                  on_outputs: Optional[Callable[[list[RequestOutput]], None]] = None,
-                 on_abort: Optional[Callable[[str], None]] = None) -> None:
+                 on_abort: Optional[Callable[[str, list[Optional[str]]], None]] = None) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_abort = on_abort
@@ -233,8 +234,8 @@ class AsyncLLM:
                 at_exit.append(f"{request_id} ({sum(len(c.token_ids) for c in finals[0].outputs)} generated tokens)")
                 self._deliver({request_id: finals[0]})
             if self.on_abort is not None:
-                try:
-                    self.on_abort(request_id)
+                try:  # each choice's finish reason (None: aborted)
+                    self.on_abort(request_id, [c.finish_reason for c in finals[0].outputs] if finals else [None])
                 except Exception:  # noqa: BLE001 - metrics must never stop serving
                     logger.exception("metrics update failed")
         if at_exit:

@@ -67,6 +67,7 @@ class _Replica:
     # request id -> tokens still to process (prompt + remaining max_tokens), for routing
     outstanding: dict[str, int] = field(default_factory=dict)
     max_new: dict[str, int] = field(default_factory=dict)  # request id -> max_tokens x n
+    choices: dict[str, int] = field(default_factory=dict)  # request id -> n
     requests_routed: int = 0
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -255,6 +256,7 @@ class DPAsyncLLM(AsyncLLM):
         n_prompt, n_new = self._estimate_tokens(prompt, params)
         r.outstanding[request_id] = n_prompt + n_new
         r.max_new[request_id] = n_new
+        r.choices[request_id] = params.n
         r.requests_routed += 1
         self._route[request_id] = r
         try:
@@ -268,10 +270,13 @@ class DPAsyncLLM(AsyncLLM):
         if r is not None:
             r.outstanding.pop(request_id, None)
             r.max_new.pop(request_id, None)
+            r.choices.pop(request_id, None)
         return r
 
     def abort(self, request_id: str) -> None:
         with self._lock:
+            r = self._route.get(request_id)
+            n = r.choices.get(request_id, 1) if r is not None else 1
             r = self._forget(request_id)
         if r is None:
             return
@@ -279,14 +284,14 @@ class DPAsyncLLM(AsyncLLM):
             r.send(("abort", request_id))
         except (OSError, ValueError):
             return
-        self._callback(self.on_abort, request_id)
+        self._callback(self.on_abort, request_id, [None] * n)
 
-    def _callback(self, fn: Optional[Callable], arg: Any) -> None:
+    def _callback(self, fn: Optional[Callable], *args: Any) -> None:
         if fn is None:
             return
         try:
             with self._callback_lock:
-                fn(arg)
+                fn(*args)
         except Exception:  # noqa: BLE001 - metrics must never stop serving
             logger.exception("metrics update failed")
 

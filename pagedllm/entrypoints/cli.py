@@ -48,7 +48,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="start the OpenAI-compatible API server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+                    "/v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, /health, /version, "
+                    "/metrics, /tokenize, /detokenize, /dashboard).",
         formatter_class=_HelpFormatter)
     add_server_args(p)
     p.set_defaults(func=_serve)

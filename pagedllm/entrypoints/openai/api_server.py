@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (``build_app``) and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (+ GET/DELETE/cancel by
-id), /health, /version, /metrics, /tokenize, /detokenize, /dashboard (and its data under
+id, input_items), /v1/embeddings, /health, /version, /metrics, /tokenize, /detokenize, /dashboard (and its data under
 /dashboard/api). With an API key, every /v1/* and /dashboard/api/* route needs ``Authorization: Bearer KEY``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -44,7 +44,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body
+from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body, tokenize_error
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagedllm")
@@ -143,7 +143,8 @@ _UNION_TAG = re.compile(r"(str|int|float|bool|none|"
                         r"(list|dict|tuple|set|union|tagged-union|nullable|function-\w+)\[.*\])")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+def _validation_message(exc: RequestValidationError, content_type: str = "application/json") -> tuple[str, Optional[str]]:
+    """The first error as (message, param); ``content_type``: the request's Content-Type header."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -154,7 +155,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     raised = (err.get("ctx") or {}).get("error")
     if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
         return raised.message, ".".join(loc) or raised.param
-    if not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+    if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):
+        if "json" not in content_type.lower():  # e.g. curl -d without -H, which sends a form
+            return (f"The request body must be a JSON object sent with Content-Type: application/json "
+                    f"(got {content_type[:100] or 'none'!r})."), None
+        if err.get("type") == "missing":
+            return "The request body is empty: send a JSON object.", None
         return "The request body must be a JSON object.", None
     param = ".".join(loc) or None
     msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
@@ -215,8 +221,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         return _error(exc.status, exc.message, exc.param, exc.code, exc.type)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc, request.headers.get("content-type", ""))
         return _error(400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -306,7 +312,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
             try:  # a long text is tokenized off the event loop, as for completions
                 ids = await asyncio.to_thread(encode) if len(body.prompt) > BIG_PROMPT_CHARS else encode()
             except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate in the text
-                raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}", "prompt") from None
+                raise tokenize_error("prompt", body.prompt, e) from None
         strs = chat.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len,
                                 token_strs=strs).model_dump()

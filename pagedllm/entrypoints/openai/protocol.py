@@ -499,6 +499,13 @@ class ChatMessageParam(OpenAIBaseModel):
                                    f"{kind[:40]!r} cannot be used.", "messages")
         return value
 
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessageParam":
+        # As OpenAI's API: only an assistant turn (tool calls) or a tool turn may come without content.
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise RequestError(f"a {self.role} message needs content", "messages")
+        return self
+
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"role": self.role}
         if isinstance(self.content, list):

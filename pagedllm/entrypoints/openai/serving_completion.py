@@ -24,7 +24,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_CHOICES:
             raise RequestError(f"{len(prompts)} prompts x n={req.n} exceeds the limit of {MAX_CHOICES} "
-                               f"completions per request", "n")
+                               f"completions per request", "n" if req.n > 1 else "prompt")
         prompt_ids: list[list[int]] = []
         params = []
         # Many short prompts add up: tokenize them off the event loop too.

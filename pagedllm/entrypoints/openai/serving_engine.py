@@ -27,6 +27,16 @@ def error_body(message: str, type_: str = "invalid_request_error", param: Option
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
 
 
+def tokenize_error(param: str, text: object, e: Exception) -> RequestError:
+    """The 400 for a text the tokenizer rejected (``e``): a lone surrogate named as such."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return RequestError(f"the {param} is not valid Unicode text (it holds a lone UTF-16 surrogate)", param)
+    return RequestError(f"cannot tokenize the {param}: {type(e).__name__}: {str(e)[:200]}", param)
+
+
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
@@ -63,7 +73,7 @@ class OpenAIServing:
             try:
                 ids = await asyncio.to_thread(encode) if offload or len(prompt) > BIG_PROMPT_CHARS else encode()
             except Exception as e:  # noqa: BLE001 - the tokenizer rejects some strings (lone surrogates)
-                raise RequestError(f"cannot tokenize the {param}: {type(e).__name__}", param) from None
+                raise tokenize_error(param, prompt, e) from None
             prompt = ids
         try:
             if isinstance(prompt, str) and (offload or len(prompt) > BIG_PROMPT_CHARS):
@@ -73,7 +83,7 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(str(e), param) from None
         except Exception as e:  # noqa: BLE001 - the tokenizer rejects some strings (lone surrogates)
-            raise RequestError(f"cannot tokenize the {param}: {type(e).__name__}", param) from None
+            raise tokenize_error(param, prompt, e) from None
         return ids
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int],

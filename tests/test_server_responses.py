@@ -327,7 +327,8 @@ def test_input_items_lists_the_request_input(client, http):
     plain = client.responses.create(model=MODEL, input="hello there", max_output_tokens=2, **GREEDY)
     assert [(i.role, i.content[0].text) for i in client.responses.input_items.list(plain.id).data] == [
         ("user", "hello there")]
-    for params, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "nope"}, "after")):
+    for params, param in (({"limit": 0}, "limit"), ({"limit": "abc"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "nope"}, "after")):
         err = http.get(f"/v1/responses/{r.id}/input_items", params=params)
         assert err.status_code == 400 and err.json()["error"]["param"] == param
     assert http.get("/v1/responses/resp_nope/input_items").status_code == 404

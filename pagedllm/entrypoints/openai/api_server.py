@@ -151,7 +151,11 @@ def _validation_message(exc: RequestValidationError, content_type: str = "applic
     err = errors[0]
     if err.get("type") == "json_invalid":
         return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.fullmatch(str(x))]
+    # FastAPI's location starts with where the value came from (body, query, path): the param is the rest.
+    loc = list(err.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+        loc = loc[1:]
+    loc = [str(x) for x in loc if not _UNION_TAG.fullmatch(str(x))]
     raised = (err.get("ctx") or {}).get("error")
     if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
         return raised.message, ".".join(loc) or raised.param

@@ -277,7 +277,7 @@ class DPAsyncLLM(AsyncLLM):
         with self._lock:
             r = self._route.get(request_id)
             n = r.choices.get(request_id, 1) if r is not None else 1
-            r = self._forget(request_id)
+            self._forget(request_id)
         if r is None:
             return
         try:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory (``build_app``) and ``run_server``.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (+ GET/DELETE/cancel by
-id, input_items), /v1/embeddings, /health, /version, /metrics, /tokenize, /detokenize, /dashboard (and its data under
-/dashboard/api). With an API key, every /v1/* and /dashboard/api/* route needs ``Authorization: Bearer KEY``.
+id, input_items), /v1/embeddings, /health, /version, /metrics, /tokenize, /detokenize, /dashboard
+(and its data under /dashboard/api). With an API key, every /v1/* and /dashboard/api/* route needs
+``Authorization: Bearer KEY``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -143,7 +144,8 @@ _UNION_TAG = re.compile(r"(str|int|float|bool|none|"
                         r"(list|dict|tuple|set|union|tagged-union|nullable|function-\w+)\[.*\])")
 
 
-def _validation_message(exc: RequestValidationError, content_type: str = "application/json") -> tuple[str, Optional[str]]:
+def _validation_message(exc: RequestValidationError,
+                        content_type: str = "application/json") -> tuple[str, Optional[str]]:
     """The first error as (message, param); ``content_type``: the request's Content-Type header."""
     errors = exc.errors()
     if not errors:

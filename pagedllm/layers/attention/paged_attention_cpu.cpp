@@ -29,7 +29,8 @@
 // paged_attention_vec (chunks of 512 keys, 16 scores per transposing add tree, bf16 dot products
 // on AVX512-BF16, K/V prefetched into L2 ahead of use, the next KV head's or item's K during P.V:
 // the loop is memory-bound, and prefetching into L2 measured 1.4x faster than into L1 or none, 3 % to
-// 13 % faster again with the prefetches during P.V; on AVX2 each chunk's rows are first read
+// 13 % faster again with the prefetches during P.V; an int8 cache in a bf16 model on AVX512-VNNI
+// takes its dot products in int16 (paged_attention_vec's kVnni); on AVX2 each chunk's rows are first read
 // once with bare loads, see touch_rows); elsewhere the portable paged_attention (one block at a
 // time). tests/test_attention_kernel.py runs both against the torch reference. On AVX2
 // the vector path's 16 lanes are two ymm (F16); with the cache in L2 it computes a SmolLM2 decode
@@ -227,6 +228,128 @@ inline void pv_rows(const float* p, int p_stride, const T* const* v, int n, floa
     }
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDLLM_VNNI 1
+// An int8 cache in a bf16 model, with AVX512-VNNI: the dot products in 16-bit integers (vpdpwssd,
+// exact int32 sums) instead of widening every key and value to bf16/float. Query rows and the
+// probabilities are quantized to int16 with a per-row scale: an error of at most max|x| / 65534,
+// 128x below the rounding a bf16 query already carries at its largest element (SageAttention,
+// Zhang et al. 2024, quantizes Q, K and P likewise, to coarser types).
+
+// x[0, d) -> round(x / s) in int16, s = max|x| / 32767 (returned; 0 for an all-zero row).
+inline float quantize_i16(const uint16_t* x, int16_t* out, int d) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int c = 0; c < d; c += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + c)));
+  const float mx = _mm512_reduce_max_ps(amax);
+  const __m512 mul = _mm512_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+  for (int c = 0; c < d; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + c), mul))));
+  return mx / 32767.0f;
+}
+
+// {sum(v[0]), ..., sum(v[15])} of int32 lanes: hsum16's add tree on integers.
+inline __m512i hsum16i(const __m512i* v) {
+  __m512i x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0x88), _mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0xdd));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(z[0], z[1], 0x88), _mm512_shuffle_i32x4(z[0], z[1], 0xdd));
+}
+
+// Integer dot products of a quantized query row with 16 keys widened to int16 (k[j], D columns).
+template <int D>
+inline __m512 dot16_i16(const int16_t* q, const int16_t* const* k) {
+  __m512i acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_si512();
+  for (int c = 0; c < D; c += 32) {
+    const __m512i qc = _mm512_loadu_si512(q + c);
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], qc, _mm512_loadu_si512(k[j] + c));
+  }
+  return _mm512_cvtepi32_ps(hsum16i(acc));
+}
+
+// acc[r] += sum_j p[r][j] * v_j for R rows, int8 V rows, D a multiple of 64: each row's p quantized
+// to int16 (p >= 0, scale max p / 32767), two keys at a time with vpdpwssd over V rows j and j + 1
+// interleaved byte by byte and sign-extended; |sum| <= 512 keys x 32767 x 127 < 2^31. The
+// accumulators hold each 64 columns as {0-7, 16-23}, {8-15, 24-31}, {32-39, 48-55}, {40-47, 56-63}
+// (what unpack and the widening give), put back in order when added to acc. pf: as pv_block's.
+template <int D, int R>
+inline void pv_block_i16(const float* p, int p_stride, const int8_t* const* v, int n, float* acc,
+                         const int8_t* const* pf) {
+  static_assert(D % 64 == 0, "64 columns a group");
+  constexpr int Z = D / 64;
+  alignas(64) int16_t pq[R][512];
+  float back[R];  // max p / 32767
+  const int npad = (n + 31) & ~31;
+  for (int r = 0; r < R; ++r) {
+    const float* pr = p + r * p_stride;
+    __m512 mx = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(pr + j));
+    float pmax = _mm512_reduce_max_ps(mx);
+    for (; j < n; ++j) pmax = std::max(pmax, pr[j]);
+    const __m512 mul = _mm512_set1_ps(pmax > 0.0f ? 32767.0f / pmax : 0.0f);
+    back[r] = pmax / 32767.0f;
+    for (j = 0; j + 16 <= n; j += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&pq[r][j]),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pr + j), mul))));
+    for (; j < npad; ++j) pq[r][j] = j < n ? static_cast<int16_t>(std::nearbyint(pr[j] * (pmax > 0.0f ? 32767.0f / pmax : 0.0f))) : 0;
+  }
+  __m512i a[R][4 * Z];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4 * Z; ++i) a[r][i] = _mm512_setzero_si512();
+  for (int j = 0; j < n; j += 2) {
+    const int8_t* va = v[j];
+    const int8_t* vb = v[std::min(j + 1, n - 1)];  // p of the missing key is 0
+    if (pf != nullptr)
+      for (int u = j; u < std::min(j + 2, n); ++u)
+        for (int c = 0; c < D; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(pf[u]) + c, 0, 2);
+    __m512i w[4 * Z];
+    for (int z = 0; z < Z; ++z) {
+      const __m512i x = _mm512_loadu_si512(va + 64 * z), y = _mm512_loadu_si512(vb + 64 * z);
+      const __m512i lo = _mm512_unpacklo_epi8(x, y), hi = _mm512_unpackhi_epi8(x, y);
+      w[4 * z] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo));        // {0-7, 16-23}
+      w[4 * z + 1] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi));    // {8-15, 24-31}
+      w[4 * z + 2] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1));  // {32-39, 48-55}
+      w[4 * z + 3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1));  // {40-47, 56-63}
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, &pq[r][j], sizeof(pair));
+      const __m512i pw = _mm512_set1_epi32(pair);
+      for (int i = 0; i < 4 * Z; ++i) a[r][i] = _mm512_dpwssd_epi32(a[r][i], w[i], pw);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int r = 0; r < R; ++r) {
+    const __m512 b = _mm512_set1_ps(back[r]);
+    for (int z = 0; z < Z; ++z)
+      for (int h = 0; h < 2; ++h) {  // columns 64z + 32h + [0, 32): groups 4z + 2h, 4z + 2h + 1
+        float* o = acc + r * D + 64 * z + 32 * h;
+        const __m512i g0 = a[r][4 * z + 2 * h], g1 = a[r][4 * z + 2 * h + 1];
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(g0, first, g1)), b, _mm512_loadu_ps(o)));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(g0, second, g1)), b, _mm512_loadu_ps(o + 16)));
+      }
+  }
+}
+
+template <int D>
+inline void pv_rows_i16(const float* p, int p_stride, const int8_t* const* v, int n, float* acc, int rows,
+                        const int8_t* const* pf) {
+  constexpr int R = D <= 64 ? 3 : 2;  // R * D / 16 accumulators + D / 16 V registers <= 32
+  int r = 0;
+  for (; r + R <= rows; r += R, pf = nullptr)
+    pv_block_i16<D, R>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n, acc + static_cast<size_t>(r) * D, pf);
+  for (; r < rows; ++r, pf = nullptr)
+    pv_block_i16<D, 1>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n, acc + static_cast<size_t>(r) * D, pf);
+}
+#endif  // AVX512-VNNI
 
 // The vector path's 16 lanes (AVX2: two ymm), and its few operations beyond the helpers above.
 using F16 = __m512;
@@ -821,6 +944,16 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
     std::vector<T> kw(kInt8<C> ? 16 * D : 0);  // 16 int8 key rows widened
     const T* kw_rows[16];
     for (int j = 0; j < 16 && kInt8<C>; ++j) kw_rows[j] = &kw[static_cast<size_t>(j) * D];
+#ifdef PAGEDLLM_VNNI
+    constexpr bool kVnni = std::is_same_v<T, uint16_t> && kInt8<C> && kHeadDim > 0 && kHeadDim % 64 == 0;
+#else
+    constexpr bool kVnni = false;
+#endif
+    // kVnni: the query rows quantized to int16 (and their scales), 16 key rows widened to int16
+    std::vector<int16_t> qi(kVnni ? static_cast<size_t>(max_rows) * D : 0), kw16(kVnni ? 16 * D : 0);
+    std::vector<float> q_scale(kVnni ? max_rows : 0);
+    const int16_t* kw16_rows[16];
+    for (int j = 0; j < 16 && kVnni; ++j) kw16_rows[j] = &kw16[static_cast<size_t>(j) * D];
 
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < num_items; ++it) {
@@ -838,6 +971,12 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
           std::memcpy(&qt[static_cast<size_t>(r0) * D], q + (tok * num_heads + h * G) * D, sizeof(T) * G * D);
           for (int g = 0; g < G; ++g) row_pos[r0 + g] = seq_len - t_new + i;
         }
+#ifdef PAGEDLLM_VNNI
+      if constexpr (kVnni)
+        for (int r = 0; r < rows; ++r)
+          q_scale[r] = quantize_i16(reinterpret_cast<const uint16_t*>(&qt[static_cast<size_t>(r) * D]),
+                                    &qi[static_cast<size_t>(r) * D], D);
+#endif
       std::fill(m.begin(), m.begin() + rows, -INFINITY);
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(rows) * D, 0.0f);
@@ -884,6 +1023,21 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
               for (int j = j0; j < j0 + 16; ++j)  // this head's V rows, for P.V after the scores
                 for (int c = 0; c < row_bytes<C>(D); c += 64)
                   __builtin_prefetch(reinterpret_cast<const char*>(vp[j]) + c, 0, 2);
+#ifdef PAGEDLLM_VNNI
+            if constexpr (kVnni) {
+              for (int j = 0; j < 16; ++j) {  // scale lines were prefetched by the table walk
+                for (int c = 0; c < D; c += 32)
+                  _mm512_storeu_si512(&kw16[static_cast<size_t>(j) * D + c],
+                                      _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp[j0 + j] + c))));
+                k_scale[j0 + j] = scale_at(k_cache, sc_off[j0 + j] + 4 * h) * scale;
+              }
+              const F16 ks = load16(&k_scale[j0]);
+              for (int r = r0; r < r0 + head_rows; ++r)
+                store16(&s[static_cast<size_t>(r) * KC + j0],
+                        mul16(dot16_i16<kHeadDim>(&qi[static_cast<size_t>(r) * D], kw16_rows), mul16(ks, set1_16(q_scale[r]))));
+              continue;
+            }
+#endif
             if constexpr (kInt8<C>) {
               for (int j = 0; j < 16; ++j) {  // scale lines were prefetched by the table walk
                 int8_row_to(kp[j0 + j], &kw[static_cast<size_t>(j) * D], D);
@@ -953,6 +1107,13 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             for (int j = std::max(xn, 0); j < npad; ++j) k_next[j] = k_next[std::max(xn - 1, 0)];
             if (xn > 0) pf = k_next.data();
           }
+#ifdef PAGEDLLM_VNNI
+          if constexpr (kVnni) {
+            pv_rows_i16<kHeadDim>(&s[static_cast<size_t>(r0) * KC], KC, vp.data(), n, &acc[static_cast<size_t>(r0) * D],
+                                  head_rows, pf);
+            continue;
+          }
+#endif
           pv_rows<kHeadDim>(&s[static_cast<size_t>(r0) * KC], KC, vp.data(), n, &acc[static_cast<size_t>(r0) * D],
                             head_rows, D, pf);
         }

@@ -57,6 +57,16 @@ using pagedllm_cpu::float_to_bf16;
 // exp(x) for x <= 0; branch-free so the compiler vectorises the loops that call it.
 inline float exp_nonpos(float x) { return pagedllm_cpu::exp_clamped(std::max(x, -87.0f)); }
 
+// block(std::integral_constant<int, R>{}, r) for the rows [r, r + R) of [0, rows), R at a time, then
+// block(std::integral_constant<int, 1>{}, r) for each row left: the P.V loops take several rows
+// per pass over V, as many as their accumulators fit in registers.
+template <int R, typename F>
+inline void row_groups(int rows, F&& block) {
+  int r = 0;
+  for (; r + R <= rows; r += R) block(std::integral_constant<int, R>{}, r);
+  for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
+}
+
 // The first key position a query at position p sees (see `window` above).
 inline int first_visible(int p, int window) {
   if (window > 0) return std::max(0, p - window + 1);
@@ -211,11 +221,10 @@ inline void pv_rows(const float* p, int p_stride, const T* const* v, int n, floa
                     const T* const* pf) {
   if constexpr (D > 0 && D <= 128) {
     constexpr int R = D <= 64 ? 3 : 2;  // R * D / 16 accumulators + D / 16 V registers <= 32
-    int r = 0;
-    for (; r + R <= rows; r += R, pf = nullptr)
-      pv_block<D, R>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n, acc + static_cast<size_t>(r) * D, pf);
-    for (; r < rows; ++r, pf = nullptr)
-      pv_block<D, 1>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n, acc + static_cast<size_t>(r) * D, pf);
+    row_groups<R>(rows, [&](auto rr, int r) {
+      pv_block<D, decltype(rr)::value>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n,
+                                       acc + static_cast<size_t>(r) * D, r == 0 ? pf : nullptr);
+    });
   } else {
     for (int r = 0; r < rows; ++r) {
       float* o0 = acc + static_cast<size_t>(r) * d;
@@ -293,12 +302,12 @@ inline void pv_block_i16(const float* p, int p_stride, const int8_t* const* v, i
     for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(pr + j));
     float pmax = _mm512_reduce_max_ps(mx);
     for (; j < n; ++j) pmax = std::max(pmax, pr[j]);
-    const __m512 mul = _mm512_set1_ps(pmax > 0.0f ? 32767.0f / pmax : 0.0f);
+    const float mul = pmax > 0.0f ? 32767.0f / pmax : 0.0f;
     back[r] = pmax / 32767.0f;
     for (j = 0; j + 16 <= n; j += 16)
       _mm256_store_si256(reinterpret_cast<__m256i*>(&pq[r][j]),
-                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pr + j), mul))));
-    for (; j < npad; ++j) pq[r][j] = j < n ? static_cast<int16_t>(std::nearbyint(pr[j] * (pmax > 0.0f ? 32767.0f / pmax : 0.0f))) : 0;
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pr + j), _mm512_set1_ps(mul)))));
+    for (; j < npad; ++j) pq[r][j] = j < n ? static_cast<int16_t>(std::nearbyint(pr[j] * mul)) : 0;
   }
   __m512i a[R][4 * Z];
   for (int r = 0; r < R; ++r)
@@ -343,11 +352,10 @@ template <int D>
 inline void pv_rows_i16(const float* p, int p_stride, const int8_t* const* v, int n, float* acc, int rows,
                         const int8_t* const* pf) {
   constexpr int R = D <= 64 ? 3 : 2;  // R * D / 16 accumulators + D / 16 V registers <= 32
-  int r = 0;
-  for (; r + R <= rows; r += R, pf = nullptr)
-    pv_block_i16<D, R>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n, acc + static_cast<size_t>(r) * D, pf);
-  for (; r < rows; ++r, pf = nullptr)
-    pv_block_i16<D, 1>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n, acc + static_cast<size_t>(r) * D, pf);
+  row_groups<R>(rows, [&](auto rr, int r) {
+    pv_block_i16<D, decltype(rr)::value>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n,
+                                         acc + static_cast<size_t>(r) * D, r == 0 ? pf : nullptr);
+  });
 }
 #endif  // AVX512-VNNI
 
@@ -445,15 +453,11 @@ template <int D, typename T>
 inline void pv_rows(const float* p, int p_stride, const T* const* v, int n, float* acc, int rows, int d,
                     const T* const* /*pf: unused, the chunk was touched*/) {
   const int dd = D > 0 ? D : d;
-  auto slices = [&](auto rr, const float* pr, float* ar) {
-    constexpr int R = decltype(rr)::value;
-    for (int c0 = 0; c0 < dd; c0 += 16) pv_slice<R, 2>(pr, p_stride, v, n, ar, dd, c0);
-  };
-  int r = 0;
-  for (; r + 3 <= rows; r += 3)
-    slices(std::integral_constant<int, 3>{}, p + static_cast<size_t>(r) * p_stride, acc + static_cast<size_t>(r) * dd);
-  for (; r < rows; ++r)
-    slices(std::integral_constant<int, 1>{}, p + static_cast<size_t>(r) * p_stride, acc + static_cast<size_t>(r) * dd);
+  row_groups<3>(rows, [&](auto rr, int r) {
+    for (int c0 = 0; c0 < dd; c0 += 16)
+      pv_slice<decltype(rr)::value, 2>(p + static_cast<size_t>(r) * p_stride, p_stride, v, n,
+                                       acc + static_cast<size_t>(r) * dd, dd, c0);
+  });
 }
 
 // Scores sr[0, npad) outside [vis_lo, vis_hi) set to -inf, 8 at a time (the AVX-512 path's loop
@@ -1104,8 +1108,10 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             for (int j = 0; j < xn; ++j)
               k_next[j] = k_cache + static_cast<int64_t>(xtab[(xlo + j) / bs]) * blk_stride + (xlo + j) % bs * tok_stride +
                           x.h_begin * D;
-            for (int j = std::max(xn, 0); j < npad; ++j) k_next[j] = k_next[std::max(xn - 1, 0)];
-            if (xn > 0) pf = k_next.data();
+            if (xn > 0) {  // the rows past its keys repeat its last
+              std::fill(k_next.begin() + xn, k_next.begin() + npad, k_next[xn - 1]);
+              pf = k_next.data();
+            }
           }
 #ifdef PAGEDLLM_VNNI
           if constexpr (kVnni) {

@@ -4,7 +4,7 @@ The CPU kernels (``layers/attention/paged_attention_cpu.cpp``, ``layers/cpu_fuse
 no torch headers, so they need neither ninja nor torch as a build requirement: the host's C++
 compiler (``$CXX`` or g++) builds them in a second or two into ``$PAGEDLLM_CACHE_DIR`` (default
 ``~/.cache/pagedllm/kernels``), keyed by the source, the shared headers (``cpu_math.h``), the
-flags and the CPU's flags.
+headers beside the source, the flags and the CPU's flags.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
     if not cxx:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     flags = [*flags, f"-I{INCLUDE_DIR}"]
-    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
+    headers = sorted({*INCLUDE_DIR.glob("*.h"), *source.parent.glob("*.h")})  # shared, and the source's own
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
     key = hashlib.sha256(src + " ".join([cxx, *flags]).encode() + cpu_id().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
     lib_path = cache / f"{source.stem}-{key}.so"

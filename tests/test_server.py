@@ -273,8 +273,16 @@ BAD = [
     ("/v1/completions", b"[1, 2]", 400, None),
     ("/v1/completions", b"[" * 100000, 400, None),
     ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt"),
-    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800"}', 404, "model"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages"),
+    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800"}', 400, "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages.0.content"),
+    # a lone surrogate anywhere in the body (a 500, or a stream that never ended, before)
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 2, "request_id": "\\ud800"}', 400, "request_id"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "stream": true, '
+                             b'"request_id": "x\\udfff"}', 400, "request_id"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 2, "bad_words": ["ok", "\\ud800"]}', 400, "bad_words.1"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 2, "metadata": {"\\ud800": "x"}}', 400, "metadata.\\ud800"),
+    ("/tokenize", b'{"prompt": "a", "model": "\\ud800"}', 400, "model"),
+    ("/detokenize", b'{"tokens": [1], "model": "\\ud800"}', 400, "model"),
     ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": 5}, 400, "stream_options"),
     ("/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),

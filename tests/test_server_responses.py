@@ -307,6 +307,32 @@ def test_bad_requests_get_openai_errors(server, http):
         assert post({"input": "hi", "max_output_tokens": 2, "reasoning": reasoning}).status_code == 200
 
 
+@pytest.mark.parametrize("extra,param", [
+    (b'"user": "\\ud800"', "user"),
+    (b'"metadata": {"k": "\\ud800"}, "stream": true', "metadata.k"),
+    (b'"metadata": {"k": "\\ud800"}, "background": true', "metadata.k"),
+    (b'"tools": [{"type": "function", "name": "f", "description": "\\udc00", "parameters": {}}]',
+     "tools.0.description"),
+    (b'"text": {"format": {"type": "json_schema", "name": "\\ud800", "schema": {"type": "object"}}}',
+     "text.format.name"),
+])
+def test_lone_surrogates_are_refused_up_front(http, extra, param):
+    """A field echoed back in the response object that held a lone surrogate made the response
+    unserializable: a 500, or a 200 stream that never ended. Now a 400 naming the field."""
+    body = b'{"model": "' + MODEL.encode() + b'", "input": "a", "max_output_tokens": 2, ' + extra + b"}"
+    r = http.post("/v1/responses", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "lone UTF-16 surrogate" in err["message"], err
+    assert http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2}).status_code == 200
+
+
+def test_a_bad_text_format_schema_names_text_format(http):
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "zzz"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
 def test_input_items_lists_the_request_input(client, http):
     items = [{"role": "developer", "content": "be terse"},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "what is the weather"}]},
@@ -348,6 +374,29 @@ def test_response_store_bounds_count_and_age(monkeypatch):
     assert store.get("r1") is None and store.get("r2") is not None
     with pytest.raises(ValueError):
         ResponseStore(max_count=0)
+
+
+def test_response_store_bounds_bytes():
+    """Input items the template never renders (a reasoning item's encrypted_content) are held too:
+    the store evicts its oldest entries once their JSON passes max_bytes, keeps the newest even
+    when it alone is larger, and its count follows puts, growth at the end and deletes."""
+    store = ResponseStore(max_count=100, ttl_s=100, max_bytes=10_000)
+    blob = [{"type": "reasoning", "summary": [], "encrypted_content": "x" * 3000}]
+    entries = []
+    for i in range(5):
+        entries.append(StoredResponse(response=ResponseObject(id=f"r{i}", model="m"), input_items=blob))
+        store.put(entries[-1])
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert store.nbytes == sum(e.nbytes for e in entries[2:]) and 9000 < store.nbytes <= 10_000
+    entries[4].messages = [{"role": "assistant", "content": "y" * 2000}]  # its output, at the end
+    store.measure(entries[4])
+    assert store.get("r2") is None and store.get("r3") is not None and store.nbytes <= 10_000
+    huge = StoredResponse(response=ResponseObject(id="big", model="m"), input_items=blob * 10)
+    store.put(huge)
+    assert len(store) == 1 and store.get("big") is huge and store.nbytes == huge.nbytes
+    assert store.delete("big") and store.nbytes == 0
+    with pytest.raises(ValueError):
+        ResponseStore(max_bytes=0)
 
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "weather of a city",

@@ -156,6 +156,39 @@ def test_bad_constraints_are_refused(llm):
     assert_pool_empty(llm)
 
 
+def test_a_grammar_past_llguidance_limits_aborts_only_its_request(llm):
+    """A regex llguidance compiles but cannot lex ("too many expressions constructed" on its first
+    token): that request ends with finish_reason "abort" and never goes on unconstrained; the
+    constrained request beside it in the same batch keeps its own grammar."""
+    big = SamplingParams(temperature=1.0, seed=3, max_tokens=12, structured_outputs={"regex": "(a{1000}){1000}"})
+    ok = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs={"regex": REGEX})
+    outs = llm.generate([PROMPT, PROMPT], [big, ok], use_tqdm=False)
+    bad, good = outs[0].outputs[0], outs[1].outputs[0]
+    assert bad.finish_reason == "abort" and set(bad.text) <= {"a"} and len(bad.token_ids) <= 1, bad
+    assert re.fullmatch(REGEX, good.text) and good.finish_reason == "stop", good.text
+    assert_pool_empty(llm)
+
+
+def test_a_mask_that_cannot_be_computed_fails_alone(llm):
+    """fill_bitmask: when llguidance cannot compute one matcher's mask (here an object it does not
+    take, so the batched call raises), the others still get theirs, one at a time; the failed
+    matcher's row allows only EOS and its request is aborted."""
+    from pagedllm.structured_output import matcher as M
+
+    compiler = llm.llm_engine.grammar_compiler
+    real = compiler.matcher(StructuredOutputsParams(regex=REGEX))
+    eos = real.eos_token_id
+    broken = M.GrammarMatcher(object(), real.vocab_size, eos_token_id=eos)
+    mask = M.fill_bitmask([real, broken], real.vocab_size)
+    assert not real.failed and broken.failed
+
+    def allowed(row):
+        return [t for t in range(real.vocab_size) if (int(mask[row, t // 32]) >> (t % 32)) & 1]
+    assert allowed(1) == [eos]
+    tok = llm.get_tokenizer()
+    assert allowed(0) and all(re.fullmatch(r"[0-9]+", tok.decode([t]).strip() or "x") for t in allowed(0)[:50])
+
+
 def test_constraint_survives_chunked_prefill_preemption_and_prefix_cache(llama_dir):
     rng = random.Random(4)
     prompts = [[rng.randrange(6, 400) for _ in range(rng.randrange(60, 140))] for _ in range(6)]

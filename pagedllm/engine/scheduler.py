@@ -284,6 +284,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
+        if req.grammar is not None and req.grammar.failed:  # its output can no longer be constrained
+            return RequestStatus.FINISHED_ABORTED
         if req.num_output_tokens >= sp.min_tokens:
             if token == req.eos_token_id and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

@@ -105,7 +105,7 @@ class GrammarCompiler:
         from pagedllm.structured_output.matcher import GrammarMatcher
 
         return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0),
-                              self.vocab_size)
+                              self.vocab_size, self.ll_tokenizer.eos_token)
 
 
 def make_compiler(tokenizer, vocab_size: int) -> Optional[GrammarCompiler]:

@@ -20,21 +20,28 @@ _executor = None
 
 class GrammarMatcher:
     """``vocab_size``: the width of the grammar's token masks (the larger of the model's logits and
-    the tokenizer's length: a GGUF tokenizer may carry a token the model has no logit for)."""
+    the tokenizer's length: a GGUF tokenizer may carry a token the model has no logit for);
+    ``eos_token_id``: the one token a failed matcher's mask allows."""
 
-    def __init__(self, ll_matcher, vocab_size: int = 0) -> None:
+    def __init__(self, ll_matcher, vocab_size: int = 0, eos_token_id: Optional[int] = None) -> None:
         self._m = ll_matcher
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        # The grammar can no longer follow the output (it rejected a token, or llguidance hit one of
+        # its limits: "too many expressions constructed", a row of over 2,000 items): the engine
+        # then ends the request with finish_reason "abort" rather than go on unconstrained (vLLM's
+        # llguidance backend ends it with EOS instead).
         self.failed = False
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False (and logged once) when the grammar rejects it."""
+        """Advance by one sampled token; False (the matcher failed, logged once) when the grammar
+        rejects it."""
         if self.failed or self._m.is_stopped():
             return True
         if not self._m.consume_token(token_id):
             self.failed = True
             # The error's first line (llguidance appends its state and the whole grammar)
-            logger.warning("structured output: token %d rejected by the grammar (%s); mask lifted",
+            logger.warning("structured output: token %d rejected by the grammar (%s); the request is aborted",
                            token_id, (self._m.get_error() or "").strip().split("\n", 1)[0])
             return False
         return True
@@ -46,7 +53,9 @@ class GrammarMatcher:
 
 def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tensor:
     """int32 bitmask [len(matchers), ceil(vocab_size / 32)] of the tokens each matcher allows
-    next, computed in parallel by llguidance's thread pool. A failed matcher allows every token."""
+    next, computed in parallel by llguidance's thread pool. A matcher whose mask cannot be
+    computed fails (one request's grammar does not lift another's mask); a failed matcher allows
+    only EOS, and the engine aborts its request after this step."""
     import llguidance
     import llguidance.torch
 
@@ -60,11 +69,21 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tenso
         try:
             llguidance.torch.fill_next_token_bitmask_par(_executor, live, mask)
         except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the engine
-            logger.warning("structured output: computing the token mask failed (%s: %s); mask lifted for %d "
-                           "request(s)", type(e).__name__, e, len(live))
-            for m in matchers:
-                m.failed = True
-            mask.fill_(-1)
+            logger.warning("structured output: computing the token masks failed (%s: %s); one request at a time",
+                           type(e).__name__, e)
+            for ll, i in live:
+                try:
+                    llguidance.torch.fill_next_token_bitmask(ll, mask, i)
+                except Exception as e1:  # noqa: BLE001
+                    logger.warning("structured output: computing the token mask failed (%s: %s); the request "
+                                   "is aborted", type(e1).__name__, e1)
+                    matchers[i].failed = True
+    for i, m in enumerate(matchers):
+        if m.failed:
+            mask[i].zero_()
+            eos = m.eos_token_id
+            if eos is not None and 0 <= eos < vocab_size:
+                mask[i, eos // 32] = torch.tensor(1 << (eos % 32), dtype=torch.int64).to(torch.int32)
     return mask
 
 

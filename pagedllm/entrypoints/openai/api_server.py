@@ -45,7 +45,8 @@ from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagedllm.entrypoints.openai.serving_engine import BIG_PROMPT_CHARS, ClientDisconnected, error_body, tokenize_error
+from pagedllm.entrypoints.openai.serving_engine import (
+    BIG_PROMPT_CHARS, BIG_TOKEN_COUNT, ClientDisconnected, error_body, tokenize_error)
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("pagedllm")
@@ -319,7 +320,10 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
                 ids = await asyncio.to_thread(encode) if len(body.prompt) > BIG_PROMPT_CHARS else encode()
             except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate in the text
                 raise tokenize_error("prompt", body.prompt, e) from None
-        strs = chat.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        strs = None
+        if body.return_token_strs:
+            names = functools.partial(chat.tokenizer.convert_ids_to_tokens, ids)
+            strs = await asyncio.to_thread(names) if len(ids) > BIG_TOKEN_COUNT else names()
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len,
                                 token_strs=strs).model_dump()
 
@@ -329,7 +333,9 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         vocab = llm.engine.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise RequestError(f"token ids must be integers in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens)).model_dump()
+        decode = functools.partial(chat.tokenizer.decode, body.tokens)
+        text = await asyncio.to_thread(decode) if len(body.tokens) > BIG_TOKEN_COUNT else decode()
+        return DetokenizeResponse(prompt=text).model_dump()
 
     if dashboard:
         add_dashboard(app, llm, metrics)
@@ -477,7 +483,7 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     host = args.host
     try:
-        store = ResponseStore(args.max_stored_responses, args.stored_response_ttl)
+        store = ResponseStore(args.max_stored_responses, args.stored_response_ttl, args.max_stored_response_bytes)
         sock = _bind(host, args.port)
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", file=sys.stderr)

@@ -37,6 +37,33 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_path(data: Any) -> Optional[str]:
+    """The dotted path (``messages.0.content``, ``metadata.k``; ``""``: the body itself) of the first
+    string or object key (its surrogates written as escapes in the path) in a parsed JSON body that holds a lone UTF-16 surrogate (JSON's
+    ``"\\ud800"`` escape decodes to one), or None. Such a string is not Unicode text: the tokenizer
+    and every JSON encoder refuse it, so the request is refused up front. Iterative: nesting depth
+    is whatever the JSON parser allowed."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for k, v in reversed(items):  # reversed: the first field is looked at first
+                sub = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and _SURROGATE.search(k):  # the key itself, written as its escape
+                    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", sub)
+                stack.append((v, sub))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored, as vLLM does (request models log each name once); NaN/inf are rejected.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
@@ -50,6 +77,21 @@ class OpenAIBaseModel(BaseModel):
         if isinstance(data, dict) and None in data.values():
             fields = cls.model_fields
             data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
+
+class RequestBody(OpenAIBaseModel):
+    """A request body (the endpoints' top-level models): refused with a 400 naming the field when
+    any string in it is not valid Unicode text (see lone_surrogate_path)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            where = f"'{path}'" if path else "the body"
+            raise RequestError(f"{where} is not valid Unicode text: it holds a lone UTF-16 surrogate "
+                               f"(a \\ud800-\\udfff escape without its pair)", param=path or None)
         return data
 
 
@@ -216,7 +258,7 @@ _unknown_logged: set[str] = set()
 _logger = logging.getLogger("pagedllm")
 
 
-class _DocumentedFields(OpenAIBaseModel):
+class _DocumentedFields(RequestBody):
     # OpenAI metadata: accepted, they change nothing about the output.
     metadata: Optional[dict[str, Any]] = None
     prompt_cache_key: Optional[str] = None  # prefix caching is automatic
@@ -677,7 +719,7 @@ class ModelList(OpenAIBaseModel):
 
 
 # ---- /tokenize, /detokenize ----------------------------------------------------------------------
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """Either ``prompt`` (plain text) or ``messages`` (rendered with the chat template)."""
 
     model: Optional[str] = None
@@ -708,7 +750,7 @@ class TokenizeResponse(OpenAIBaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: list[int]
 
@@ -717,7 +759,7 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(RequestBody):
     """``/v1/embeddings`` (OpenAI's Embeddings API): ``input`` is a string, a list of strings, a list
     of token ids, or a list of such lists (at most 2,048 inputs, as OpenAI allows), or (vLLM's chat
     form) ``messages``, one conversation rendered with the chat template; ``dimensions``

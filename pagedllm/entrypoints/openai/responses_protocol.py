@@ -14,7 +14,7 @@ from pydantic import Field, StrictInt, ValidationError, field_validator
 
 import uuid
 
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestError, StructuredOutputsRequest
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, RequestBody, RequestError, StructuredOutputsRequest
 
 _INT32_MAX = 2 ** 31 - 1
 
@@ -144,7 +144,7 @@ class TextConfig(OpenAIBaseModel):
 
 
 # ---- the request --------------------------------------------------------------------------------
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(RequestBody):
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None

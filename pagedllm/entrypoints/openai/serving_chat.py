@@ -23,6 +23,7 @@ from pagedllm.llm import apply_chat_template
 from pagedllm.outputs import PositionLogprobs
 
 _BIG_CONVERSATION_CHARS = 16384
+_BIG_CONVERSATION_MESSAGES = 256  # the template's loop is per message, whatever their size
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -100,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
         args = (req.messages, agp, req.continue_final_message, kwargs, getattr(req, "tools", None))
         size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
                    for m in req.messages)
-        if size > _BIG_CONVERSATION_CHARS:
+        if size > _BIG_CONVERSATION_CHARS or len(req.messages) > _BIG_CONVERSATION_MESSAGES:
             return await asyncio.to_thread(self.render, *args)
         return self.render(*args)
 

@@ -16,6 +16,7 @@ from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 BIG_PROMPT_CHARS = 16384  # tokenize longer prompts off the event loop
+BIG_TOKEN_COUNT = 4096    # and decode (or name) more token ids than this off it too
 
 
 class ClientDisconnected(Exception):
@@ -107,10 +108,11 @@ class OpenAIServing:
                                max_tokens_param, code="context_length_exceeded")
         return max_tokens
 
-    async def verify_logits_fields(self, params: SamplingParams, req) -> None:
+    async def verify_logits_fields(self, params: SamplingParams, req, grammar_param: Optional[str] = None) -> None:
         """Token ids in the vocabulary, bad words tokenized, grammar compiled (off the event loop:
         a large schema takes a while; cached after); logprobs within --max-logprobs. RequestError
-        naming the field otherwise."""
+        naming the field otherwise (``grammar_param``: the field the grammar came from, when the
+        caller knows it)."""
         limit = self.llm.engine.config.model_config.max_logprobs
         name = params.logprobs_above(limit)
         if name:  # named as the client set it (echo's prompt logprobs come from logprobs)
@@ -127,7 +129,7 @@ class OpenAIServing:
             msg = str(e)
             param = next((f for f in ("logit_bias", "allowed_token_ids", "bad_words") if msg.startswith(f)), None)
             if param is None and params.structured_outputs is not None:
-                param = next((f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                param = grammar_param or next((f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
                                           "guided_choice", "guided_grammar", "tools", "tool_choice")
                               if getattr(req, f, None) is not None), None)
             raise RequestError(msg, param) from None

@@ -171,7 +171,10 @@ class OpenAIServingResponses:
         if self.chat.reasoning_parser is not None and self.chat.reasoning_parser.needs_special_tokens:
             params.skip_special_tokens = False  # gpt-oss's channels are special tokens
         params.structured_outputs = self._structured_outputs(req, chat_tools, tool_choice)
-        await self.chat.verify_logits_fields(params, req)
+        fmt = req.text.format if req.text is not None else None
+        grammar_param = ("structured_outputs" if req.structured_outputs is not None else
+                         "text.format" if fmt is not None and fmt.type != "text" else "tool_choice")
+        await self.chat.verify_logits_fields(params, req, grammar_param)
         self.chat.check_priority(req.priority)
 
         response = ResponseObject(
@@ -388,13 +391,21 @@ class OpenAIServingResponses:
             code = "invalid_prompt" if isinstance(e, (ValueError, RequestError)) else "server_error"
             resp.error = ResponseError(code=code, message=str(e) or type(e).__name__)
         finally:
-            await gen.aclose()
-            entry = self.store.get(resp.id) if resp.store else None
-            if entry is not None:
-                entry.messages = run.history + output_messages(resp.output)
-            run.emit(_FINAL_EVENT[resp.status], response=self._dump(resp))
-            if run.stream:
-                run.events.put_nowait(_END)
+            try:
+                await gen.aclose()
+                entry = self.store.get(resp.id) if resp.store else None
+                if entry is not None:
+                    entry.messages = run.history + output_messages(resp.output)
+                    self.store.measure(entry)
+                run.emit(_FINAL_EVENT[resp.status], response=self._dump(resp))
+            except Exception as e:  # noqa: BLE001 - the stream still ends, with an error event
+                logger.warning("response %s: its final event failed: %s: %s", resp.id, type(e).__name__, e)
+                resp.status = "failed"
+                run.emit("error", code="server_error", message=f"the response could not be completed: "
+                         f"{type(e).__name__}", param=None)
+            finally:
+                if run.stream:  # the stream ends whatever happened above
+                    run.events.put_nowait(_END)
 
     @staticmethod
     def _open_reasoning(run: _Run) -> OutputReasoning:

@@ -197,6 +197,30 @@ def test_echo_and_logprobs(client, http):
     assert len(r.choices[0].logprobs.tokens) == 6 and not r.choices[0].text.startswith(prompt)
 
 
+def test_logprob_offsets_and_bytes_across_split_characters(client, llama_dir):
+    """This byte-level BPE (trained on ASCII) splits an emoji or an accented letter into one token per
+    byte: text_offset puts each token where its character starts (the character it completes or
+    holds part of), never going back nor past the text, and each token's bytes are its own (U+FFFD's
+    bytes, EF BF BD, before)."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.engine.output_processor import OutputProcessor
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    prompt = "a \U0001F33E\u00e9\U0001F33E b"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert len(ids) > len(prompt)  # characters split over tokens
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=1, **GREEDY)
+    c = r.choices[0]
+    off = c.logprobs.text_offset
+    want = [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert off[:len(ids)] == want, (off, want)
+    assert off == sorted(off) and off[-1] <= len(c.text) and off[len(ids)] == len(prompt)
+    proc = OutputProcessor(tok)
+    assert b"".join(proc.token_bytes(t) for t in ids) == prompt.encode()
+    assert proc.token_bytes(ids[0]) == b"a"
+
+
 def test_chat_continue_final_message(client, http):
     messages = [{"role": "user", "content": "speak"}, {"role": "assistant", "content": "the king"}]
     tok = http.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()
@@ -218,7 +242,8 @@ def test_chat_logprobs(client):
     for entry in content:
         assert len(entry.top_logprobs) == 3
         assert abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-5  # greedy picks the top token
-        assert entry.bytes == list(entry.token.encode())
+        if "\ufffd" not in entry.token:  # a token holding part of a character has its own bytes
+            assert entry.bytes == list(entry.token.encode())
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
     assert r.choices[0].logprobs is None
 

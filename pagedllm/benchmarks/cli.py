@@ -30,7 +30,7 @@ COMMANDS = {
 def register_subparser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` (with its subcommands) to a parent CLI's ``add_subparsers()`` object. Every
     leaf parser sets ``func`` (called with the parsed args)."""
-    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, matmul, prefix-caching)",
+    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, matmul, prefix-caching, quantization)",
                                   description="Benchmarks. Each run writes a JSON result and a PNG plot into "
                                               "--output-dir (default bench_results/).")
     sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import random
 import time
 from typing import Optional
@@ -267,6 +268,10 @@ def run_throughput(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if "quality" in args.what and not os.path.isfile(args.text):  # before any model loads
+        raise SystemExit(f"pagedllm bench quantization: error: no held-out text at {args.text!r} (the default is "
+                         f"this project's ../shared/data corpus); pass --text FILE, any plain-text file of a few "
+                         f"thousand tokens, or --what matmul throughput")
     result: dict = {"meta": run_metadata(), "model": args.model or "demo", "threads": torch.get_num_threads()}
     if "quality" in args.what:
         result["quality"] = run_quality(args)

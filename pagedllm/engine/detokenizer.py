@@ -65,3 +65,42 @@ class IncrementalDetokenizer:
         if finished or not self.stop or self.include_stop or self.max_stop_len <= 1:
             return self.output_text
         return self.output_text[: max(0, len(self.output_text) - (self.max_stop_len - 1))]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``: printable
+    Latin-1 bytes stand for themselves, the other 68 map to U+0100 onwards), inverted: char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The bytes of one token (OpenAI's logprob ``bytes``), given its decoded ``text``: the text's
+    UTF-8, except for a token that holds part of a character (its text decodes to U+FFFD), whose
+    own bytes come from its vocabulary entry: a SentencePiece byte-fallback piece ``<0xNN>``, or
+    byte-level BPE's stand-ins (an emoji split over three GPT-2-style tokens gives, say, ``ðŁ``,
+    ``Į``, ``¾``: bytes F0 9F, 8C, BE). Without either, the text's UTF-8 (EF BF BD)."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view
+        piece = None
+    if isinstance(piece, str) and piece:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode("utf-8")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
 from pagedllm.engine.request import Request
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -25,6 +25,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self._token_text_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: list[Request]) -> None:
@@ -40,6 +41,13 @@ class OutputProcessor:
             text = self.tokenizer.decode([token_id])
             self._token_text_cache[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (detokenizer.token_bytes), cached."""
+        b = self._token_bytes_cache.get(token_id)
+        if b is None:
+            b = self._token_bytes_cache[token_id] = token_bytes(self.tokenizer, token_id, self.token_text(token_id))
+        return b
 
     def make_logprobs(self, lp: tuple[float, int, list[int], list[float]], token_id: int) -> dict[int, Logprob]:
         value, rank, top_ids, top_vals = lp

@@ -105,10 +105,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="int8 = W8A8: int8 weights (per output channel) and activations (per token), int32 "
                         "matmuls, after SmoothQuant smoothing calibrated at load (PAGEDLLM_SMOOTHQUANT_ALPHA=0: "
                         "off; then a GGUF file's Q8_0 blocks go straight in); int8-g64: activation scales per "
-                        "token and group of 64 features (slower prefill); default: none")
+                        "token and group of 64 features (slower prefill) (default: none)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's max_position_embeddings")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of GPUs (tensor parallel)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel ranks: GPUs, or CPU processes (cores split between them)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="pipeline stages (the layers split over processes/GPUs; world size = TP x PP)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
@@ -152,7 +152,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's text: hermes, llama3_json, openai (gpt-oss)")
     p.add_argument("--reasoning-parser", default=None,
                    help="split a reasoning model's <think>...</think> into message.reasoning (deepseek_r1: the "
-                        "opening tag optional; qwen3: only an output that opens with it)")
+                        "opening tag optional; qwen3: only an output that opens with it); openai_gptoss: gpt-oss's "
+                        "analysis channel")
     p.add_argument("--max-request-bytes", type=parse_size, default=4 * 2 ** 20,
                    help="largest accepted request body; bigger ones get 413")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -190,11 +190,10 @@ class OpenAIServingChat(OpenAIServing):
             tok = entry.decoded_token if entry.decoded_token is not None else self.token_text(tid)
             tops = sorted(pos.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
             top = [ChatLogProb(token=(v.decoded_token if v.decoded_token is not None else self.token_text(t)),
-                               logprob=json_logprob(v.logprob),
-                               bytes=list((v.decoded_token or "").encode("utf-8")))
+                               logprob=json_logprob(v.logprob), bytes=list(self.token_bytes(t)))
                    for t, v in tops]
             out.append(ChatLogProbsContent(token=tok, logprob=json_logprob(entry.logprob),
-                                           bytes=list(tok.encode("utf-8")), top_logprobs=top))
+                                           bytes=list(self.token_bytes(tid)), top_logprobs=top))
         return out
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, gen,

@@ -2,6 +2,7 @@
 prompt index * n + i), streamed as SSE deltas or returned whole."""
 from __future__ import annotations
 
+import codecs
 import time
 from typing import AsyncIterator, Optional
 
@@ -80,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if req.echo:
                         self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0)
                     offset = len(prompt_texts[i]) if req.echo else 0
-                    self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset)
+                    self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset, skipped=self._skipped_ids(req))
                 if req.echo:
                     text = prompt_texts[i] + text
                 plp = prompt_logprobs_of(out.prompt_logprobs) if req.prompt_logprobs is not None else None
@@ -146,9 +147,19 @@ class OpenAIServingCompletion(OpenAIServing):
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
+    def _skipped_ids(self, req: CompletionRequest) -> frozenset:
+        """The special tokens a completion's text leaves out (``skip_special_tokens``, the default)."""
+        return frozenset(self.tokenizer.all_special_ids) if req.skip_special_tokens else frozenset()
+
     def _add_logprobs(self, lp: CompletionLogProbs, token_ids: list[int],
-                      positions: Optional[list[Optional[PositionLogprobs]]], offset: int) -> int:
-        """Append one entry per token to ``lp``; returns the text offset after the last token."""
+                      positions: Optional[list[Optional[PositionLogprobs]]], offset: int,
+                      chars: Optional[codecs.IncrementalDecoder] = None, skipped: frozenset = frozenset()) -> int:
+        """Append one entry per token to ``lp``; returns the text offset after the last token.
+        ``text_offset`` counts the characters the tokens before complete: ``chars`` (a UTF-8
+        decoder, carried from one call to the next for one choice's stream) takes each token's bytes,
+        so a token holding part of a character starts where that character does; the ids in
+        ``skipped`` (special tokens the text leaves out) add none."""
+        chars = chars if chars is not None else codecs.getincrementaldecoder("utf-8")("replace")
         positions = positions or []
         for j, tid in enumerate(token_ids):
             pos = positions[j] if j < len(positions) else None
@@ -167,7 +178,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     top.setdefault(s, json_logprob(v.logprob))
                 lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
-            offset += len(tok)
+            if tid not in skipped:
+                offset += len(chars.decode(self.token_bytes(tid)))
         return offset
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str, gens: list,
@@ -179,6 +191,7 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_text = [0] * num_choices
         sent_tokens = [0] * num_choices
         offsets = [0] * num_choices
+        decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(num_choices)]
         done = [False] * num_choices
         completion_tokens = [0] * num_choices
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -200,7 +213,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0)
                             offsets[idx] = len(prompt_texts[i])
                         new_lps = (c.logprobs or [])[sent_tokens[idx]:]
-                        offsets[idx] = self._add_logprobs(logprobs, new_ids, new_lps, offsets[idx])
+                        offsets[idx] = self._add_logprobs(logprobs, new_ids, new_lps, offsets[idx], decoders[idx],
+                                                          self._skipped_ids(req))
                     elif not new_text and c.finish_reason is None:
                         continue  # text held back (partial stop string / UTF-8); nothing to show yet
                     sent_text[idx] = len(c.text)

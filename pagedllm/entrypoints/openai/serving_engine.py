@@ -165,6 +165,10 @@ class OpenAIServing:
         """Text of one token, from the engine's cache of decoded tokens (shared with logprobs)."""
         return self.llm.engine.output_processor.token_text(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of one token: its text's UTF-8, or its own bytes where it holds part of a character."""
+        return self.llm.engine.output_processor.token_bytes(token_id)
+
 
 async def merge_streams(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several output streams as ``(stream index, output)``. Closing the merged

@@ -129,6 +129,7 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
             # 1. under load: the grid's counts equal the engine's own numbers of the same moment (the
             # scheduler's usage and queues, the pool's O(1) count of cached blocks, not the bitmap the grid
             # is drawn from); /metrics, read a moment later by this test, is close (the page may lag)
+            shared = []
             for _ in range(5):
                 seen = page.evaluate("(() => { const d = window.pagedllmDashboard, s = d.snapshot();"
                                      " return {c: d.counts(), s: s.stats, n: s.num_blocks,"
@@ -143,11 +144,14 @@ def test_page_in_a_browser_under_load(llama_dir, tmp_path):
                 assert c["cached"] == s["num_cached_free_blocks"]
                 assert seen["rows"] == [s["num_running"], s["num_waiting"]]
                 assert seen["chips"] == [c["free"], c["used"], c["shared"], c["cached"]]
-                assert c["shared"] > 0                                      # shared prefix, n = 2
+                shared.append(c["shared"])
                 assert 1 <= s["num_running"] <= 6   # --max-num-seqs 6 counts every sample of n = 2
                 assert metric(text, "pagedllm:kv_cache_blocks", state="used") > 0
                 assert metric(text, "pagedllm:num_requests_running") + metric(text, "pagedllm:num_requests_waiting") > 0
                 time.sleep(0.3)
+            # shared prefix, n = 2: at some moment (under a loaded CPU, the few running sequences of one
+            # moment may all be unshared ones: a clean-clone CI run saw 0 in a snapshot)
+            assert max(shared) > 0, shared
             # the page fits its window: long request ids and block tables do not widen it past the header
             assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), \
                 page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")

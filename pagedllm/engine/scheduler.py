@@ -38,6 +38,10 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
 
 
+# stop_reason of a request aborted because its grammar could not follow the output (finish_reason "abort")
+GRAMMAR_FAILED = "structured output: the grammar could not be followed (see the server log)"
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan: ``scheduled`` lists (request, number of new tokens) in batch order."""
@@ -285,6 +289,7 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
         if req.grammar is not None and req.grammar.failed:  # its output can no longer be constrained
+            req.stop_reason = GRAMMAR_FAILED
             return RequestStatus.FINISHED_ABORTED
         if req.num_output_tokens >= sp.min_tokens:
             if token == req.eos_token_id and not sp.ignore_eos:

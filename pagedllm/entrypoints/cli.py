@@ -163,8 +163,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stored-response-ttl", type=float, default=3600.0,
                    help="Responses API: seconds a stored response is kept")
     p.add_argument("--max-stored-response-bytes", type=parse_size, default=256 * 2 ** 20,
-                   help="Responses API: most bytes the stored responses may hold, their input items and "
-                        "conversations as JSON (oldest evicted first); e.g. 256MiB")
+                   help="Responses API: most bytes the stored responses may hold (response objects, input "
+                        "items, conversations and background events, as JSON; oldest evicted first); e.g. 256MiB")
     p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live block-pool dashboard at /dashboard (--no-dashboard: off)")
     # HTTP limits (uvicorn's names) and CORS (vLLM's flags and defaults)

@@ -36,7 +36,11 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (the matcher failed, logged once) when the grammar
         rejects it."""
-        if self.failed or self._m.is_stopped():
+        if self.failed:
+            return True
+        if self.check_error("before a token"):
+            return False
+        if self._m.is_stopped():
             return True
         if not self._m.consume_token(token_id):
             self.failed = True
@@ -44,6 +48,19 @@ class GrammarMatcher:
             logger.warning("structured output: token %d rejected by the grammar (%s); the request is aborted",
                            token_id, (self._m.get_error() or "").strip().split("\n", 1)[0])
             return False
+        return True
+
+    def check_error(self, where: str) -> bool:
+        """Fail (logged once) if llguidance put the matcher in its error state: a limit hit while
+        computing a mask ("Too many items (limit 50000; mask)", lexer states) leaves it there, with a
+        mask that allows only EOS, which would end the request as an ordinary stop."""
+        if self.failed:
+            return True
+        if not self._m.is_error():
+            return False
+        self.failed = True
+        logger.warning("structured output: the grammar failed %s (%s); the request is aborted", where,
+                       (self._m.get_error() or "").strip().split("\n", 1)[0])
         return True
 
     @property
@@ -79,7 +96,7 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tenso
                                    "is aborted", type(e1).__name__, e1)
                     matchers[i].failed = True
     for i, m in enumerate(matchers):
-        if m.failed:
+        if m.failed or m.check_error("computing its token mask"):
             mask[i].zero_()
             eos = m.eos_token_id
             if eos is not None and 0 <= eos < vocab_size:

@@ -38,29 +38,42 @@ def random_id(prefix: str) -> str:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset((int, float, bool, type(None)))
 
 
 def lone_surrogate_path(data: Any) -> Optional[str]:
-    """The dotted path (``messages.0.content``, ``metadata.k``; ``""``: the body itself) of the first
-    string or object key (its surrogates written as escapes in the path) in a parsed JSON body that holds a lone UTF-16 surrogate (JSON's
-    ``"\\ud800"`` escape decodes to one), or None. Such a string is not Unicode text: the tokenizer
-    and every JSON encoder refuse it, so the request is refused up front. Iterative: nesting depth
-    is whatever the JSON parser allowed."""
-    stack: list[tuple[Any, str]] = [(data, "")]
+    """The dotted path (``messages.0.content``, ``metadata.k``; ``""``: the body itself) of a string
+    or object key (its surrogates written as escapes in the path) in a parsed JSON body that holds a
+    lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape decodes to one), or None. Such a string is not
+    Unicode text: the tokenizer and every JSON encoder refuse it, so the request is refused up front.
+    Iterative (nesting depth is whatever the JSON parser allowed); paths are built only for the one
+    found, so a million token ids cost one type check each."""
+    def path_of(node: Any) -> str:
+        keys = []
+        while node is not None:
+            node, key = node
+            keys.append(_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", str(key)))
+        return ".".join(reversed(keys))
+
+    if isinstance(data, str):
+        return "" if _SURROGATE.search(data) else None
+    if not isinstance(data, (dict, list)):
+        return None
+    stack: list[tuple[Any, Any]] = [(data, None)]  # (container, its path as (parent path, key) links)
     while stack:
         value, path = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return path
-        elif isinstance(value, dict):
-            items = list(value.items())
-            for k, v in reversed(items):  # reversed: the first field is looked at first
-                sub = f"{path}.{k}" if path else str(k)
-                if isinstance(k, str) and _SURROGATE.search(k):  # the key itself, written as its escape
-                    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", sub)
-                stack.append((v, sub))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in reversed(list(enumerate(value))))
+        if isinstance(value, list) and _SCALARS.issuperset(map(type, value)):
+            continue  # token ids, numbers: one pass in C
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and _SURROGATE.search(k):
+                return path_of((path, k))
+            c = v.__class__
+            if c is str:
+                if _SURROGATE.search(v):
+                    return path_of((path, k))
+            elif c is dict or c is list:
+                stack.append((v, (path, k)))
     return None
 
 

@@ -3,9 +3,10 @@
 A stored entry keeps the response object (what ``GET /v1/responses/{id}`` returns) and the whole
 conversation it ended (chat messages, ``instructions`` excluded) so that ``previous_response_id``
 can continue it, as OpenAI's API does. The oldest entries are evicted first once ``max_count`` is
-reached or their sizes (their input items and conversation as JSON) pass ``max_bytes``: a request's
-input may carry megabytes that are never rendered (a reasoning item's ``encrypted_content``), and a
-chained conversation is kept whole by each of its responses. Entries older than ``ttl_s`` seconds
+reached or their sizes (the response object, input items, conversation and events as JSON) pass
+``max_bytes``: a request's input may carry megabytes that are never rendered (a reasoning item's
+``encrypted_content``, a schema's descriptions), and a chained conversation is kept whole by each of
+its responses. Entries older than ``ttl_s`` seconds
 are gone (404).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ class StoredResponse:
     events: Optional[list[dict]] = None  # a background response's stream events (replayed on a streamed GET)
     created: float = field(default_factory=lambda: time.monotonic())
     cancel: Optional[Callable[[], None]] = None           # set while the response is still being generated
-    nbytes: int = 0  # its input items and conversation as JSON, when last measured (ResponseStore.measure)
+    nbytes: int = 0  # its JSON's size when last measured (ResponseStore._size)
 
 
 class ResponseStore:
@@ -66,7 +67,10 @@ class ResponseStore:
 
     @staticmethod
     def _size(entry: StoredResponse) -> int:
-        return len(json.dumps(entry.input_items, default=str)) + len(json.dumps(entry.messages, default=str))
+        """Characters of its JSON: the response object (its schema, tools, instructions, metadata and
+        output), the input items, the conversation and a background response's events."""
+        return (len(entry.response.model_dump_json()) + len(json.dumps(entry.input_items, default=str))
+                + len(json.dumps(entry.messages, default=str)) + len(json.dumps(entry.events or [], default=str)))
 
     def put(self, entry: StoredResponse) -> None:
         size = self._size(entry)  # outside the lock: a large input takes a while

@@ -78,10 +78,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = CompletionLogProbs()
+                    skipped = self._skipped_ids(req)
                     if req.echo:
-                        self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0)
+                        self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0, skipped=skipped,
+                                           limit=len(prompt_texts[i]))
                     offset = len(prompt_texts[i]) if req.echo else 0
-                    self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset, skipped=self._skipped_ids(req))
+                    self._add_logprobs(logprobs, c.token_ids, c.logprobs, offset, skipped=skipped,
+                                       limit=offset + len(c.text))
                 if req.echo:
                     text = prompt_texts[i] + text
                 plp = prompt_logprobs_of(out.prompt_logprobs) if req.prompt_logprobs is not None else None
@@ -120,7 +123,8 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs, plp = None, None
             if finals[i] is not None and req.logprobs is not None:
                 logprobs = CompletionLogProbs()
-                self._add_logprobs(logprobs, ids, finals[i].prompt_logprobs, 0)
+                self._add_logprobs(logprobs, ids, finals[i].prompt_logprobs, 0, skipped=self._skipped_ids(req),
+                                   limit=len(prompt_texts[i]))
             if finals[i] is not None and req.prompt_logprobs is not None:
                 plp = prompt_logprobs_of(finals[i].prompt_logprobs)
             for j in range(req.n):
@@ -153,12 +157,15 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _add_logprobs(self, lp: CompletionLogProbs, token_ids: list[int],
                       positions: Optional[list[Optional[PositionLogprobs]]], offset: int,
-                      chars: Optional[codecs.IncrementalDecoder] = None, skipped: frozenset = frozenset()) -> int:
+                      chars: Optional[codecs.IncrementalDecoder] = None, skipped: frozenset = frozenset(),
+                      limit: Optional[int] = None) -> int:
         """Append one entry per token to ``lp``; returns the text offset after the last token.
         ``text_offset`` counts the characters the tokens before complete: ``chars`` (a UTF-8
         decoder, carried from one call to the next for one choice's stream) takes each token's bytes,
         so a token holding part of a character starts where that character does; the ids in
-        ``skipped`` (special tokens the text leaves out) add none."""
+        ``skipped`` (special tokens the text leaves out) add none. No offset goes past ``limit``, the
+        length of the text returned so far (a last token cut in the middle of a character is held
+        back from the text whole, a space before it included)."""
         chars = chars if chars is not None else codecs.getincrementaldecoder("utf-8")("replace")
         positions = positions or []
         for j, tid in enumerate(token_ids):
@@ -177,7 +184,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     s = v.decoded_token if v.decoded_token is not None else self.token_text(t)
                     top.setdefault(s, json_logprob(v.logprob))
                 lp.top_logprobs.append(top)
-            lp.text_offset.append(offset)
+            lp.text_offset.append(offset if limit is None else min(offset, limit))
             if tid not in skipped:
                 offset += len(chars.decode(self.token_bytes(tid)))
         return offset
@@ -209,12 +216,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs = CompletionLogProbs()
+                        base = len(prompt_texts[i]) if req.echo else 0
                         if first and req.echo:
-                            self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0)
-                            offsets[idx] = len(prompt_texts[i])
+                            self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0,
+                                               skipped=self._skipped_ids(req), limit=base)
+                            offsets[idx] = base
                         new_lps = (c.logprobs or [])[sent_tokens[idx]:]
                         offsets[idx] = self._add_logprobs(logprobs, new_ids, new_lps, offsets[idx], decoders[idx],
-                                                          self._skipped_ids(req))
+                                                          self._skipped_ids(req), limit=base + len(c.text))
                     elif not new_text and c.finish_reason is None:
                         continue  # text held back (partial stop string / UTF-8); nothing to show yet
                     sent_text[idx] = len(c.text)

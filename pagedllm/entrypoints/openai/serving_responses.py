@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pagedllm.engine.scheduler import GRAMMAR_FAILED
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionToolParam, FunctionDefinition, NamedFunction, NamedToolChoice, RequestError, _json_or_text,
     sampling_params_from, structured_outputs_from_request)
@@ -347,7 +348,7 @@ class OpenAIServingResponses:
                 raise RuntimeError("the engine returned no output")
             c = out.outputs[0]
             length = c.finish_reason == "length"
-            aborted = c.finish_reason == "abort"  # the engine ended it (server shutting down)
+            aborted = c.finish_reason == "abort"  # the engine ended it (shutting down, or a grammar failed)
             if run.tools is not None:
                 self._emit_parsed(run, c.text, c.finish_reason)
             elif message is None:  # the output ended inside its thought
@@ -370,7 +371,10 @@ class OpenAIServingResponses:
                                        output_tokens=len(c.token_ids),
                                        output_tokens_details=OutputTokensDetails(reasoning_tokens=thought),
                                        total_tokens=num_input_tokens + len(c.token_ids))
-            if aborted:
+            if aborted and c.stop_reason == GRAMMAR_FAILED:
+                resp.status = "failed"
+                resp.error = ResponseError(code="server_error", message=GRAMMAR_FAILED)
+            elif aborted:
                 resp.status = "failed"
                 resp.error = ResponseError(code="server_error", message="the server aborted the request "
                                            "(it is shutting down) before the response was complete")

@@ -318,8 +318,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
             encode = functools.partial(chat.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
             try:  # a long text is tokenized off the event loop, as for completions
                 ids = await asyncio.to_thread(encode) if len(body.prompt) > BIG_PROMPT_CHARS else encode()
-            except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate in the text
-                raise tokenize_error("prompt", body.prompt, e) from None
+            except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the client's text
+                raise tokenize_error("prompt", e) from None
         strs = None
         if body.return_token_strs:
             names = functools.partial(chat.tokenizer.convert_ids_to_tokens, ids)

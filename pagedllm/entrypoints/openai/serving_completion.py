@@ -71,6 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await run_unless_disconnected(raw_request, collect())
         choices = []
         completion_tokens = 0
+        skipped = self._skipped_ids(req)
         for i, out in enumerate(finals):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -78,7 +79,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = CompletionLogProbs()
-                    skipped = self._skipped_ids(req)
                     if req.echo:
                         self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0, skipped=skipped,
                                            limit=len(prompt_texts[i]))
@@ -119,11 +119,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
             await run_unless_disconnected(raw_request, collect())
         choices = []
+        skipped = self._skipped_ids(req)
         for i, ids in enumerate(prompt_ids):
             logprobs, plp = None, None
             if finals[i] is not None and req.logprobs is not None:
                 logprobs = CompletionLogProbs()
-                self._add_logprobs(logprobs, ids, finals[i].prompt_logprobs, 0, skipped=self._skipped_ids(req),
+                self._add_logprobs(logprobs, ids, finals[i].prompt_logprobs, 0, skipped=skipped,
                                    limit=len(prompt_texts[i]))
             if finals[i] is not None and req.prompt_logprobs is not None:
                 plp = prompt_logprobs_of(finals[i].prompt_logprobs)
@@ -199,6 +200,7 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_tokens = [0] * num_choices
         offsets = [0] * num_choices
         decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(num_choices)]
+        skipped = self._skipped_ids(req)
         done = [False] * num_choices
         completion_tokens = [0] * num_choices
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -219,11 +221,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         base = len(prompt_texts[i]) if req.echo else 0
                         if first and req.echo:
                             self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs, 0,
-                                               skipped=self._skipped_ids(req), limit=base)
+                                               skipped=skipped, limit=base)
                             offsets[idx] = base
                         new_lps = (c.logprobs or [])[sent_tokens[idx]:]
                         offsets[idx] = self._add_logprobs(logprobs, new_ids, new_lps, offsets[idx], decoders[idx],
-                                                          self._skipped_ids(req), limit=base + len(c.text))
+                                                          skipped, limit=base + len(c.text))
                     elif not new_text and c.finish_reason is None:
                         continue  # text held back (partial stop string / UTF-8); nothing to show yet
                     sent_text[idx] = len(c.text)

@@ -28,13 +28,9 @@ def error_body(message: str, type_: str = "invalid_request_error", param: Option
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
 
 
-def tokenize_error(param: str, text: object, e: Exception) -> RequestError:
-    """The 400 for a text the tokenizer rejected (``e``): a lone surrogate named as such."""
-    if isinstance(text, str):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return RequestError(f"the {param} is not valid Unicode text (it holds a lone UTF-16 surrogate)", param)
+def tokenize_error(param: str, e: Exception) -> RequestError:
+    """The 400 for a text the tokenizer rejected (``e``). A lone surrogate never gets this far: the
+    request models refuse it (protocol.RequestBody)."""
     return RequestError(f"cannot tokenize the {param}: {type(e).__name__}: {str(e)[:200]}", param)
 
 
@@ -73,8 +69,8 @@ class OpenAIServing:
             encode = functools.partial(self.tokenizer.encode, prompt, add_special_tokens=False)
             try:
                 ids = await asyncio.to_thread(encode) if offload or len(prompt) > BIG_PROMPT_CHARS else encode()
-            except Exception as e:  # noqa: BLE001 - the tokenizer rejects some strings (lone surrogates)
-                raise tokenize_error(param, prompt, e) from None
+            except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the client's text
+                raise tokenize_error(param, e) from None
             prompt = ids
         try:
             if isinstance(prompt, str) and (offload or len(prompt) > BIG_PROMPT_CHARS):
@@ -83,8 +79,8 @@ class OpenAIServing:
                 _, ids = self.llm.engine.tokenize_prompt(prompt)
         except ValueError as e:
             raise RequestError(str(e), param) from None
-        except Exception as e:  # noqa: BLE001 - the tokenizer rejects some strings (lone surrogates)
-            raise tokenize_error(param, prompt, e) from None
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the client's text
+            raise tokenize_error(param, e) from None
         return ids
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int],

@@ -171,10 +171,7 @@ class OpenAIServingResponses:
         params = self._sampling_params(req, max_tokens)
         if self.chat.reasoning_parser is not None and self.chat.reasoning_parser.needs_special_tokens:
             params.skip_special_tokens = False  # gpt-oss's channels are special tokens
-        params.structured_outputs = self._structured_outputs(req, chat_tools, tool_choice)
-        fmt = req.text.format if req.text is not None else None
-        grammar_param = ("structured_outputs" if req.structured_outputs is not None else
-                         "text.format" if fmt is not None and fmt.type != "text" else "tool_choice")
+        params.structured_outputs, grammar_param = self._structured_outputs(req, chat_tools, tool_choice)
         await self.chat.verify_logits_fields(params, req, grammar_param)
         self.chat.check_priority(req.priority)
 
@@ -226,26 +223,27 @@ class OpenAIServingResponses:
         return choice
 
     @staticmethod
-    def _structured_outputs(req: ResponsesRequest, chat_tools: list, tool_choice) -> Optional[StructuredOutputsParams]:
+    def _structured_outputs(req: ResponsesRequest, chat_tools: list,
+                            tool_choice) -> tuple[Optional[StructuredOutputsParams], str]:
         """``text.format`` (json_object / json_schema), vLLM's ``structured_outputs`` or a forced
-        tool_choice as the output's grammar."""
+        tool_choice as the output's grammar, with the field it came from (for a compile error)."""
         forced = tool_choice_structured_outputs(chat_tools, tool_choice, req.parallel_tool_calls)
         fmt = req.text.format if req.text is not None else None
         if req.structured_outputs is not None:
             if forced is not None or (fmt is not None and fmt.type != "text"):
                 raise RequestError("structured_outputs cannot be combined with text.format or a forced "
                                    "tool_choice", "structured_outputs")
-            return structured_outputs_from_request(req)
+            return structured_outputs_from_request(req), "structured_outputs"
         if fmt is None or fmt.type == "text":
-            return forced
+            return forced, "tool_choice"
         if forced is not None:
             raise RequestError("a forced tool_choice cannot be combined with text.format", "tool_choice")
         if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json_object=True), "text.format"
         if fmt.schema_ is None:
             raise RequestError("text.format of type json_schema needs a schema", "text.format.schema")
         try:
-            return StructuredOutputsParams(json=fmt.schema_)
+            return StructuredOutputsParams(json=fmt.schema_), "text.format"
         except ValueError as e:
             raise RequestError(f"text.format: {e}", "text.format") from None
 

@@ -203,7 +203,7 @@ def cpu_has_native_bf16() -> bool:
 def cpu_bf16_gemm() -> bool:
     """Whether ``float_gemm_cpu`` has a bf16 GEMM on this CPU (AVX512-BF16, or AVX2 widening bf16 to
     float32; builds the library on first use, as loading a model would)."""
-    from pagedllm.layers import float_gemm_cpu
+    from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
 
     lib, _ = float_gemm_cpu._LIBRARY.get()
     return lib is not None and lib.float_gemm_level() >= 2
@@ -367,7 +367,7 @@ class EngineArgs:
         cpu_space, cpu_space_reason = None, ""
         threads, threads_reason = 0, ""
         if device == "cpu":
-            from pagedllm.worker.cpu_threads import resolve_num_threads
+            from pagedllm.platforms.cpu.threads import resolve_num_threads
             from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes
 
             if self.kv_cache_memory is None and self.gpu_memory_utilization is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import AttentionMetadata, TorchPagedAttention, get_attention_backend, write_kv
-from pagedllm.layers.attention.cpu_kernel import paged_attention
+from pagedllm.layers.attention.cpu_backend import paged_attention
 
 
 def make_batch(seqs: list[tuple[int, int]], block_size: int, hkv: int, group: int, d: int, dtype, seed: int):
@@ -141,7 +141,7 @@ def test_selector_names_and_refusals():
 # ---- the compiled CPU kernel against the reference ----
 
 def _kernel():
-    from pagedllm.layers.attention.cpu_kernel import CpuPagedAttention, load_kernel
+    from pagedllm.layers.attention.cpu_backend import CpuPagedAttention, load_kernel
 
     lib, err = load_kernel()
     if lib is None:
@@ -301,7 +301,7 @@ def test_selector_auto_picks_kernel_on_cpu_and_refuses_cuda():
 
 def test_auto_falls_back_to_reference_with_one_log_line(monkeypatch, tmp_path):
     """No compiler: the build fails with a reason, and auto logs it once and runs the reference."""
-    from pagedllm.layers.attention import cpu_kernel
+    from pagedllm.platforms.cpu import attention as cpu_kernel
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))

@@ -12,7 +12,7 @@ import torch
 import pagedllm.config as config_mod
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs, resolve_dtype
-from pagedllm.worker import cpu_threads
+from pagedllm.platforms.cpu import threads as cpu_threads
 from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes, physical_memory_bytes
 
 from conftest import assert_pool_empty, build_checkpoint
@@ -101,7 +101,7 @@ def test_threads(monkeypatch):
 
 _POOL_SCRIPT = """
 import os, time, torch
-from pagedllm.worker.cpu_threads import release_openmp_threads
+from pagedllm.platforms.cpu.threads import release_openmp_threads
 torch.set_num_threads(3)
 tids = lambda: set(os.listdir("/proc/self/task"))
 x = torch.randn(1 << 20)

@@ -1,4 +1,4 @@
-"""The CPU layer runner (layers/cpu_layer_runner.py: all decoder layers in one C call a step)
+"""The CPU layer runner (platforms/cpu/layer_runner.py: all decoder layers in one C call a step)
 against the Python layer loop it replaces: bit-identical logprobs in batches that mix decodes with
 chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
 transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 1, 2 and 3, Phi-3, Granite,
@@ -14,9 +14,9 @@ import torch
 from conftest import assert_pool_empty, build_checkpoint
 from test_correctness import PROMPT_LENS, greedy, make_prompts, reference
 from pagedllm import LLM
-from pagedllm.layers import cpu_layer_runner, float_gemm_cpu
-from pagedllm.layers.attention import cpu_kernel
-from pagedllm.layers.cpu_layer_runner import CpuLayerRunner
+from pagedllm.platforms.cpu import layer_runner as cpu_layer_runner, float_gemm as float_gemm_cpu
+from pagedllm.platforms.cpu import attention as cpu_kernel
+from pagedllm.platforms.cpu.layer_runner import CpuLayerRunner
 from pagedllm.logger import init_logger
 
 # Wide enough that every linear packs for float_gemm_cpu (>= 4 panels a thread, up to 4 threads).

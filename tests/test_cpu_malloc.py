@@ -1,4 +1,4 @@
-"""worker/cpu_malloc.py: with the settings applied, a large tensor freed and allocated again reuses
+"""platforms/cpu/malloc.py: with the settings applied, a large tensor freed and allocated again reuses
 its pages (no new page faults); without them (the switch off) glibc maps fresh pages each time."""
 import os
 import subprocess
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confs
 # 64 MiB: above glibc's largest adaptive mmap threshold (32 MiB), so plain glibc mmaps it every time.
 CHILD = r"""
 import resource, torch
-from pagedllm.worker import cpu_malloc
+from pagedllm.platforms.cpu import malloc as cpu_malloc
 applied = cpu_malloc.keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(4):  # warm-up: the first allocations grow the heap
@@ -48,7 +48,7 @@ def test_switch_off_leaves_glibc_defaults():
 ENGINE_CHILD = r"""
 import sys
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker import cpu_malloc
+from pagedllm.platforms.cpu import malloc as cpu_malloc
 assert not cpu_malloc._applied
 llm = LLM(sys.argv[1], max_model_len=64, kv_cache_memory=1 << 20)
 llm.generate(["hello"], SamplingParams(max_tokens=2))

@@ -1,4 +1,4 @@
-"""The float GEMM of layers/float_gemm_cpu.cpp: float32 and bfloat16 results against a float64
+"""The float GEMM of platforms/cpu/float_gemm.cpp: float32 and bfloat16 results against a float64
 reference over the kernel's row tiles (1-24 rows, remainders), panel runs (1-4 panels a thread) and
 a partial last panel, with and without bias, on strided rows; and the linear layer's use of it."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers import float_gemm_cpu
+from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 _lib, _err = float_gemm_cpu._LIBRARY.get()

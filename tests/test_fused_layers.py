@@ -1,6 +1,6 @@
 """The fused elementwise layers (add + RMSNorm, in-place RoPE with cos/sin gathered once, SiLU*mul)
 against transformers' own Llama modules, on both paths: PyTorch ops ("torch": float32 and bfloat16
-results equal bit for bit) and the C kernels of layers/cpu_fused_ops.cpp ("c": RoPE and the residual
+results equal bit for bit) and the C kernels of platforms/cpu/fused_ops.cpp ("c": RoPE and the residual
 add bit for bit; RMSNorm and SiLU within the rounding bounds derived below, mostly bit-equal)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ PATHS = ["torch", "c"]
 @pytest.fixture
 def path(request, monkeypatch):
     """Selects the implementation: "torch" turns the C kernels off, "c" requires them."""
-    from pagedllm.layers import cpu_fused_ops
+    from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
     monkeypatch.setattr(cpu_fused_ops, "ENABLED", request.param == "c")  # PAGEDLLM_CPU_FUSED_OPS, read at import
     if request.param == "c":
@@ -160,7 +160,7 @@ def test_gelu_tanh_and_mul_equals_float64(dtype):
     near g = -6 in float32, -7.5 in float64): float32 within
     1e-6 relative plus z's rounding through exp, and within 2^-21 |gate * up| of PyTorch's float32
     gelu (its cancellation); bfloat16 as the other tests. Rows strided, gates up to +-40."""
-    from pagedllm.layers import cpu_fused_ops
+    from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
     if cpu_fused_ops._LIBRARY.get()[0] is None:
         pytest.skip("the C kernels cannot be built here")
@@ -291,7 +291,7 @@ def test_decoder_layer_plain_forward_equals_fused(llama_dir):
 
 def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_path):
     """Without a C++ compiler the layers run their PyTorch code (same results) and say why once."""
-    from pagedllm.layers import cpu_build, cpu_fused_ops
+    from pagedllm.platforms.cpu import build as cpu_build, fused_ops as cpu_fused_ops
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
@@ -312,7 +312,7 @@ def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_pa
 @pytest.mark.parametrize("path", ["c"], indirect=True)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (48, 49152), (5, 100003)])
 def test_argmax_rows_equals_torch_argmax(shape, path):
-    from pagedllm.layers import cpu_fused_ops
+    from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
     assert torch.equal(cpu_fused_ops.argmax_rows(x), x.argmax(dim=-1))
@@ -325,7 +325,7 @@ def test_argmax_rows_equals_torch_argmax(shape, path):
 def test_argmax_rows_ties_infinities_and_nans_as_torch(path):
     """torch.argmax's rules: the first of equal maxima; a NaN beats every number, the first NaN
     wins; a row of -inf gives 0. Positions on both sides of a 16-lane boundary and in the tail."""
-    from pagedllm.layers import cpu_fused_ops
+    from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
     x = torch.randn(8, 1000)
     x[0, 10] = x[0, 500] = 100.0

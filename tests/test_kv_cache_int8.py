@@ -58,7 +58,7 @@ def test_c_writer_writes_the_reference_bytes(dtype, d, cache):
     """The kernel library's writer (the cpu backend's) on strided K/V views, as split from the fused
     qkv output, writes byte for byte what the torch reference writes, into the given slots only:
     an int8 cache (quantized) and a cache in the model's dtype (copied)."""
-    from pagedllm.layers.attention.cpu_kernel import write_kv_c
+    from pagedllm.layers.attention.cpu_backend import write_kv_c
 
     _kernel()
     g = torch.Generator().manual_seed(d)
@@ -132,7 +132,7 @@ def test_kernel_int8_cache_random_batches(block_size, hkv, group, seed):
 
 
 def test_kernel_rejects_int8_cache_of_wrong_row_size():
-    from pagedllm.layers.attention.cpu_kernel import paged_attention
+    from pagedllm.layers.attention.cpu_backend import paged_attention
 
     _kernel()
     q, k, v, cache, meta, _, _ = make_batch([(3, 1), (0, 4)], 4, 2, 2, 16, torch.float32, seed=1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import float_gemm_cpu
+from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, _can_pack
 
 

@@ -107,7 +107,7 @@ def test_int_mm_is_exact_and_batch_invariant(m):
 
 def _panels_or_skip():
     """The int8 library with its panel GEMM (AVX512-VNNI or AVX2), or a skip."""
-    from pagedllm.layers import int8_gemm_cpu
+    from pagedllm.platforms.cpu import int8_gemm as int8_gemm_cpu
 
     lib, why = int8_gemm_cpu._LIBRARY.get()
     if lib is None:
@@ -212,7 +212,7 @@ def test_panel_linear_same_bits_as_quantize_gemm_epilogue(dtype):
     float epilogue) to the bit: strided rows, an all-zero row, with and without bias, row counts
     across the register tiles."""
     g8 = _panels_or_skip()
-    from pagedllm.layers import cpu_fused_ops
+    from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
     gen = torch.Generator().manual_seed(7)
     for n, k in ((64 * torch.get_num_threads() + 40, 99), (576, 1536)):

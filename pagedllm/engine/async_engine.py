@@ -25,7 +25,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.scheduler import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cpu_threads import release_openmp_threads
+from pagedllm.platforms.cpu.threads import release_openmp_threads
 
 logger = logging.getLogger("pagedllm")
 
@@ -117,7 +117,7 @@ class AsyncLLM:
         if self._thread is None:
             # The engine thread runs every forward pass from here on; this thread's idle OpenMP
             # workers would only make the engine's sleep between parallel regions
-            # (worker/cpu_threads.py).
+            # (platforms/cpu/threads.py).
             if release_openmp_threads():
                 logger.debug("released the OpenMP threads of %s", threading.current_thread().name)
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)

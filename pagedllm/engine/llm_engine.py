@@ -28,8 +28,8 @@ from pagedllm.layers.sampler import Sampler, SamplingRow, topk_logprobs
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
-from pagedllm.worker.executor import make_executor
-from pagedllm.worker.input_batch import prepare_inputs
+from pagedllm.worker.executor_factory import make_executor
+from pagedllm.engine.input_batch import prepare_inputs
 
 logger = logging.getLogger("pagedllm")
 

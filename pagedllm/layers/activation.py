@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers import cpu_fused_ops
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -40,7 +40,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     the product goes into a fresh contiguous tensor, which the down projection reads without a copy.
     The same ops in the same order as transformers' ``act_fn(gate_proj(x)) * up_proj(x)``.
     """
-    if x.device.type == "cpu":  # one C pass (layers/cpu_fused_ops.py), x left as it is, if it applies
+    if x.device.type == "cpu":  # one C pass (platforms/cpu/fused_ops.py), x left as it is, if it applies
         out = cpu_fused_ops.silu_and_mul(x)
         if out is not None:
             return out

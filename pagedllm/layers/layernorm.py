@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_fused_ops
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
 # torch>=2.4: one call into ATen instead of six from Python; in float32 it computes exactly
 # x * rsqrt(mean(x^2) + eps) * weight, bit for bit the transformers formula (tests/test_layers.py).
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if x.device.type == "cpu":  # one C pass over the rows (layers/cpu_fused_ops.py), if it applies
+        if x.device.type == "cpu":  # one C pass over the rows (platforms/cpu/fused_ops.py), if it applies
             out = cpu_fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
             if out is not None:
                 return out if residual is None else (out, residual)
@@ -94,7 +94,7 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and x.dim() == 2:  # one C pass (layers/cpu_fused_ops.py), if it applies
+        if x.is_cpu and x.dim() == 2:  # one C pass (platforms/cpu/fused_ops.py), if it applies
             out = cpu_fused_ops.gemma_rms_norm(x, self.weight, self.eps)
             if out is not None:
                 return out

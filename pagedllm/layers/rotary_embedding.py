@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.layers import cpu_fused_ops
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagedllm.layers import cpu_fused_ops
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 from pagedllm.layers.logits_processors import LOGITS_PROCESSORS, keep_grammar_rows_alive, needs_logits_processors
 from pagedllm.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.config import get_rope_parameters
 from pagedllm.distributed.parallel_state import get_pp_layer_range, get_tp_rank, is_first_pp_rank, is_last_pp_rank
-from pagedllm.layers import cpu_layer_runner
+from pagedllm.platforms.cpu import layer_runner as cpu_layer_runner
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.attention.backend import SlidingWindowBackend

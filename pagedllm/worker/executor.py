@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import get_pp_state, get_tp_rank, get_tp_size, set_pp_state, set_tp_state
-from pagedllm.worker.input_batch import ModelInput
+from pagedllm.worker.model_input import ModelInput
 from pagedllm.worker.kv_cache_budget import kv_cache_budget_bytes
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -72,7 +72,7 @@ class UniProcExecutor(Executor):
         # Build an unsharded model even if a tensor-parallel engine lives in this process too
         # (layers read the TP size once, at construction).
         if config.parallel_config.num_threads and not config.device.startswith("cuda"):
-            torch.set_num_threads(config.parallel_config.num_threads)  # see worker/cpu_threads.py
+            torch.set_num_threads(config.parallel_config.num_threads)  # see platforms/cpu/threads.py
         prev, prev_pp = (get_tp_rank(), get_tp_size()), get_pp_state()
         set_tp_state(0, 1)
         set_pp_state(0, 1)
@@ -101,15 +101,3 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         return self.runner.execute_model(model_input)
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel_config.world_size > 1 and config.parallel_config.distributed_executor_backend == "ray":
-        from pagedllm.worker.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    if config.parallel_config.world_size > 1:
-        from pagedllm.worker.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    return UniProcExecutor(config)

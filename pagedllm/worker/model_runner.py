@@ -17,8 +17,8 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
 from pagedllm.layers.pooler import last_token_embeddings
 from pagedllm.models.loader import load_model
-from pagedllm.worker import cpu_malloc
-from pagedllm.worker.input_batch import ModelInput
+from pagedllm.platforms.cpu import malloc as cpu_malloc
+from pagedllm.worker.model_input import ModelInput
 
 logger = logging.getLogger("pagedllm")
 
@@ -28,7 +28,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         if torch.device(self.device).type == "cpu":
-            cpu_malloc.keep_freed_memory()  # activations reuse freed pages (worker/cpu_malloc.py)
+            cpu_malloc.keep_freed_memory()  # activations reuse freed pages (platforms/cpu/malloc.py)
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
         # A pipeline stage holds only its own layers (the others are parameter-less placeholders).

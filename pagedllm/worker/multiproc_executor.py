@@ -46,7 +46,7 @@ from pagedllm.distributed.control_channel import (PendingBroadcast, broadcast_ob
                                                   recv_broadcast_object)
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
 from pagedllm.worker.executor import Executor, ModelOutputFuture, UniProcExecutor
-from pagedllm.worker.input_batch import ModelInput
+from pagedllm.worker.model_input import ModelInput
 from pagedllm.worker.kv_cache_budget import physical_memory_bytes
 from pagedllm.worker.model_runner import ModelRunner
 

@@ -28,7 +28,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import (get_pp_rank, get_pp_size, get_tp_rank, get_tp_size, pp_recv,
                                                  pp_send)
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
-from pagedllm.worker.input_batch import ModelInput
+from pagedllm.worker.model_input import ModelInput
 from pagedllm.worker.model_runner import ModelRunner
 
 

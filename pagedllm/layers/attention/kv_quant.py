@@ -11,7 +11,7 @@ Layout: a layer's cache is one int8 tensor [2, num_blocks, block_size + S, num_k
 hold the block's scales as float32 [block_size, num_kv_heads]. Values and scales apart keep every
 row of values in whole cache lines (64 values: one line, where a bf16 row takes two; a scale at
 each row's end measured 5-10 % slower in the attention kernel). The compiled CPU kernel
-(``paged_attention_cpu.cpp``) writes the same bytes and reads them in place; this module is the
+(``platforms/cpu/paged_attention.cpp``) writes the same bytes and reads them in place; this module is the
 torch reference (any device).
 """
 from __future__ import annotations

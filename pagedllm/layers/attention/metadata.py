@@ -1,5 +1,5 @@
 """Per-step batch layout that every attention layer of a step shares (built once per step in
-``worker/input_batch.py``).
+``engine/input_batch.py``).
 
 Paged attention (Kwon et al., SOSP 2023): the K/V of token position p of a sequence sit in slot
 ``block_table[p // block_size] * block_size + p % block_size`` of the layer's KV cache

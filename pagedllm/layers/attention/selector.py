@@ -15,7 +15,7 @@ logger = logging.getLogger("pagedllm")
 # name -> "module:class", imported on first use (a backend may need a compiler or a library).
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "pagedllm.layers.attention.torch_backend:TorchPagedAttention",
-    "cpu": "pagedllm.layers.attention.cpu_kernel:CpuPagedAttention",
+    "cpu": "pagedllm.layers.attention.cpu_backend:CpuPagedAttention",
 }
 AUTO_ORDER: list[str] = ["cpu", "torch"]
 CHOICES = ["auto", *ATTENTION_BACKENDS]

@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import (get_tp_size, tensor_model_parallel_all_reduce,
                                                  tensor_model_parallel_all_reduce_max)
-from pagedllm.layers import cpu_fused_ops, int8_gemm_cpu
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, int8_gemm as int8_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 

@@ -159,7 +159,7 @@ def collect_input_amax(model: nn.Module, seqs: Sequence[Sequence[int]], modules:
 
     device = next(model.parameters()).device
     handles = [m.register_forward_pre_hook(lambda mod, args: record(mod, args[0])) for m in modules]
-    # The CPU layer runner (cpu_layer_runner.py) has no hooks, and it must judge the model once its
+    # The CPU layer runner (platforms/cpu/layer_runner.py) has no hooks, and it must judge the model once its
     # linears are quantized and packed, not before: the loop runs this pass.
     runner_was = model.__dict__.get("use_cpu_layer_runner")
     try:

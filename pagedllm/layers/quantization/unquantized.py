@@ -6,7 +6,7 @@ Inductor, does for linear layers): on an AVX-512 AMD EPYC this runs the model's 
 matmuls 1.2-2.4x faster than ``F.linear`` in float32 (MKL's sgemm) and 1.1-1.3x in bfloat16 (3.2x
 at 256 rows, a prefill chunk), with the same results within float32 rounding (bfloat16: equal). A layer's own copy of
 the weight is then released (the tied LM head keeps it: the embedding reads it).
-Where it applies (AVX-512, and AVX512-BF16 for bfloat16; ``layers/float_gemm_cpu.py``), our own
+Where it applies (AVX-512, and AVX512-BF16 for bfloat16; ``platforms/cpu/float_gemm.py``), our own
 panel GEMM takes the place of oneDNN's: it splits decode-sized matmuls evenly over the threads,
 where oneDNN left one thread idle part of the time (SmolLM2's attention and MLP-down shapes at 48
 rows: 1.4-1.6x faster; benchmarks/README.md section 10).
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import float_gemm_cpu
+from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase
 
 

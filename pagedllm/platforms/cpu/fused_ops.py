@@ -1,11 +1,11 @@
-"""The elementwise kernels of ``cpu_fused_ops.cpp`` for CPU tensors: residual add + RMSNorm,
+"""The elementwise kernels of ``platforms/cpu/fused_ops.cpp`` for CPU tensors: residual add + RMSNorm,
 RMSNorm per head in place (q/k norms), SiLU(gate) * up, Gemma's RMSNorm (with its post-norm residual
 add) and GELU-tanh(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of
 2-9 ATen ops; and the sampler's row-wise argmax of float32 logits.
 
 Used by ``layers/layernorm.py``, ``layers/activation.py``, ``layers/rotary_embedding.py`` and
 ``models/gemma2.py`` when the tensors are float32 or bfloat16 on a CPU and the library builds
-(``layers/cpu_build.py``); otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
+(``platforms/cpu/build.py``); otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
 Measured on SmolLM2-135M, batch 48 decode, 2 threads: see benchmarks/README.md section 5.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
-SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
+SOURCE = Path(__file__).with_name("fused_ops.cpp")
 # No fused multiply-adds: each product is rounded as in PyTorch's eager ops.
 FLAGS = BASE_FLAGS + ["-ffp-contract=off"]
 MAX_HIDDEN = 8192    # the row buffers of the RMSNorms (a row, or a head's row)

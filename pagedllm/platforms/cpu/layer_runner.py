@@ -1,5 +1,5 @@
 """All decoder layers of a Llama-family or Gemma model in one C call per step on the CPU
-(``cpu_layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
+(``platforms/cpu/layer_runner.cpp``): the kernels the Python layer loop calls (RMSNorm with the residual add,
 the packed float or int8 GEMM, q/k norms, RoPE, the KV write, paged attention, SiLU * up), in the
 same order on the same values, so the output is bit-identical; without the ~0.7 ms of Python a layer
 costs between them (module calls, checks, one new tensor per op: 20 ms of a SmolLM2 decode step on a
@@ -32,12 +32,14 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.layers import cpu_fused_ops, float_gemm_cpu, int8_gemm_cpu
-from pagedllm.layers.attention import cpu_kernel, kv_quant
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
+from pagedllm.layers.attention import kv_quant
+from pagedllm.layers.attention import cpu_backend as cpu_kernel
+from pagedllm.platforms.cpu import attention as attention_kernels
 from pagedllm.layers.attention.backend import SlidingWindowBackend, attention_window
-from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
-SOURCE = Path(__file__).with_name("cpu_layer_runner.cpp")
+SOURCE = Path(__file__).with_name("layer_runner.cpp")
 ENABLED = os.environ.get("PAGEDLLM_CPU_LAYER_RUNNER", "1") != "0"
 _SUFFIX = cpu_fused_ops._SUFFIX  # dtype -> the kernels' name suffix (the same in every library)
 logger = logging.getLogger("pagedllm")
@@ -282,7 +284,7 @@ class CpuLayerRunner:
         sfx = _SUFFIX[dtype]
         libs = {}
         for name, lazy in (("runner", _LIBRARY), ("fused", cpu_fused_ops._LIBRARY), ("gemm", float_gemm_cpu._LIBRARY),
-                           ("attention", cpu_kernel._LIBRARY)) + ((("int8", int8_gemm_cpu._LIBRARY),) if int8 else ()):
+                           ("attention", attention_kernels._LIBRARY)) + ((("int8", int8_gemm_cpu._LIBRARY),) if int8 else ()):
             lib, err = lazy.get()
             if lib is None:
                 return None, f"the {name} library is unavailable ({err})"

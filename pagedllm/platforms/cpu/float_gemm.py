@@ -1,4 +1,4 @@
-"""The float GEMM of ``float_gemm_cpu.cpp`` for CPU linear layers: ``y = x @ W.T + b`` in float32
+"""The float GEMM of ``platforms/cpu/float_gemm.cpp`` for CPU linear layers: ``y = x @ W.T + b`` in float32
 (AVX-512, or AVX2 with FMA) or bfloat16 (AVX512-BF16's bf16 products; on AVX2 without AVX-512, bf16
 values widened to float32 as they load), float32 accumulation, with ``W`` packed once after loading
 (``pack``) into 16-column panels that each thread shares out evenly.
@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
-SOURCE = Path(__file__).with_name("float_gemm_cpu.cpp")
+SOURCE = Path(__file__).with_name("float_gemm.cpp")
 ENABLED = os.environ.get("PAGEDLLM_CPU_FLOAT_GEMM", "1") != "0"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LEVEL = {torch.float32: 1, torch.bfloat16: 2}  # float_gemm_level() needed for the dtype
@@ -75,7 +75,7 @@ def packed_elems(n: int, k: int, dtype: torch.dtype) -> int:
 
 def pack(w: torch.Tensor) -> torch.Tensor:
     """Weight [N, K] (float32 or bfloat16) -> its packed panels, a 1-d tensor of the same dtype
-    (``float_gemm_cpu.cpp`` gives the layout; ceil(N / 16) * 16 columns, zero past N). Call only
+    (``platforms/cpu/float_gemm.cpp`` gives the layout; ceil(N / 16) * 16 columns, zero past N). Call only
     where ``supported(w)``."""
     lib, _ = _LIBRARY.get()
     sfx = _SUFFIX[w.dtype]

@@ -1,16 +1,14 @@
-"""Paged attention on the CPU through a small C++/OpenMP kernel (``paged_attention_cpu.cpp``) that
+"""Paged attention on the CPU through a small C++/OpenMP kernel (``platforms/cpu/paged_attention.cpp``) that
 reads K/V in place through the block table: no per-layer gather of the context, grouped-query
 attention without expanding K/V, online softmax over blocks, fp32 and bf16 (fp32 accumulation),
 over a cache in the model's dtype or int8 (``kv_quant.py``).
 
 The kernel is compiled on first use with the host's C++ compiler and loaded with ctypes
-(``layers/cpu_build.py``: no torch headers, so neither ninja nor a torch build requirement). Where
-it cannot be built (no compiler) the selector falls back to the torch reference and logs why.
+(``platforms/cpu/attention.py``, built by ``platforms/cpu/build.py``: no torch headers, so neither
+ninja nor a torch build requirement). Where it cannot be built (no compiler) the selector falls back to the torch reference and logs why.
 """
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -19,42 +17,7 @@ from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.layers.attention.torch_backend import TorchPagedAttention, flat_cache, gather_rows
-from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
-
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-FLAGS = BASE_FLAGS
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-MAX_HEAD_DIM = 1024
-
-def _build() -> ctypes.CDLL:
-    lib = build_library(SOURCE, FLAGS)
-    i32p, f32, i32, i64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int64
-    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16, lib.paged_attention_f32_i8,
-               lib.paged_attention_bf16_i8):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [i32p, i64, i32p, i32p, i32, i32, i32, i32, i32, f32, i32, f32, i32,
-                                              ctypes.c_void_p]
-    for fn in (lib.kv_read_int8_f32, lib.kv_read_int8_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i32, i32, i32, ctypes.c_void_p]
-    for fn in (lib.kv_write_f32, lib.kv_write_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32,
-                       ctypes.c_void_p, ctypes.c_void_p]
-    for fn in (lib.kv_write_int8_f32, lib.kv_write_int8_bf16):
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i32, i32, i32,
-                       ctypes.c_void_p, ctypes.c_void_p]
-    return lib
-
-
-_LIBRARY = LazyLibrary(_build)
-
-
-def load_kernel() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
-    """(library, None) once built and loaded, else (None, why not); tried once per process."""
-    return _LIBRARY.get()
+from pagedllm.platforms.cpu.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, _SUFFIX, load_kernel
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:

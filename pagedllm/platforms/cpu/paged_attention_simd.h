@@ -1,4 +1,4 @@
-// The vector building blocks of paged_attention_cpu.cpp (its only includer), per instruction set:
+// The vector building blocks of platforms/cpu/paged_attention.cpp (its only includer), per instruction set:
 // AVX-512 (with AVX512-BF16's bf16 dot products and AVX512-VNNI's int16 ones where the CPU has
 // them) or AVX2 + FMA, whose 16 lanes are two ymm (F16). Loads that widen a bf16 or int8 row to
 // float, 16 keys' dot products at once summed by a transposing add tree (hsum16), P.V over row
@@ -447,7 +447,7 @@ constexpr int kTouchBytes = 0;  // off
 #endif
 
 #ifdef PAGEDLLM_AVX512
-// softmax_fold (paged_attention_cpu.cpp) for n a multiple of 16, with the exponentials 16 at a
+// softmax_fold (platforms/cpu/paged_attention.cpp) for n a multiple of 16, with the exponentials 16 at a
 // time (the scalar loop does not vectorise: its exp is a function GCC keeps scalar).
 inline void softmax_fold16(float* sr, int n, float bmax, float& m, float& l, float* acc, int d) {
   if (bmax == -INFINITY) {

@@ -6,10 +6,10 @@
 // host: module calls, checks, a new tensor per op). It plays, for a CPU step, the part a CUDA graph
 // plays on a GPU.
 //
-// The kernels live in their own libraries (cpu_fused_ops.cpp, float_gemm_cpu.cpp, int8_gemm_cpu.cpp,
+// The kernels live in their own libraries (platforms/cpu/fused_ops.cpp, platforms/cpu/float_gemm.cpp, platforms/cpu/int8_gemm.cpp,
 // attention/paged_attention_cpu.cpp); Python hands their addresses in (RunnerKernels), so this
 // file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
-// bytes each. Plain C ABI (ctypes); the structs mirror cpu_layer_runner.py's ctypes.Structures.
+// bytes each. Plain C ABI (ctypes); the structs mirror platforms/cpu/layer_runner.py's ctypes.Structures.
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -22,7 +22,7 @@ typedef void (*NormFn)(const void* x, int64_t x_stride, void* residual, const vo
                        int hidden, float eps);
 typedef void (*GemmFn)(const void* x, int64_t ldx, const void* w_packed, const void* bias, void* y, int64_t ldy,
                        int m, int n, int k);
-// The W8A8 linear on a packed int8 weight (int8_gemm_cpu.cpp: int8_panel_linear_*): x [m, k] ->
+// The W8A8 linear on a packed int8 weight (platforms/cpu/int8_gemm.cpp: int8_panel_linear_*): x [m, k] ->
 // out [m, n] contiguous, x quantized per row inside; sw: the weight's float32 scales [n].
 typedef void (*Int8LinearFn)(const void* x, int64_t ldx, int m, int k, const void* w_packed, const void* wsum,
                              const void* sw, const void* bias, int n, void* out);
@@ -31,7 +31,7 @@ typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64
 // In place: RMSNorm over d of each of the `heads` rows of each of n tokens (q/k norms).
 typedef void (*HeadNormFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
                            const void* w, float eps);
-// Gemma's norms around the residual stream (cpu_fused_ops.cpp: gemma_rms_norm).
+// Gemma's norms around the residual stream (platforms/cpu/fused_ops.cpp: gemma_rms_norm).
 typedef void (*GemmaNormFn)(const void* x, int64_t x_stride, const void* w_add, float eps_add, void* residual,
                             const void* w_out, float eps_out, void* out, int64_t rows, int hidden);
 typedef void (*SiluMulFn)(const void* x, int64_t x_stride, void* out, int64_t rows, int inter);

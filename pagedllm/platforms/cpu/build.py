@@ -1,6 +1,6 @@
 """Compile a C++ source of this package into a shared library on first use and load it with ctypes.
 
-The CPU kernels (``layers/attention/paged_attention_cpu.cpp``, ``layers/cpu_fused_ops.cpp``) use
+The CPU kernels (``platforms/cpu/paged_attention.cpp``, ``platforms/cpu/fused_ops.cpp``) use
 no torch headers, so they need neither ninja nor torch as a build requirement: the host's C++
 compiler (``$CXX`` or g++) builds them in a second or two into ``$PAGEDLLM_CACHE_DIR`` (default
 ``~/.cache/pagedllm/kernels``), keyed by the source, the shared headers (``cpu_math.h``), the

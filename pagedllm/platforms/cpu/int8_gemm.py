@@ -1,4 +1,4 @@
-"""The int8 GEMMs of ``int8_gemm_cpu.cpp`` (AVX512-VNNI; the panel GEMM on AVX2 too), exact int32
+"""The int8 GEMMs of ``platforms/cpu/int8_gemm.cpp`` (AVX512-VNNI; the panel GEMM on AVX2 too), exact int32
 ``a @ w.T``:
 
 - ``int8_gemm``: steps of ``MIN_ROWS`` to ``MAX_ROWS`` tokens over the layer's own [n, k] weight,
@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from pagedllm.layers import cpu_fused_ops, float_gemm_cpu
-from pagedllm.layers.cpu_build import BASE_FLAGS, LazyLibrary, build_library
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu
+from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
-SOURCE = Path(__file__).with_name("int8_gemm_cpu.cpp")
+SOURCE = Path(__file__).with_name("int8_gemm.cpp")
 # Rows where the kernel ran faster than torch._int_mm in a SmolLM2 decode step (2 threads, Zen 5;
 # ms a step, torch._int_mm -> kernel: 2 rows 14.9 -> 11.2, 4 rows 17.1 -> 13.0). One row: oneDNN
 # has a GEMV of its own (9.4 vs 10.5 ms); from 6 rows the matmul is compute-bound and oneDNN's
@@ -109,7 +109,7 @@ def int_mm_is_slow() -> bool:
 
 def panel_pack(w: torch.Tensor) -> torch.Tensor:
     """int8 weight [n, k] -> its 16-column panels for ``panel_gemm`` (a 1-d int8 tensor; layout in
-    ``int8_gemm_cpu.cpp``). Call only where ``panel_supported(w)``."""
+    ``platforms/cpu/int8_gemm.cpp``). Call only where ``panel_supported(w)``."""
     lib, _ = _LIBRARY.get()
     n, k = w.shape
     w = w.contiguous()

@@ -1,5 +1,5 @@
-// Helpers shared by this package's CPU kernels (layers/attention/paged_attention_cpu.cpp,
-// layers/cpu_fused_ops.cpp), compiled into each by layers/cpu_build.py (-I this folder).
+// Helpers shared by this package's CPU kernels (platforms/cpu/paged_attention.cpp,
+// platforms/cpu/fused_ops.cpp), compiled into each by platforms/cpu/build.py (-I this folder).
 #pragma once
 
 #include <cstdint>

@@ -196,7 +196,7 @@ inline __m512 load16f(const uint16_t* p, __mmask16 mask) {
 // The whole W8A8 linear on the panels, for rows of x in T (float or bf16): each row quantized
 // (amax, scale, int8 values offset by 128) straight into the GEMM's input buffer, the int32 sums
 // turned into T in the tile (rnd(float(sum) * sx[i] * sw[j] (+ bias[j]))). The same operations,
-// in the same order, as quantize_rows + int8_panel_gemm + int8_epilogue (cpu_fused_ops.cpp), so the
+// in the same order, as quantize_rows + int8_panel_gemm + int8_epilogue (platforms/cpu/fused_ops.cpp), so the
 // same bits; this file is built with -ffp-contract=off, so no product is fused into an add.
 template <typename T>
 void panel_linear(const T* x, int64_t ldx, int m, int k, const int8_t* wp, const int32_t* wsum, const float* sw,

@@ -1,5 +1,5 @@
-// The loop structure shared by the packed-panel GEMMs (float_gemm_cpu.cpp: float32/bf16;
-// int8_gemm_cpu.cpp: int8 VNNI): the weight in panels of 16 output columns, each thread an equal,
+// The loop structure shared by the packed-panel GEMMs (platforms/cpu/float_gemm.cpp: float32/bf16;
+// platforms/cpu/int8_gemm.cpp: int8 VNNI): the weight in panels of 16 output columns, each thread an equal,
 // contiguous share of the panels, taken in runs of up to kRunPanels (AVX-512: 4, 64 columns); each
 // run against all rows of x in register tiles of MR rows (AVX-512: MR * NV = 24 zmm accumulators;
 // AVX2: one panel, 6 rows x 2 ymm = 12). From kPrefetchMinRows rows the row tiles share out the

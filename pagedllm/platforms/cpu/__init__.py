@@ -1,0 +1,18 @@
+"""The CPU wing: everything only the CPU path needs.
+
+- ``build.py``: compiles this folder's C++ sources with the host's compiler into a cache, on first use.
+- ``fused_ops.py`` (``fused_ops.cpp``): residual add + RMSNorm, RoPE, SiLU/GELU-tanh * up, the sampler's passes.
+- ``float_gemm.py`` (``float_gemm.cpp``), ``int8_gemm.py`` (``int8_gemm.cpp``), ``panel_gemm.h``: packed GEMMs.
+- ``attention.py`` (``paged_attention.cpp``, ``paged_attention_simd.h``): the paged-attention kernels.
+- ``layer_runner.py`` (``layer_runner.cpp``): all decoder layers of a step in one C call.
+- ``threads.py``, ``malloc.py``: intra-op threads and glibc malloc tuning for this process.
+- ``cpu_math.h``: the vector helpers the C++ sources share.
+"""
+from __future__ import annotations
+
+from pagedllm.platforms.interface import Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, _load_tokenizer
@@ -33,7 +34,7 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_DP_STARTUP_TIMEOUT_S", "600"))
+STARTUP_TIMEOUT_S = envs.PAGEDLLM_DP_STARTUP_TIMEOUT_S  # read once, at import
 
 
 class FrontEngine:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.control_channel import (PendingBroadcast, broadcast_object, broadcast_object_async,
                                                   recv_broadcast_object)
@@ -60,7 +61,7 @@ CONTROL_TIMEOUT = timedelta(days=7)
 
 
 def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "300")))
+    return timedelta(seconds=envs.PAGEDLLM_TP_TIMEOUT_S)
 
 
 def validate_tensor_parallel(hf_config: Any, tp: int) -> None:

@@ -18,11 +18,12 @@ import os
 import socket
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.worker.multiproc_executor import MultiprocExecutor, worker_main
 
 logger = logging.getLogger("pagedllm")
 
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
+PLACEMENT_TIMEOUT_S = envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S  # read once, at import
 
 
 def _import_ray():

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
-from pagedllm import __version__
+from pagedllm import __version__, envs
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
@@ -480,7 +480,7 @@ def run_server(args: argparse.Namespace) -> int:
         print("pagedllm serve: error: only node 0 serves the API; start the other nodes with --headless",
               file=sys.stderr)
         return 1
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = args.api_key or envs.PAGEDLLM_API_KEY
     host = args.host
     try:
         store = ResponseStore(args.max_stored_responses, args.stored_response_ttl, args.max_stored_response_bytes)

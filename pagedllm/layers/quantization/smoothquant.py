@@ -37,7 +37,6 @@ replaces alpha.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -45,6 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce_max
 
 logger = logging.getLogger("pagedllm")
@@ -109,18 +109,10 @@ def smoothquant_alpha(config_alpha: Optional[float]) -> Optional[float]:
     Raises:
         ValueError: the variable is not 0 or a number in (0, 1).
     """
-    env = os.environ.get("PAGEDLLM_SMOOTHQUANT_ALPHA")
-    if env is None or env == "":
+    alpha = envs.PAGEDLLM_SMOOTHQUANT_ALPHA  # None when unset; raises ValueError when out of range
+    if alpha is None:
         return config_alpha
-    try:
-        alpha = float(env)
-    except ValueError:
-        alpha = -1.0
-    if alpha == 0:
-        return None
-    if not 0 < alpha < 1:
-        raise ValueError(f"PAGEDLLM_SMOOTHQUANT_ALPHA must be 0 (off) or in (0, 1), got {env!r}")
-    return alpha
+    return None if alpha == 0 else alpha
 
 
 def calibration_token_ids(tokenizer: Any, vocab_size: int) -> list[list[int]]:

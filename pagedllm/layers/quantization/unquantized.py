@@ -14,20 +14,20 @@ rows: 1.4-1.6x faster; benchmarks/README.md section 10).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase
 
 
 def _can_pack(w: torch.Tensor) -> bool:
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.numel() > 0
-            and os.environ.get("PAGEDLLM_CPU_PACKED_LINEAR", "1") != "0"
+            and envs.PAGEDLLM_CPU_PACKED_LINEAR
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

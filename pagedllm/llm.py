@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import textwrap
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -207,7 +208,9 @@ def _settings_doc() -> str:
     """The "Settings" section of LLM's docstring: each EngineArgs field, its default and help."""
     lines = ["", "    Settings (the EngineArgs fields; the CLI's flag in brackets):"]
     for f in dataclasses.fields(EngineArgs):
-        lines.append(f"        {f.name} = {f.default!r} [{cli_flag(f.name)}]: {f.metadata['help']}")
+        flag = f.name.upper() if f.metadata["positional"] else cli_flag(f.name)
+        lines.append(textwrap.fill(f"{f.name} = {f.default!r} [{flag}]: {f.metadata['help']}", width=110,
+                                   initial_indent=" " * 8, subsequent_indent=" " * 12, break_on_hyphens=False))
     return "\n".join(lines) + "\n"
 
 

@@ -399,7 +399,9 @@ class _Interrupted(BaseException):
     pass
 
 
-def _read_chat_template(value: Optional[str]) -> Optional[str]:
+def read_chat_template(value: Optional[str]) -> Optional[str]:
+    """``--chat-template``'s template: a file's text, or the value itself when it is inline Jinja (None: none).
+    Raises ValueError for anything else."""
     if value is None:
         return None
     if os.path.isfile(value):
@@ -410,7 +412,7 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
-def _check_tool_flags(args: ServerArgs) -> None:
+def check_tool_flags(args: ServerArgs) -> None:
     """ValueError for --enable-auto-tool-choice without a parser, or a parser name that is not one."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
@@ -482,8 +484,8 @@ def run_server(args: argparse.Namespace) -> int:
     llm: Optional[AsyncLLM] = None
     try:
         try:
-            chat_template = _read_chat_template(opts.chat_template)
-            _check_tool_flags(opts)
+            chat_template = read_chat_template(opts.chat_template)
+            check_tool_flags(opts)
             llm = start_engine(engine_args, opts.data_parallel_size, log_level)
         except _Interrupted:
             return 0

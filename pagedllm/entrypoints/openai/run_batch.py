@@ -20,7 +20,7 @@ from typing import Any, Optional
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs
-from pagedllm.entrypoints.openai.api_server import (_check_tool_flags, _read_chat_template, build_app, flag_names,
+from pagedllm.entrypoints.openai.api_server import (build_app, check_tool_flags, flag_names, read_chat_template,
                                                     start_engine)
 from pagedllm.logger import init_logger
 
@@ -131,8 +131,8 @@ def run_batch(args: argparse.Namespace) -> int:
         return 1
     try:
         try:
-            chat_template = _read_chat_template(opts.chat_template)
-            _check_tool_flags(opts)
+            chat_template = read_chat_template(opts.chat_template)
+            check_tool_flags(opts)
             llm = start_engine(engine_args, opts.data_parallel_size, opts.log_level.upper())
         except (ValueError, OSError, RuntimeError) as e:
             print(f"pagedllm run-batch: error: {flag_names(str(e))}", file=sys.stderr)

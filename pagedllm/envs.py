@@ -46,14 +46,14 @@ def _kvcache_space(raw: Optional[str]) -> Optional[float]:
     return gib
 
 
-# The dtype names --dtype accepts (config._DTYPES's keys; tests/test_envs.py checks they agree): the message
+# The dtype names --dtype accepts (config.DTYPE_NAMES's keys; tests/test_envs.py checks they agree): the message
 # names the two that make sense on a CPU, but every one of them has always been accepted.
-DTYPE_NAMES = ("float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
+AUTO_DTYPE_NAMES = ("float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
 
 
 def _auto_dtype(raw: Optional[str]) -> str:
     forced = (raw or "").strip().lower()
-    if forced and forced not in DTYPE_NAMES:
+    if forced and forced not in AUTO_DTYPE_NAMES:
         raise ValueError(f"PAGEDLLM_CPU_AUTO_DTYPE must be float32 or bfloat16; got {forced!r}")
     return forced
 

@@ -4,13 +4,14 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import config, envs
+from pagedllm.engine.arg_utils import resolve_dtype
 
 PACKAGE = Path(envs.__file__).parent
-# Modules still allowed to read a PAGEDLLM_* variable themselves. config.py: resolve_dtype's
-# PAGEDLLM_CPU_AUTO_DTYPE read, moving in the settings branch (the lead converts it to envs at merge).
-ALLOWED = {"envs.py", "config.py"}
+# The one module allowed to read a PAGEDLLM_* variable itself.
+ALLOWED = {"envs.py"}
 
 EXPECTED_DEFAULTS = {
     "PAGEDLLM_DP_STARTUP_TIMEOUT_S": 600.0, "PAGEDLLM_TP_TIMEOUT_S": 300.0, "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S": 120.0,
@@ -85,7 +86,7 @@ def test_kvcache_space_log_quotes_the_text_as_written(clean_env):
 
 
 def test_auto_dtype(clean_env):
-    assert set(envs.DTYPE_NAMES) == set(config._DTYPES)  # the names resolve_dtype has always accepted
+    assert set(envs.AUTO_DTYPE_NAMES) == set(config.DTYPE_NAMES)  # the names resolve_dtype has always accepted
     clean_env.setenv("PAGEDLLM_CPU_AUTO_DTYPE", " BFloat16 ")
     assert envs.PAGEDLLM_CPU_AUTO_DTYPE == "bfloat16"
     clean_env.setenv("PAGEDLLM_CPU_AUTO_DTYPE", "fp16")
@@ -94,9 +95,11 @@ def test_auto_dtype(clean_env):
     with pytest.raises(ValueError) as e:
         envs.PAGEDLLM_CPU_AUTO_DTYPE
     assert str(e.value) == "PAGEDLLM_CPU_AUTO_DTYPE must be float32 or bfloat16; got 'int3'"
-    with pytest.raises(ValueError) as before:  # config.py's own read (until it moves) says the same
-        config.resolve_dtype("auto", None, "cpu")
-    assert str(before.value) == str(e.value)
+    with pytest.raises(ValueError) as resolved:  # what --dtype auto raises on a CPU with that value
+        resolve_dtype("auto", None, "cpu")
+    assert str(resolved.value) == str(e.value)
+    clean_env.setenv("PAGEDLLM_CPU_AUTO_DTYPE", "bf16")
+    assert resolve_dtype("auto", None, "cpu") == (torch.bfloat16, "auto: PAGEDLLM_CPU_AUTO_DTYPE=bf16")
 
 
 def test_smoothquant_alpha(clean_env):

@@ -385,7 +385,7 @@ def test_q8_0_rejects_bad_rows():
 
 # ---- SmoothQuant ---------------------------------------------------------------------------------
 def _load(path: str, quantization=None, dtype: str = "float32"):
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.loader import load_model
 
     mc = EngineArgs(model=path, dtype=dtype, quantization=quantization).create_engine_config().model_config

@@ -8,7 +8,7 @@ widened values, where ``F.linear`` emulates it at a fraction of fp32's speed), i
 same run (fp32 rep, bf16 rep, ...) so that machine load hits both alike; each figure is the
 minimum over ``--reps`` repetitions. Reports the fp32/bf16 time ratio per shape and for a whole
 decode step (the sum of the layers times ``num_hidden_layers``, plus the LM head), next to what
-``--dtype auto`` picks here (``pagedllm.config.resolve_dtype``: bf16 where the CPU has native bf16
+``--dtype auto`` picks here (``pagedllm.engine.arg_utils.resolve_dtype``: bf16 where the CPU has native bf16
 matmuls). A ratio above 1 means bf16 is faster.
 """
 from __future__ import annotations
@@ -86,7 +86,8 @@ def time_linear(batch: int, d_in: int, d_out: int, reps: int) -> dict[str, float
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig
 
-    from pagedllm.config import cpu_has_native_bf16, resolve_dtype, resolve_model_path
+    from pagedllm.engine.arg_utils import resolve_dtype, resolve_model_path
+    from pagedllm.platforms.cpu.cpu_info import cpu_has_native_bf16
 
     model, _ = resolve_model(args.model, "auto", args.output_dir)
     hf_config = AutoConfig.from_pretrained(resolve_model_path(model))

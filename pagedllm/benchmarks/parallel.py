@@ -110,7 +110,7 @@ def run_model_parallel(a: argparse.Namespace, tp: int, pp: int, pp_sync: bool = 
 
 
 def run_data_parallel(a: argparse.Namespace, dp: int) -> dict:
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.dp_client import DPAsyncLLM
     from pagedllm.sampling_params import SamplingParams
 

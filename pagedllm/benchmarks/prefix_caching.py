@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig
 
     model_path, load_format = resolve_model(args.model, args.load_format, args.output_dir)
-    from pagedllm.config import resolve_model_path
+    from pagedllm.engine.arg_utils import resolve_model_path
 
     model_path = resolve_model_path(model_path)
     prompts = _workload(args, AutoConfig.from_pretrained(model_path).vocab_size)

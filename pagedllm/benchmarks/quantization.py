@@ -202,7 +202,7 @@ def run_matmul(args) -> dict:
     import torch.nn.functional as F
     from transformers import AutoConfig
 
-    from pagedllm.config import resolve_model_path
+    from pagedllm.engine.arg_utils import resolve_model_path
     from pagedllm.layers.linear import ReplicatedLinear
     from pagedllm.layers.quantization import Int8Config, process_weights_after_loading
     from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_token, weight_matrix

@@ -72,7 +72,7 @@ class Setup:
     def __init__(self, args: argparse.Namespace, default_max_model_len: str = "workload") -> None:
         """``default_max_model_len``: without --max-model-len, use the workload's longest request
         ("workload") or the model's context length ("model")."""
-        from pagedllm.config import EngineArgs, resolve_model_path
+        from pagedllm.engine.arg_utils import EngineArgs, resolve_model_path
 
         model, self.load_format = resolve_model(args.model, args.load_format, args.output_dir)
         self.model_path = resolve_model_path(model)

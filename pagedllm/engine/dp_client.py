@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pagedllm import envs
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, _load_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor

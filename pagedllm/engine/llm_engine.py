@@ -19,7 +19,8 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.kv_cache_manager import KVCacheManager, max_blocks_per_seq
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus

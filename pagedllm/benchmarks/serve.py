@@ -199,8 +199,8 @@ def _plot(results: list[RequestResult], title: str):
 
 
 def run(args: argparse.Namespace):
-    try:
-        import httpx  # noqa: F401  lazily: httpx is optional (pagedllm[bench]), the client
+    try:  # lazily: httpx is optional (pagedllm[bench])
+        import httpx  # noqa: F401 - the client; not in the base install
     except ImportError:
         print("pagedllm bench serve needs httpx, which the base install does not include: "
               "pip install 'pagedllm[bench]'", file=sys.stderr)

@@ -149,12 +149,12 @@ def describe(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
 
 def model_vocab(model_path: str) -> tuple[int, list[int]]:
     """(vocab size of the model's config, special token ids of its tokenizer if it has one)."""
-    from transformers import AutoConfig  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     special: list[int] = []
     try:
-        from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+        from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
         special = list(AutoTokenizer.from_pretrained(model_path).all_special_ids)
     except Exception:  # noqa: BLE001 - no tokenizer: every id is fair game

@@ -83,7 +83,7 @@ def time_linear(batch: int, d_in: int, d_out: int, reps: int) -> dict[str, float
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     model, _ = resolve_model(args.model, "auto", args.output_dir)
     hf_config = AutoConfig.from_pretrained(resolve_model_path(model))

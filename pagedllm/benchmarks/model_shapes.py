@@ -46,7 +46,7 @@ def build_tokenizer(out_dir: str, model_vocab_size: int, bpe_vocab_size: int = 1
     """A byte-level BPE tokenizer (every string encodes) trained on a seeded word corpus, its
     vocabulary padded to ``model_vocab_size`` with tokens `` t<id>`` that encoding never produces
     but that decode to text, so every id a random-weight model samples shows up in a stream."""
-    from transformers import PreTrainedTokenizerFast  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import PreTrainedTokenizerFast  # lazily: transformers, ~1 s to import
 
     rng = random.Random(0)
     lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 15))) for _ in range(3000)]
@@ -70,7 +70,7 @@ def build_tokenizer(out_dir: str, model_vocab_size: int, bpe_vocab_size: int = 1
 def write_model_shape(out_dir: str, shape: str = "qwen2-0.5b") -> str:
     """Write ``config.json`` (+ tokenizer) of ``shape`` into ``out_dir`` unless it is already there
     (``shape.json`` records what was written)."""
-    import transformers  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    import transformers  # lazily: transformers, ~1 s to import
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -112,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     a = p.parse_args(argv)
     out = write_model_shape(a.out_dir, a.shape)
     if a.save_random_weights:
-        from transformers import AutoConfig, AutoModelForCausalLM  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+        from transformers import AutoConfig, AutoModelForCausalLM  # lazily: transformers, ~1 s to import
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)

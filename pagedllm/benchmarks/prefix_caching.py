@@ -73,7 +73,7 @@ def _run_mode(args, model_path: str, load_format: str, prompts: list[list[int]],
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     model_path, load_format = resolve_model(args.model, args.load_format, args.output_dir)
     model_path = resolve_model_path(model_path)

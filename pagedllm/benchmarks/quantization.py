@@ -197,7 +197,7 @@ def linear_shapes(hf_config) -> dict[str, tuple[int, int]]:
 
 @torch.inference_mode()
 def run_matmul(args) -> dict:
-    from transformers import AutoConfig  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     shapes = linear_shapes(AutoConfig.from_pretrained(resolve_model_path(args.model)))
     rows = []

@@ -168,7 +168,7 @@ def _vocab(args) -> tuple[int, list[int], Optional[object]]:
         vocab, special = ds.model_vocab(path)
         tok = None
         if args.prompt_format == "text":
-            from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+            from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
             tok = AutoTokenizer.from_pretrained(path)
             vocab = min(vocab, len(tok))

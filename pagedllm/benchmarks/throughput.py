@@ -175,7 +175,7 @@ def run_pagedllm(args: argparse.Namespace, s: Setup) -> dict:
 # ---- transformers ----------------------------------------------------------------------------
 def build_hf_model(s: Setup):
     """The transformers model of the same checkpoint, or of the same config with random init."""
-    from transformers import AutoModelForCausalLM  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import AutoModelForCausalLM  # lazily: transformers, ~1 s to import
 
     if s.load_format == "dummy":
         torch.manual_seed(0)
@@ -207,7 +207,7 @@ def static_batches(reqs: list[ds.BenchRequest], budget_tokens: int, fixed: Optio
 
 @torch.inference_mode()
 def _hf_generate(model, batch: list[list[int]], max_new: int, pad_id: int) -> torch.Tensor:
-    from transformers import GenerationConfig  # lazily: transformers, ~1 s to import (not at the bench CLI's start)
+    from transformers import GenerationConfig  # lazily: transformers, ~1 s to import
 
     width = max(len(p) for p in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -256,7 +256,7 @@ def run_hf(args: argparse.Namespace, s: Setup) -> dict:
 
 
 def run_hf_cb(args: argparse.Namespace, s: Setup) -> dict:
-    try:  # lazily: transformers, ~1 s to import (not at the bench CLI's start); an older one lacks these
+    try:  # lazily: transformers, ~1 s to import; an older one lacks these
         from transformers import GenerationConfig
         from transformers.generation import ContinuousBatchingConfig
     except ImportError as e:

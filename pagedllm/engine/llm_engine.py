@@ -39,7 +39,7 @@ PromptType = Union[str, list[int], dict]
 
 def _generation_eos_ids(model_path: str) -> set[int]:
     try:
-        from transformers import GenerationConfig  # lazily: transformers, ~1 s to import (not at the CLI's start)
+        from transformers import GenerationConfig  # lazily: transformers, ~1 s to import
 
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except Exception:  # noqa: BLE001 - generation_config.json is optional

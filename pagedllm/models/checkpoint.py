@@ -58,7 +58,7 @@ def load_hf_config(path: str) -> Any:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {config_file}: {one_line(e)}") from None
-    from transformers import AutoConfig  # lazily: transformers, ~1 s to import (not at the CLI's start)
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     try:
         same_as = REMOTE_CODE_MODEL_TYPES.get(raw.get("model_type")) if isinstance(raw, dict) else None
@@ -134,7 +134,7 @@ def load_tokenizer(path: str) -> Any:
     gguf_file = find_gguf_file(path) if os.path.exists(path) else None
     if gguf_file:
         return load_gguf_tokenizer(gguf_file)
-    from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import (not at the CLI's start)
+    from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
     try:
         return AutoTokenizer.from_pretrained(path)

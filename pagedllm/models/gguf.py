@@ -196,7 +196,7 @@ def load_gguf_config(path: str) -> Any:
     Raises:
         ValueError: unreadable file, or an architecture transformers cannot convert from GGUF.
     """
-    # lazily: transformers, ~1 s to import (not at the CLI's start)
+    # lazily: transformers, ~1 s to import
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -218,7 +218,7 @@ def load_gguf_config(path: str) -> Any:
 
 def load_gguf_tokenizer(path: str) -> Any:
     """The tokenizer (with chat template) built from the file's metadata by transformers."""
-    from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import (not at the CLI's start)
+    from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
     open_gguf(path)  # a clear error for a bad file first
     try:

@@ -67,7 +67,7 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape the config implies, from transformers' model built on the meta device
     (no memory). Our tensor-parallel loaders narrow what they read, so a matrix larger than the config
     says would otherwise load silently. Empty when transformers cannot build the model."""
-    from transformers import AutoModelForCausalLM  # lazily: transformers, ~1 s to import (not at the CLI's start)
+    from transformers import AutoModelForCausalLM  # lazily: transformers, ~1 s to import
 
     try:
         with torch.device("meta"):

@@ -17,9 +17,13 @@ import argparse
 import time
 
 import torch
+from torch import nn
 
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.engine.arg_utils import resolve_dtype, resolve_model_path
+from pagedllm.platforms.cpu.cpu_info import cpu_has_native_bf16
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -54,10 +58,6 @@ def _min_time(fn, reps: int) -> float:
 def engine_linear(w: torch.Tensor):
     """x [B, in] -> x @ w.T through the engine's CPU linear layer on w [out, in] (packed as the
     engine packs it after loading)."""
-    from torch import nn
-
-    from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
-
     layer, method = nn.Module(), UnquantizedLinearMethod()
     method.create_weights(layer, w.shape[1], w.shape[0], False, w.dtype)
     layer.weight.data.copy_(w)
@@ -84,10 +84,7 @@ def time_linear(batch: int, d_in: int, d_out: int, reps: int) -> dict[str, float
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig
-
-    from pagedllm.engine.arg_utils import resolve_dtype, resolve_model_path
-    from pagedllm.platforms.cpu.cpu_info import cpu_has_native_bf16
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     model, _ = resolve_model(args.model, "auto", args.output_dir)
     hf_config = AutoConfig.from_pretrained(resolve_model_path(model))

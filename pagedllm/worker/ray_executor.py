@@ -28,7 +28,7 @@ PLACEMENT_TIMEOUT_S = envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S  # read once, at imp
 
 def _import_ray():
     try:
-        import ray
+        import ray  # lazily: ray is an optional extra (pagedllm[ray])
     except ImportError:
         raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'pagedllm[ray]'") from None
     return ray
@@ -102,6 +102,7 @@ class RayExecutor(MultiprocExecutor):
 
     def _launch_workers(self, ranks: list[int], init_method: str, threads: int) -> str:
         ray = _import_ray()
+        # lazily: ray is an optional extra (pagedllm[ray])
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from pagedllm import __version__
+from pagedllm.benchmarks import cli as bench_cli
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs
 
 
@@ -73,14 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_serve_parser(subparsers)
     add_run_batch_parser(subparsers)
-    try:
-        from pagedllm.benchmarks import cli as bench_cli
-    except ImportError as e:
-        if e.name is None or not e.name.startswith("pagedllm.benchmarks"):
-            print(f"pagedllm: warning: benchmarks unavailable ({e})", file=sys.stderr)
-        bench_cli = None
-    if bench_cli is not None and hasattr(bench_cli, "register_subparser"):
-        bench_cli.register_subparser(subparsers)
+    bench_cli.register_subparser(subparsers)
     return parser
 
 

@@ -49,6 +49,9 @@ def get_rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> d
     return params
 
 
+# Tokens per KV-cache block unless --block-size says otherwise (vLLM's default): the one place it is written.
+DEFAULT_BLOCK_SIZE = 16
+
 @dataclass
 class ModelConfig:
     model: str
@@ -102,7 +105,7 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: Optional[int] = None  # bytes; overrides gpu_memory_utilization
     # CPU only: a fixed KV-cache size in bytes (vLLM's VLLM_CPU_KVCACHE_SPACE), used when neither

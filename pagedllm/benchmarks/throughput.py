@@ -28,6 +28,7 @@ import torch
 from pagedllm.benchmarks import datasets as ds
 from pagedllm.benchmarks.common import parse_size, pyplot, run_metadata, stamp, summarize, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.config import DEFAULT_BLOCK_SIZE
 from pagedllm.engine.arg_utils import EngineArgs, resolve_model_path
 from pagedllm.layers.attention.kv_quant import block_rows
 from pagedllm.llm import LLM
@@ -48,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="pagedllm only")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest request of the workload (throughput) / the model's (memory)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-memory", default=None,

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pagedllm import envs
-from pagedllm.config import (DEMO_MODEL_PATH, DTYPE_NAMES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEMO_MODEL_PATH, DTYPE_NAMES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
 from pagedllm.layers.attention.kv_quant import CHOICES as KV_CACHE_DTYPES
 from pagedllm.layers.attention.selector import CHOICES as ATTENTION_BACKENDS
@@ -254,7 +254,7 @@ class EngineArgs(CliArgs):
               "has a fixed size instead: 4 GiB, or PAGEDLLM_CPU_KVCACHE_SPACE GiB")
     kv_cache_memory: Optional[int] = setting(
         None, "KV-cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization", type=parse_size)
-    block_size: int = setting(16, "tokens per KV-cache block")
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
     num_threads: Optional[int] = setting(
         None, "CPU threads for the model (default: OMP_NUM_THREADS if set, else the physical cores)")
     max_num_seqs: int = setting(256, "maximum sequences in the running batch")

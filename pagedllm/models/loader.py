@@ -116,7 +116,7 @@ def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[
         yield name, w
 
 
-def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
+def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
     then let each layer's linear method process them (e.g. quantize them to int8)."""

@@ -14,8 +14,8 @@ from torch import nn
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.platforms.layout import DecoderLayout
 from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaMLP, gemma_layout
+from pagedllm.platforms.layout import DecoderLayout
 
 
 class GemmaDecoderLayer(Gemma2DecoderLayer):

@@ -22,7 +22,6 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
 from pagedllm.layers.pooler import last_token_embeddings
 from pagedllm.models.loader import load_model
-from pagedllm.platforms import CpuPlatform, Platform
 from pagedllm.platforms.cpu import malloc as cpu_malloc
 from pagedllm.worker.model_input import ModelInput
 
@@ -56,11 +55,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.pooling = config.model_config.runner == "pooling"
 
-    def platform(self) -> Platform:
+    def platform(self) -> platforms.Platform:
         """The platform whose kernels run on this runner's device: ``current_platform``, or the CPU
         wing for a CPU device on a GPU host (``--device cpu``)."""
         if torch.device(self.device).type == "cpu" and not platforms.current_platform.is_cpu():
-            return CpuPlatform()
+            return platforms.CpuPlatform()
         return platforms.current_platform
 
     def attach_layer_stack(self) -> None:

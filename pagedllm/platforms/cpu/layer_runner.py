@@ -63,8 +63,6 @@ class _Dims(ctypes.Structure):
               [("scale", _f32), ("soft_cap", _f32), ("residual_scale", _f32), ("qk_norm_whole", _i64)]
 
 
-
-
 class _Linear(ctypes.Structure):  # a float weight packed for the GEMM, or int8 panels (scale set)
     _fields_ = [(name, _p) for name in ("w", "b", "wsum", "scale")]
 

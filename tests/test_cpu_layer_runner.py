@@ -3,7 +3,9 @@ against the Python layer loop it replaces: bit-identical logprobs in batches tha
 chunked prefills over block sizes 1-32 and prefix-cache hits, fp32 greedy tokens equal to
 transformers (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma 1, 2 and 3, Phi-3, Granite,
 SmolLM3, OLMo 2, EXAONE 4), every block back
-in the pool; and the models and steps it must leave to the loop."""
+in the pool; and the models and steps it must leave to the loop; the layouts the layers declare
+(platforms/layout.py), which the runner builds from without importing a model or layer class; the
+block size taken from the step's metadata."""
 from __future__ import annotations
 
 import logging
@@ -256,3 +258,106 @@ def test_hunyuan_q_k_norms_after_rope_run_the_loop(tmp_path, caplog, monkeypatch
         outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert "cpu layer runner: off (q/k norms after RoPE (HunYuan))" in caplog.messages
     assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in reference(d, prompts)]
+
+
+def test_layers_declare_their_layouts():
+    """Each family's decoder layer declares what it is made of (platforms/layout.py), and a subclass
+    that overrides a forward is not described by the layout it inherits."""
+    import transformers
+
+    from pagedllm.layers.attention import TorchPagedAttention
+    from pagedllm.layers.rotary_embedding import RotaryEmbedding
+    from pagedllm.models.gemma import GemmaDecoderLayer
+    from pagedllm.models.gemma2 import Gemma2DecoderLayer
+    from pagedllm.models.glm4 import Glm4DecoderLayer
+    from pagedllm.models.llama import LlamaDecoderLayer
+    from pagedllm.models.olmo2 import Olmo2DecoderLayer
+    from pagedllm.platforms.layout import DecoderLayout, norm_paths
+
+    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=1)
+    backend = TorchPagedAttention()
+    layout, why = LlamaDecoderLayer(llama, torch.float32, backend, False, True).decoder_layout()
+    assert why == "" and layout == DecoderLayout("llama", norm_paths({
+        "in": "input_layernorm", "post": "post_attention_layernorm", "q": "self_attn.q_norm", "k": "self_attn.k_norm"}))
+    assert (layout.norm, layout.qk_norm, layout.mlp) == ("rms", "head", "swiglu")
+
+    class Overridden(LlamaDecoderLayer):  # the same modules, another forward: not Llama's layout
+        def forward_fused(self, *args, **kwargs):
+            return super().forward_fused(*args, **kwargs)
+
+    assert Overridden(llama, torch.float32, backend, False, False).decoder_layout() == (
+        None, "Overridden is not the plain llama decoder layer")
+    glm = transformers.Glm4Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, num_hidden_layers=1)
+    assert Glm4DecoderLayer(glm, torch.float32, backend, False, False).decoder_layout() == (
+        None, "Glm4DecoderLayer is not the plain llama decoder layer")
+    # OLMo 2: q/k norms over all heads; EXAONE 4 (the same layer over LlamaAttention): per head
+    whole, _ = Olmo2DecoderLayer(llama, torch.float32, backend, False, False).decoder_layout()
+    per_head, _ = Olmo2DecoderLayer(llama, torch.float32, backend, False, True).decoder_layout()
+    assert (whole.kind, whole.qk_norm, per_head.qk_norm) == ("post_norm", "whole", "head")
+    assert dict(whole.norms) == {"in": None, "post": "post_attention_layernorm", "q": "self_attn.q_norm",
+                                 "k": "self_attn.k_norm", "pre_ff": None, "post_ff": "post_feedforward_layernorm"}
+
+    rot = RotaryEmbedding(16, 64, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
+    kw = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_hidden_layers=1)
+    gemma2, _ = Gemma2DecoderLayer(transformers.Gemma2Config(**kw), "full_attention", rot, torch.float32,
+                                   backend).decoder_layout()
+    assert (gemma2.kind, gemma2.norm, gemma2.mlp) == ("gemma", "gemma_rms", "gelu_tanh")
+    assert all(path is not None for slot, path in gemma2.norms)
+    exact, _ = Gemma2DecoderLayer(transformers.Gemma2Config(**kw, hidden_activation="gelu"), "full_attention", rot,
+                                  torch.float32, backend).decoder_layout()
+    assert exact.mlp == "gated"  # the runner leaves exact GELU to the loop
+    gemma1, _ = GemmaDecoderLayer(transformers.GemmaConfig(**kw), "full_attention", rot, torch.float32,
+                                  backend).decoder_layout()  # its own forward: its own layout, not Gemma 2's
+    assert dict(gemma1.norms) == {"in": "input_layernorm", "post": None, "q": "self_attn.q_norm",
+                                  "k": "self_attn.k_norm", "pre_ff": "post_attention_layernorm", "post_ff": None}
+    with pytest.raises(ValueError, match="not a decoder layout"):
+        DecoderLayout("mamba", norm_paths({}))
+
+
+def test_runner_imports_no_model_or_layer():
+    """The runner builds from the declared layout and the modules' attributes: no import of
+    pagedllm.models or pagedllm.layers (at module level or inside a function), and no model calls it."""
+    import ast
+    from pathlib import Path
+
+    import pagedllm.models
+
+    def imports(path: Path) -> list[str]:  # every module and name an import statement names
+        return [f"{n.module}.{a.name}" if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names]
+
+    names = imports(Path(cpu_layer_runner.__file__))
+    assert "pagedllm.platforms.layout.DecoderLayout" in names
+    assert not [m for m in names if m.startswith(("pagedllm.models", "pagedllm.layers"))], names
+    for f in Path(pagedllm.models.__file__).parent.glob("*.py"):
+        assert not [m for m in imports(f) if "layer_runner" in m], f
+
+
+def test_block_size_comes_from_the_step(tmp_path):
+    """The runner takes the block size from the step's metadata (meta.block_size), and refuses a
+    step whose block size is not the one the caches' blocks hold (their rows: block_size, and an
+    int8 cache's scale rows after them)."""
+    from pagedllm.layers.attention import AttentionMetadata
+
+    _runner_or_skip()
+    for cache_dtype in ("auto", "int8"):
+        llm = LLM(build_checkpoint(str(tmp_path / f"wide_{cache_dtype}"), **WIDE), dtype="float32",
+                  kv_cache_memory=4 << 20, block_size=16, kv_cache_dtype=cache_dtype)
+        llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)
+        model, caches = _model(llm), llm.llm_engine.executor.runner.kv_caches
+        runner = model.__dict__["_cpu_layer_runner"]
+        positions = torch.arange(3)
+
+        def step(block_size: int):
+            meta = AttentionMetadata.build(torch.tensor([16, 17, 18]), [[1]], [3], [3], block_size, "cpu")
+            x = torch.randn(3, WIDE["hidden_size"])
+            return runner.run(x, None, model.rope_tables(positions), caches, meta)
+
+        assert step(16) is not None and runner.dims.block_size == 16
+        assert step(8) is None and step(32) is None  # not these caches' blocks: the loop's (which raises)
+        assert step(16) is not None
+        assert_pool_empty(llm)

@@ -7,22 +7,24 @@ embeddings. CodeGemma is this architecture too.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaMLP
+from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaMLP, gemma_layout
+from pagedllm.platforms.layout import DecoderLayout
 
 
 class GemmaDecoderLayer(Gemma2DecoderLayer):
     """Pre-norm block: x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x))."""
 
-    # The CPU layer runner's Gemma norm slots this layer fills (cpu_layer_runner._NORMS): its
-    # post_attention_layernorm is the norm before the MLP; no norm after attention or the MLP (a plain add).
-    runner_norms = {"post": None, "pre_ff": "post_attention_layernorm", "post_ff": None}
+    # Gemma 2's layout (platforms/layout.py) with two of its norm slots: post_attention_layernorm is the
+    # norm before the MLP; none after attention or the MLP (a plain add).
+    layout = Gemma2DecoderLayer.layout.replace(norms={"post": None, "pre_ff": "post_attention_layernorm",
+                                                      "post_ff": None})
 
     def __init__(self, config: Any, layer_type: str, rotary: RotaryEmbedding, dtype, backend: AttentionBackend) -> None:
         nn.Module.__init__(self)
@@ -38,6 +40,9 @@ class GemmaDecoderLayer(Gemma2DecoderLayer):
         o = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, cos_sin)
         h = self.post_attention_layernorm(x.add_(o))
         return x.add_(self.mlp(h))
+
+    def decoder_layout(self) -> tuple[Optional[DecoderLayout], str]:
+        return gemma_layout(self, GemmaDecoderLayer.forward)
 
 
 class GemmaForCausalLM(Gemma2ForCausalLM):

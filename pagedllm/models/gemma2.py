@@ -22,14 +22,15 @@ from torch import nn
 
 from pagedllm.config import get_rope_parameters
 from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, layer_runner as cpu_layer_runner
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.llama import LlamaForCausalLM, PPMissingLayer
+from pagedllm.models.llama import LlamaForCausalLM, PPMissingLayer, plain_layout
+from pagedllm.platforms.layout import DecoderLayout, norm_paths
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # the tanh approximation's names (activation.py)
@@ -108,8 +109,24 @@ class Gemma2Attention(nn.Module):
         return self.o_proj(o.reshape(n, -1))
 
 
+def gemma_layout(layer: nn.Module, layer_forward: Any) -> tuple[Optional[DecoderLayout], str]:
+    """(``layer.layout``, "") for a plain Gemma layer whose forward is ``layer_forward`` (``llama.plain_layout``
+    over Gemma2Attention, GemmaMLP and GemmaRMSNorms), its MLP's activation GELU-tanh or another
+    ("gated"); else (None, why not)."""
+    layout = layer.layout if getattr(layer.mlp, "gelu_tanh", False) else layer.layout.replace(mlp="gated")
+    return plain_layout(layer, layout, "forward", layer_forward, (Gemma2Attention.forward,), GemmaMLP.forward,
+                        "GELU-tanh", GemmaRMSNorm)
+
+
 class Gemma2DecoderLayer(nn.Module):
     attention_cls = Gemma2Attention
+    # What the block is made of (platforms/layout.py): the residual stream updated in place, x * (1 + w)
+    # RMSNorms before and after attention and the MLP (q/k norms per head: Gemma 3), a GELU-tanh MLP.
+    layout = DecoderLayout("gemma", norm_paths({"in": "input_layernorm", "post": "post_attention_layernorm",
+                                                "q": "self_attn.q_norm", "k": "self_attn.k_norm",
+                                                "pre_ff": "pre_feedforward_layernorm",
+                                                "post_ff": "post_feedforward_layernorm"}),
+                           norm="gemma_rms", mlp="gelu_tanh")
 
     def __init__(self, config: Any, layer_type: str, rotary: RotaryEmbedding, dtype, backend: AttentionBackend) -> None:
         super().__init__()
@@ -128,6 +145,9 @@ class Gemma2DecoderLayer(nn.Module):
         o = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, cos_sin)
         h = self.post_attention_layernorm.add_to_(x, o, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm.add_to_(x, self.mlp(h))
+
+    def decoder_layout(self) -> tuple[Optional[DecoderLayout], str]:
+        return gemma_layout(self, Gemma2DecoderLayer.forward)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -184,7 +204,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         else:
             x = intermediate[0]
         cos_sin = self.cos_sin(positions)
-        ran = cpu_layer_runner.run_layers(self, x, None, cos_sin, kv_caches, meta)  # CPU: one C call
+        # the model runner's fused stack (the CPU layer runner: all layers in one C call), else the loop
+        ran = None if self.layer_stack is None else self.layer_stack(x, None, cos_sin, kv_caches, meta)
         if ran is None:
             for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
                                        kv_caches[self.start_layer:self.end_layer]):
@@ -192,6 +213,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if isinstance(self.norm, PPMissingLayer):
             return x, x
         return self.norm(x)
+
+    def rotary_embs(self) -> list:
+        """The RotaryEmbeddings whose tables ``cos_sin`` gathers: one per layer type."""
+        return list({id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb
+                     for layer in self.layers[self.start_layer:self.end_layer]}.values())
 
     def cos_sin(self, positions: torch.Tensor) -> dict[int, torch.Tensor]:
         """id(RotaryEmbedding) -> its table at ``positions``: one gather per layer type a step."""

@@ -19,7 +19,6 @@ from torch import nn
 
 from pagedllm.config import get_rope_parameters
 from pagedllm.distributed.parallel_state import get_pp_layer_range, get_tp_rank, is_first_pp_rank, is_last_pp_rank
-from pagedllm.platforms.cpu import layer_runner as cpu_layer_runner
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.attention.backend import SlidingWindowBackend
@@ -29,6 +28,7 @@ from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinea
                                     default_weight_loader)
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.platforms.layout import DecoderLayout, norm_paths
 
 
 logger = logging.getLogger("pagedllm")
@@ -123,6 +123,30 @@ def make_rotary_embedding(config: Any, head_dim: int, dtype) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, config.max_position_embeddings, rope, dtype, rotary_dim=int(head_dim * factor))
 
 
+def plain_layout(layer: nn.Module, layout: DecoderLayout, forward: str, layer_forward: Any,
+                 attention_forwards: tuple, mlp_forward: Any, mlp_name: str,
+                 norm_cls: type) -> tuple[Optional[DecoderLayout], str]:
+    """(``layout``, "") when ``layer`` is the plain layer ``layout`` describes: its method ``forward``
+    (the name) is ``layer_forward``, its attention's forward one of ``attention_forwards``, its MLP's
+    ``mlp_forward`` (the dense gated MLP, called ``mlp_name`` in the reason), every norm at the layout's
+    paths a ``norm_cls`` and its RoPE a RotaryEmbedding table; else (None, why not). A subclass that
+    overrides one of those forwards is not described by the layout it inherits."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if getattr(type(layer), forward) is not layer_forward or type(attn).forward not in attention_forwards:
+        return None, f"{type(layer).__name__} is not the plain {layout.kind} decoder layer"
+    if type(mlp).forward is not mlp_forward:
+        return None, f"MLP {type(mlp).__name__}, not the dense {mlp_name} one"
+    for _, path in layout.norms:
+        norm = layer
+        for part in path.split(".") if path else ():
+            norm = getattr(norm, part, None)
+        if path and norm is not None and type(norm) is not norm_cls:
+            return None, f"norm {type(norm).__name__}"
+    if type(attn.rotary_emb) is not RotaryEmbedding:
+        return None, f"RoPE variant {type(attn.rotary_emb).__name__}"
+    return layout, ""
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; ``mlp`` replaces the dense SwiGLU MLP (e.g. a sparse MoE block).
     ``forward(positions, x, kv_cache, meta)`` -> hidden states (the plain API); ``forward_fused(...)``
@@ -133,6 +157,10 @@ class LlamaDecoderLayer(nn.Module):
 
     residual_multiplier = 1.0
     attention_cls = LlamaAttention
+    # What the block is made of (platforms/layout.py), for a platform's fused layer stack: pre-norm,
+    # RMSNorms (per-head q/k norms where the attention has them), a SwiGLU MLP.
+    layout = DecoderLayout("llama", norm_paths({"in": "input_layernorm", "post": "post_attention_layernorm",
+                                                "q": "self_attn.q_norm", "k": "self_attn.k_norm"}))
 
     def __init__(self, config: Any, dtype, backend, qkv_bias: bool, qk_norm: bool,
                  mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
@@ -146,6 +174,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions, x, kv_cache, meta):
         x, residual = self.forward_fused(positions, x.clone(), None, kv_cache, meta)
         return residual.add_(x)
+
+    def decoder_layout(self) -> tuple[Optional[DecoderLayout], str]:
+        """(``layout``, "") for the plain block (``plain_layout``), else (None, why not)."""
+        return plain_layout(self, self.layout, "forward_fused", LlamaDecoderLayer.forward_fused,
+                            (LlamaAttention.forward,), LlamaMLP.forward, "SwiGLU", RMSNorm)
 
     def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                       kv_cache, meta, cos_sin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
     supports_pp = True
     # Whether ``sliding_window`` applies when the config has no ``use_sliding_window`` flag (Mistral's).
     sliding_window_by_default = False
+    # A platform's fused stack of the decoder layers, set by the model runner (worker/model_runner.py):
+    # (x, residual, rope tables, kv_caches, meta) -> (x, residual), or None where it does not cover the
+    # step (then the layer loop runs). None: the loop always runs.
+    layer_stack: Optional[Any] = None
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                       ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
@@ -240,8 +277,8 @@ class LlamaForCausalLM(nn.Module):
         [N, hidden] (every stage but the first); a stage but the last returns that pair for the next."""
         x, residual = (self.embed_input(input_ids), None) if intermediate is None else intermediate
         tables = self.rope_tables(positions)
-        ran = cpu_layer_runner.run_layers(self, x, residual, tables, kv_caches, meta)  # CPU: one C call
-        if ran is not None:
+        ran = None if self.layer_stack is None else self.layer_stack(x, residual, tables, kv_caches, meta)
+        if ran is not None:  # (the CPU layer runner: all layers in one C call)
             x, residual = ran
         else:
             for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],

@@ -19,7 +19,8 @@ from pagedllm.distributed.parallel_state import get_tp_size
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, plain_layout
+from pagedllm.platforms.layout import DecoderLayout, norm_paths
 
 
 class Olmo2Attention(LlamaAttention):
@@ -51,6 +52,11 @@ class Olmo2DecoderLayer(nn.Module):
     """x + post_attention_layernorm(attn(x)), then + post_feedforward_layernorm(mlp(x)).
     ``qk_norm``: per-head q/k norms in LlamaAttention (EXAONE 4) instead of OLMo 2's whole-projection ones."""
 
+    # What the block is made of (platforms/layout.py): no norm before a branch, each branch's output
+    # RMSNorm-ed before its residual add; q/k norms over all heads (per head: EXAONE 4); a SwiGLU MLP.
+    layout = DecoderLayout("post_norm", norm_paths({"post": "post_attention_layernorm", "q": "self_attn.q_norm",
+                                                    "k": "self_attn.k_norm", "post_ff": "post_feedforward_layernorm"}))
+
     def __init__(self, config: Any, dtype, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool,
                  mlp: Optional[nn.Module] = None, rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
@@ -68,6 +74,14 @@ class Olmo2DecoderLayer(nn.Module):
         stream = x if residual is None else residual.add_(x)
         stream.add_(self.post_attention_layernorm(self.self_attn(positions, stream, kv_cache, meta, cos_sin)))
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+    def decoder_layout(self) -> tuple[Optional[DecoderLayout], str]:
+        """(``layout``, "") for the plain block (``llama.plain_layout``), its q/k norms over all heads
+        with Olmo2Attention, per head with LlamaAttention; else (None, why not)."""
+        whole = type(self.self_attn).forward is Olmo2Attention.forward
+        return plain_layout(self, self.layout.replace(qk_norm="whole") if whole else self.layout, "forward_fused",
+                            Olmo2DecoderLayer.forward_fused, (LlamaAttention.forward, Olmo2Attention.forward),
+                            LlamaMLP.forward, "SwiGLU", RMSNorm)
 
 
 def refuse_tensor_parallel(model_cls: type) -> None:

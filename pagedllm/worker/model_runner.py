@@ -4,6 +4,10 @@ The number of KV blocks comes from a memory budget (``worker/kv_cache_budget.py`
 allocated once, as one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (int8,
 with the block's scales in a few more token rows, for ``--kv-cache-dtype int8``: ``kv_quant.py``);
 [1, ...] where the model's keys are its values (``kv_shared``: multi-head latent attention).
+
+Once the model is loaded, the platform of its device may supply a fused stack of its decoder layers
+(the CPU layer runner: ``CpuPlatform.layer_stack``), set as ``model.layer_stack`` on a model that
+has that hook; the model's forward calls it in place of its layer loop.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm import platforms
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
@@ -31,6 +36,7 @@ class ModelRunner:
             cpu_malloc.keep_freed_memory()  # activations reuse freed pages (platforms/cpu/malloc.py)
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
+        self.attach_layer_stack()
         # A pipeline stage holds only its own layers (the others are parameter-less placeholders).
         self.start_layer = getattr(self.model, "start_layer", 0)
         self.end_layer = getattr(self.model, "end_layer", len(self.model.layers))
@@ -48,6 +54,21 @@ class ModelRunner:
                                                  config.cache_config.cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.pooling = config.model_config.runner == "pooling"
+
+    def platform(self) -> platforms.Platform:
+        """The platform whose kernels run on this runner's device: ``current_platform``, or the CPU
+        wing for a CPU device on a GPU host (``--device cpu``)."""
+        if torch.device(self.device).type == "cpu" and not platforms.current_platform.is_cpu():
+            return platforms.CpuPlatform()
+        return platforms.current_platform
+
+    def attach_layer_stack(self) -> None:
+        """Set ``model.layer_stack`` (a model with that hook: Llama's family, Gemma's) to the platform's
+        fused stack of its decoder layers, where the platform has one (``layer_stack(model)``: the CPU
+        layer runner, which decides on its first call whether it covers the model)."""
+        make = getattr(self.platform(), "layer_stack", None)
+        if make is not None and hasattr(self.model, "layer_stack"):
+            self.model.layer_stack = make(self.model)
 
     @property
     def weight_bytes(self) -> int:

@@ -10,9 +10,20 @@
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
+from pagedllm.platforms.cpu import layer_runner
 from pagedllm.platforms.interface import Platform
 
 
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+
+    # ---- the fused layer stack (layer_runner.py) ----
+    def layer_stack(self, model: Any) -> Optional[Callable]:
+        """The callable the model runner sets as ``model.layer_stack`` (which the model's forward calls
+        in place of its layer loop): all decoder layers of a step in one C call where the runner covers
+        the model and the step, else None from the call (the loop runs). Whether it applies is decided,
+        and logged, on its first call."""
+        return layer_runner.layer_stack(model)

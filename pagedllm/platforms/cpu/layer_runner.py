@@ -21,23 +21,28 @@ KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels
 CPU), the Python loop runs. Why it does not apply is logged once per model.
 ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
+
+What a layer is made of comes from its declaration (``platforms/layout.py``: each decoder layer's
+``decoder_layout()``), the rest from the module instances (weights, eps, scale, window, soft-cap,
+residual multiplier, backend): this module imports no model or layer class. No model calls it: the
+model runner asks the platform (``CpuPlatform.layer_stack``) for ``layer_stack(model)`` and sets it
+as ``model.layer_stack``, which the model's forward calls in place of its layer loop.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from pagedllm import envs
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
-from pagedllm.layers.attention import kv_quant
-from pagedllm.layers.attention import cpu_backend as cpu_kernel
 from pagedllm.platforms.cpu import attention as attention_kernels
-from pagedllm.layers.attention.backend import SlidingWindowBackend, attention_window
+from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
+from pagedllm.platforms.layout import NORM_SLOTS, DecoderLayout
 
 SOURCE = Path(__file__).with_name("layer_runner.cpp")
 ENABLED = envs.PAGEDLLM_CPU_LAYER_RUNNER  # read once, at import
@@ -58,12 +63,6 @@ class _Dims(ctypes.Structure):
               [("scale", _f32), ("soft_cap", _f32), ("residual_scale", _f32), ("qk_norm_whole", _i64)]
 
 
-# A layer's norms: (struct name, attribute path); q/k and the feed-forward pair only where a model has them.
-# A layer class may map slots to other paths (or None) in ``runner_norms`` (Gemma 1's pre-MLP norm).
-_NORMS = (("in", "input_layernorm"), ("post", "post_attention_layernorm"), ("q", "self_attn.q_norm"),
-          ("k", "self_attn.k_norm"), ("pre_ff", "pre_feedforward_layernorm"), ("post_ff", "post_feedforward_layernorm"))
-
-
 class _Linear(ctypes.Structure):  # a float weight packed for the GEMM, or int8 panels (scale set)
     _fields_ = [(name, _p) for name in ("w", "b", "wsum", "scale")]
 
@@ -72,9 +71,9 @@ _LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(f"{name}_norm", _p) for name, _ in _NORMS] + [(name, _Linear) for name in _LINEAR_NAMES] + \
+    _fields_ = [(f"{name}_norm", _p) for name in NORM_SLOTS] + [(name, _Linear) for name in _LINEAR_NAMES] + \
                [("k_cache", _p), ("v_cache", _p), ("window", _i64), ("rope", _i64)] + \
-               [(f"{name}_eps", _f32) for name, _ in _NORMS]
+               [(f"{name}_eps", _f32) for name in NORM_SLOTS]
 
 
 def _linears(layer: Any) -> tuple:
@@ -83,11 +82,11 @@ def _linears(layer: Any) -> tuple:
 
 
 def _int8_panels(lin: Any) -> bool:
-    """Whether ``lin`` is an int8 linear on packed panels (the int8 method with per-token scales),
-    which on one rank runs ``panel_linear`` for steps up to its ``panel_max_rows``: the runner calls
-    the same kernel (``build`` checks the rank; ``run`` the rows)."""
-    from pagedllm.layers.quantization.int8 import Int8LinearMethod
-    return (type(getattr(lin, "quant_method", None)) is Int8LinearMethod and lin.quant_method.act_group_size == 0
+    """Whether ``lin`` is an int8 linear on packed panels (the int8 method with per-token scales:
+    ``act_group_size`` 0, its ``weight_packed`` panels set by ``int8_gemm_cpu``'s packing), which on
+    one rank runs ``panel_linear`` for steps up to its ``panel_max_rows``: the runner calls the same
+    kernel (``build`` checks the rank; ``run`` the rows)."""
+    return (getattr(getattr(lin, "quant_method", None), "act_group_size", None) == 0
             and getattr(lin, "weight_packed", None) is not None and lin.weight_scale.dtype == torch.float32
             and lin.weight_scale.is_contiguous() and lin.weight_sum.is_contiguous())
 
@@ -102,9 +101,11 @@ GEMMA_PHASES = PHASES[:6] + ("post_attention_layernorm + pre_feedforward_layerno
 # OLMo 2 / EXAONE 4: no norm before attention or the MLP (no phase 0)
 POST_NORM_PHASES = (None,) + PHASES[1:6] + ("post_attention_layernorm + add", "gate_up_proj",
                                                          "silu_and_mul", "down_proj", "post_feedforward_layernorm + add")
-# The layer layouts the runner covers -> (its C entry point, its phase names)
-_KINDS = {"llama": ("run_decoder_layers", PHASES), "gemma": ("run_gemma_layers", GEMMA_PHASES),
-          "post_norm": ("run_post_norm_layers", POST_NORM_PHASES)}
+# The layer kinds the runner covers (DecoderLayout.kind) -> (its C entry point, its phase names, the
+# norm formula and the MLP activation that entry point computes: DecoderLayout.norm, .mlp)
+_KINDS = {"llama": ("run_decoder_layers", PHASES, "rms", "swiglu"),
+          "gemma": ("run_gemma_layers", GEMMA_PHASES, "gemma_rms", "gelu_tanh"),
+          "post_norm": ("run_post_norm_layers", POST_NORM_PHASES, "rms", "swiglu")}
 
 
 class _Step(ctypes.Structure):
@@ -116,7 +117,7 @@ class _Step(ctypes.Structure):
 
 def _build() -> ctypes.CDLL:
     lib = build_library(SOURCE, BASE_FLAGS)
-    for fn in (getattr(lib, entry) for entry, _ in _KINDS.values()):
+    for fn in (getattr(lib, entry) for entry, *_ in _KINDS.values()):
         fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Dims), ctypes.POINTER(_Layer), ctypes.c_int,
                        ctypes.POINTER(_Step)]
         fn.restype = None
@@ -140,85 +141,100 @@ def _norm(layer: Any, path: Optional[str]) -> Any:
     return layer if path else None
 
 
-def _layer_norms(layer: Any) -> list[tuple[str, Any]]:
-    """(struct slot, norm module or None) for each of _NORMS' slots, through the layer's ``runner_norms``."""
-    paths = {**dict(_NORMS), **getattr(layer, "runner_norms", {})}
-    return [(slot, _norm(layer, paths[slot])) for slot, _ in _NORMS]
+def _layer_norms(layer: Any, layout: DecoderLayout) -> list[tuple[str, Any]]:
+    """(struct slot, norm module or None) for each of NORM_SLOTS, at the layout's attribute paths."""
+    return [(slot, _norm(layer, path)) for slot, path in layout.norms]
 
 
 def _backend_window(attn: Any) -> tuple[Any, int]:
-    """(attn's attention backend, its sliding window; 0: none), through Phi-3's SlidingWindowBackend."""
+    """(attn's attention backend, its sliding window; 0: none): the backend a wrapper passes its
+    ``window`` to (``inner``: Phi-3's SlidingWindowBackend), else the attention's own ``sliding_window``
+    (Gemma 2/3's), as ``layers/attention/backend.attention_window`` reads them."""
     backend = attn.backend
-    return (backend.inner if isinstance(backend, SlidingWindowBackend) else backend), attention_window(attn) or 0
+    inner = getattr(backend, "inner", None)
+    if inner is not None:
+        return inner, getattr(backend, "window", None) or 0
+    return backend, getattr(attn, "sliding_window", None) or 0
 
 
-def _check_layers(model: Any, kind: str) -> tuple[list, str]:
-    """(the layers' distinct RotaryEmbeddings, "") when every layer is the plain decoder layer of
-    its ``kind`` (_KINDS; its forward not overridden), else ([], why not)."""
-    from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
-    from pagedllm.layers.rotary_embedding import RotaryEmbedding
-    from pagedllm.models import gemma as gemma1, gemma2, llama, olmo2
-    gemma = kind == "gemma"
+def _attention_variant(attn: Any) -> str:
+    """Why the C loop cannot run attention module ``attn`` (an attention variant it lacks, read from the
+    module's attributes: LlamaAttention's), or ""."""
+    if getattr(attn, "qk_norm_after_rope", False):
+        return "q/k norms after RoPE (HunYuan)"
+    if getattr(attn, "sinks", None) is not None:
+        return "attention sinks (gpt-oss)"
+    if getattr(attn, "query_scale", None) is not None:
+        return "Llama 4's query scaling (Ministral 3 with max_model_len past original_max_position_embeddings)"
+    return ""
+
+
+def _check_layers(model: Any) -> tuple[Optional[DecoderLayout], list, str]:
+    """(the layers' one DecoderLayout, their distinct RoPE tables, "") when every layer declares the
+    same layout (``decoder_layout()``: the plain decoder layer of its family) of a kind the runner
+    covers and attends as it does, else (None, [], why not)."""
     ropes: list = []
+    layout: Optional[DecoderLayout] = None
+    tables = getattr(model, "rotary_embs", None)  # the RoPE tables a step gathers (the layers index them)
+    tables = tables() if tables is not None else []
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if gemma:
-            plain = (type(layer).forward in (gemma2.Gemma2DecoderLayer.forward, gemma1.GemmaDecoderLayer.forward)
-                     and type(attn).forward is gemma2.Gemma2Attention.forward)
-            dense = type(mlp).forward is gemma2.GemmaMLP.forward
-            if dense and not mlp.gelu_tanh:
-                return [], "a Gemma MLP whose activation is not GELU-tanh"
-            norm_cls = GemmaRMSNorm
-        else:
-            layer_forward = (olmo2.Olmo2DecoderLayer if kind == "post_norm" else llama.LlamaDecoderLayer).forward_fused
-            plain = (type(layer).forward_fused is layer_forward
-                     and type(attn).forward in (llama.LlamaAttention.forward, olmo2.Olmo2Attention.forward))
-            if plain and all(attn.rotary_emb is not r for r in model.rotary_embs()):
-                return [], "a layer's RoPE is not one of the model's step tables"
-            if getattr(attn, "qk_norm_after_rope", False):
-                return [], "q/k norms after RoPE (HunYuan)"
-            if getattr(attn, "sinks", None) is not None:
-                return [], "attention sinks (gpt-oss)"
-            if getattr(attn, "query_scale", None) is not None:
-                return [], "Llama 4's query scaling (Ministral 3 with max_model_len past original_max_position_embeddings)"
-            dense = type(mlp).forward is llama.LlamaMLP.forward
-            norm_cls = RMSNorm
-        if not plain:
-            return [], f"{type(layer).__name__} is not the plain {kind} decoder layer"
-        if not dense:
-            return [], f"MLP {type(mlp).__name__}, not the dense {'GELU-tanh' if gemma else 'SwiGLU'} one"
-        norms = [n for _, n in _layer_norms(layer) if n is not None]
-        if any(type(n) is not norm_cls for n in norms):
-            return [], f"norm {next(type(n).__name__ for n in norms if type(n) is not norm_cls)}"
+        attn = layer.self_attn
+        why = _attention_variant(attn)
+        if why:
+            return None, [], why
+        declare = getattr(layer, "decoder_layout", None)
+        if declare is None:
+            return None, [], f"{type(layer).__name__} declares no decoder layout"
+        mine, why = declare()
+        if why:
+            return None, [], why
+        if layout is not None and mine != layout:
+            return None, [], "layers of different layouts"
+        layout = mine
+        if layout.kind not in _KINDS:
+            return None, [], f"a {layout.kind} decoder layer"
+        _, _, norm, act = _KINDS[layout.kind]
+        if layout.mlp != act:
+            return None, [], ("a Gemma MLP whose activation is not GELU-tanh" if layout.kind == "gemma"
+                              else f"a {layout.mlp} MLP, not SwiGLU")
+        if layout.norm != norm:
+            return None, [], f"{layout.norm} norms in a {layout.kind} decoder layer"
         rot = attn.rotary_emb
-        if (type(rot) is not RotaryEmbedding):
-            return [], f"RoPE variant {type(rot).__name__}"
+        if all(rot is not r for r in tables):
+            return None, [], "a layer's RoPE is not one of the model's step tables"
         if all(rot is not r for r in ropes):
             ropes.append(rot)
     if len(ropes) > 2:
-        return [], "more than 2 RoPE tables"
+        return None, [], "more than 2 RoPE tables"
     if len({r.rotary_dim for r in ropes}) > 1:
-        return [], "RoPE tables of different widths"
-    return ropes, ""
+        return None, [], "RoPE tables of different widths"
+    return layout, ropes, ""
+
+
+def _is_cpu_paged_attention(backend: Any) -> bool:
+    """Whether ``backend`` is the CPU paged-attention backend (``name`` "cpu": its kernels, the runner's)
+    for every prefill length (``LONG_PREFILL`` None: none sent to SDPA)."""
+    return getattr(backend, "name", None) == "cpu" and getattr(backend, "LONG_PREFILL", None) is None
 
 
 class CpuLayerRunner:
     """The runner for one model; ``build`` says whether it applies. ``run`` does one step."""
 
     def __init__(self, model: Any, dtype: torch.dtype, lib: ctypes.CDLL, kernels: dict, dims: _Dims,
-                 ropes: list, kind: str) -> None:
+                 ropes: list, layout: DecoderLayout) -> None:
         self.model, self.dtype, self.lib = model, dtype, lib
         self.kernel_sets, self.dims = kernels, dims  # cache dtype ("auto" | "int8") -> _Kernels
         self.kernels: Optional[_Kernels] = None
-        self.ropes, self.gemma = ropes, kind == "gemma"  # the RoPE tables the layers index; Gemma 1/2/3
-        entry, self.phases = _KINDS[kind]
+        self.layout = layout  # what every layer is made of (platforms/layout.py)
+        self.ropes, self.gemma = ropes, layout.kind == "gemma"  # the RoPE tables the layers index; Gemma 1/2/3
+        entry, self.phases, _, _ = _KINDS[layout.kind]
         self.run_layers = getattr(lib, entry)
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
         self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
         self.layers: Optional[ctypes.Array] = None
-        self.cache_ptrs: tuple = ()
+        self.cache_key: tuple = ()  # (the caches' pointers, the block size) self.layers was built for
         self.held: list = []  # the tensors self.layers points into
         attn = model.layers[0].self_attn
         self.q_size = attn.num_heads * attn.head_dim
@@ -227,24 +243,19 @@ class CpuLayerRunner:
     @classmethod
     def build(cls, model: Any) -> tuple[Optional["CpuLayerRunner"], str]:
         """(runner, "") for a model it covers, else (None, why not)."""
-        from pagedllm.models.gemma2 import Gemma2ForCausalLM
-        from pagedllm.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer
         if not ENABLED:
             return None, "PAGEDLLM_CPU_LAYER_RUNNER=0"
         layers = list(model.layers)
         if not layers or getattr(model, "start_layer", 0) != 0 or getattr(model, "end_layer", len(layers)) != len(layers):
             return None, "pipeline parallelism"
-        kind = ("gemma" if isinstance(model, Gemma2ForCausalLM) else
-                "post_norm" if isinstance(layers[0], Olmo2DecoderLayer) else "llama")
-        gemma = kind == "gemma"
-        ropes, why = _check_layers(model, kind)
+        layout, ropes, why = _check_layers(model)
         if why:
             return None, why
         first = layers[0]
         dtype = first.post_attention_layernorm.weight.dtype
         hidden = first.post_attention_layernorm.weight.shape[0]
         # OLMo 2's q/k norms span all heads: one row of num_heads * head_dim a token
-        qk_whole = isinstance(first.self_attn, Olmo2Attention)
+        qk_whole = layout.qk_norm == "whole"
         if dtype not in _SUFFIX:
             return None, f"dtype {dtype}"
         soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
@@ -254,11 +265,10 @@ class CpuLayerRunner:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             backend = _backend_window(attn)[0]
-            if not isinstance(backend, cpu_kernel.CpuPagedAttention) or backend.LONG_PREFILL is not None:
+            if not _is_cpu_paged_attention(backend):
                 return None, f"attention backend {type(backend).__name__}"
             if (attn.scale != first.self_attn.scale or (getattr(attn, "logits_soft_cap", None) or 0.0) != soft_cap
-                    or getattr(layer, "residual_multiplier", 1.0) != residual_scale
-                    or isinstance(attn, Olmo2Attention) != qk_whole):
+                    or getattr(layer, "residual_multiplier", 1.0) != residual_scale):
                 return None, "attention scales, soft-caps or residual multipliers that differ between layers"
             for lin in _linears(layer):
                 w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
@@ -273,7 +283,7 @@ class CpuLayerRunner:
                 if panels and lin.panel_max_rows is not None:
                     max_rows = min(max_rows or lin.panel_max_rows, lin.panel_max_rows)
                 int8, float_linears = int8 or panels, float_linears or not panels
-            params = [n.weight for _, n in _layer_norms(layer) if n is not None]
+            params = [n.weight for _, n in _layer_norms(layer, layout) if n is not None]
             params += [lin.bias for lin in _linears(layer) if lin.bias is not None]
             if any(p.dtype != dtype or not p.is_contiguous() or p.device.type != "cpu" for p in params):
                 return None, "RMSNorm weights or biases not contiguous in the model's dtype"
@@ -297,8 +307,8 @@ class CpuLayerRunner:
         common = dict(add_rms_norm=fused["add_rms_norm"],
                       gemm=_addr(libs["gemm"], f"float_gemm_{sfx}") if float_linears else None,
                       rotary=fused["rotary"], gemma_rms_norm=fused["gemma_rms_norm"],
-                      rms_norm_heads=fused["gemma_rms_norm_heads" if gemma else "rms_norm_heads"],
-                      silu_and_mul=fused["gelu_tanh_and_mul" if gemma else "silu_and_mul"],
+                      rms_norm_heads=fused["gemma_rms_norm_heads" if layout.norm == "gemma_rms" else "rms_norm_heads"],
+                      silu_and_mul=fused["gelu_tanh_and_mul" if layout.mlp == "gelu_tanh" else "silu_and_mul"],
                       int8_linear=_addr(libs["int8"], f"int8_panel_linear_{sfx}") if int8 else None)
         kernels = {"auto": _Kernels(**common, kv_write=_addr(libs["attention"], f"kv_write_{sfx}"), kv_write_int8=None,
                                     attention=_addr(libs["attention"], f"paged_attention_{sfx}")),
@@ -310,30 +320,35 @@ class CpuLayerRunner:
                      num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                      intermediate=first.mlp.down_proj.input_size, block_size=0, rotary_dim=ropes[0].rotary_dim,
                      scale=attn.scale, soft_cap=soft_cap, residual_scale=residual_scale, qk_norm_whole=int(qk_whole))
-        runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, kind)
+        runner = cls(model, dtype, libs["runner"], kernels, dims, ropes, layout)
         runner.max_rows = max_rows
         return runner, ""
 
-    def _layer_structs(self, kv_caches: list) -> Optional[ctypes.Array]:
-        """The layers' pointers for these KV caches (rebuilt when the caches change), or None when a
-        cache is not the layout the kernels take."""
-        ptrs = tuple(c.data_ptr() if c is not None else 0 for c in kv_caches)
-        if ptrs == self.cache_ptrs and self.layers is not None:
+    def _layer_structs(self, kv_caches: list, block_size: int) -> Optional[ctypes.Array]:
+        """The layers' pointers for these KV caches of ``block_size``-token blocks (the step's
+        ``meta.block_size``; rebuilt when the caches or the block size change), or None when a cache
+        is not the layout the kernels take."""
+        key = (tuple(c.data_ptr() if c is not None else 0 for c in kv_caches), block_size)
+        if key == self.cache_key and self.layers is not None:
             return self.layers
         structs = (_Layer * len(self.model.layers))()
         # The tensors the structs point into, held here: a weight replaced on the model later must
         # not leave a pointer to freed memory (the caches' pointers are checked every step).
         held = list(kv_caches)
         cache_dtype = kv_caches[0].dtype if kv_caches and kv_caches[0] is not None else None
-        if cache_dtype not in (self.dtype, torch.int8):
+        if cache_dtype not in (self.dtype, torch.int8) or block_size < 1:
             return None
+        d = self.dims
+        # A block's token rows: an int8 cache's float32 scales follow its rows, ceil(4 * block_size /
+        # head_dim) rows more (kv_quant.scale_rows; the kernels find them from block_size and head_dim).
+        rows = block_size + (-(-4 * block_size // d.head_dim) if cache_dtype == torch.int8 else 0)
         for s, layer, cache in zip(structs, self.model.layers, kv_caches):
             if (cache is None or cache.dtype != cache_dtype or not cache.is_contiguous() or cache.dim() != 5
-                    or cache.shape[0] != 2 or cache.shape[-2:] != (self.dims.num_kv_heads, self.dims.head_dim)):
+                    or cache.shape[0] != 2 or cache.shape[2] != rows or cache.shape[-2:] != (d.num_kv_heads, d.head_dim)):
                 return None
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             half = cache.stride(0) * cache.element_size()
-            for name, norm in _layer_norms(layer):
+            for name, norm in _layer_norms(layer, self.layout):
                 if norm is not None:  # (null: none)
                     held.append(norm.weight)
                     setattr(s, f"{name}_norm", _ptr(norm.weight))
@@ -348,11 +363,9 @@ class CpuLayerRunner:
                 held += tensors
                 setattr(s, name, _Linear(*(_ptr(t) for t in tensors)))
             s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
-        self.layers, self.cache_ptrs, self.held = structs, ptrs, held
+        self.layers, self.cache_key, self.held = structs, key, held
         self.kernels = self.kernel_sets["int8" if cache_dtype == torch.int8 else "auto"]
-        rows = kv_caches[0].shape[2]
-        # an int8 cache's scales sit after each block's rows: its kernels take the block size
-        self.dims.block_size = kv_quant.block_size_of(rows, self.dims.head_dim) if cache_dtype == torch.int8 else rows
+        d.block_size = block_size
         return structs
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
@@ -368,8 +381,8 @@ class CpuLayerRunner:
             return None
         if self.max_rows is not None and x.shape[0] > self.max_rows:
             return None  # the int8 layers leave their panels for oneDNN's GEMM in the loop
-        layers = self._layer_structs(kv_caches)
-        if layers is None or meta.block_size != self.dims.block_size:
+        layers = self._layer_structs(kv_caches, meta.block_size)
+        if layers is None:
             return None
         bt, sl, qsl = meta.block_tables, meta.seq_lens, meta.query_start_loc
         tables = [cos_sin.get(id(r)) for r in self.ropes] if isinstance(cos_sin, dict) else [cos_sin]
@@ -430,3 +443,11 @@ def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], co
     if not runner:
         return None
     return runner.run(x, residual, cos_sin, kv_caches, meta)
+
+
+def layer_stack(model: Any) -> Callable[..., Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """What the model runner sets as ``model.layer_stack`` on a CPU: ``(x, residual, cos_sin, kv_caches,
+    meta) -> (x, residual)`` through ``model``'s runner (``run_layers``), or None where the step or the
+    model is not one it covers (the model then runs its Python layer loop). The runner is built, and
+    whether it applies logged, on the first call (``model.use_cpu_layer_runner = False`` defers both)."""
+    return functools.partial(run_layers, model)

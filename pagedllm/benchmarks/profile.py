@@ -28,9 +28,16 @@ from collections import defaultdict
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+import pagedllm.engine.llm_engine as le
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
+from pagedllm.benchmarks.matmul import engine_linear
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.layers.linear import LinearBase
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +110,6 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def instrument(engine, timers: Timers) -> None:
     """Wrap the engine's parts and hook the model's modules (no core file is changed)."""
-    import pagedllm.engine.llm_engine as le
 
     sched, op = engine.scheduler, engine.output_processor
     sched.schedule = timers.wrap("engine: schedule", sched.schedule)
@@ -181,8 +187,6 @@ def machine_peaks(dtype: torch.dtype, trials: int = 5) -> dict[str, float]:
     a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
     sq = 2 * 1024 ** 3 / bench(lambda: a @ b)
     if a.device.type == "cpu":
-        from pagedllm.benchmarks.matmul import engine_linear
-
         linear = engine_linear(b.t())  # a @ b through the engine's own (packed) linear
         sq = max(sq, 2 * 1024 ** 3 / bench(lambda: linear(a)))
     x, w = torch.randn(32, 896, dtype=dtype), torch.randn(4864 * 2, 896, dtype=dtype)
@@ -201,8 +205,6 @@ def machine_peaks(dtype: torch.dtype, trials: int = 5) -> dict[str, float]:
 
 def step_cost(engine, batch: int, context: int) -> dict[str, float]:
     """FLOPs and bytes of one decode step of ``batch`` sequences at ``context`` tokens."""
-    from pagedllm.layers.linear import LinearBase
-
     model = engine.executor.runner.model
     cfg = engine.model_config.hf_config
     # Weight bytes as held (parameters and buffers: packed or quantized weights are buffers);
@@ -251,8 +253,6 @@ def _plot(result: dict, parts: dict, args: argparse.Namespace, step_s: float, co
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedllm import LLM, SamplingParams
-
     model, load_format = resolve_model(args.model, args.load_format, args.output_dir)
     warm = 2
     # Up to five measured phases (plain, the runner timed by phase, the Python loop, hooks, torch's
@@ -262,8 +262,6 @@ def run(args: argparse.Namespace) -> dict:
     max_len = args.context_len + max_tokens + 1
     tokens_needed = args.batch_size * (-(-max_len // args.block_size) + 1) * args.block_size
     # Size the KV cache from the model shape: enough for the whole batch, no preemption.
-    from pagedllm.engine.arg_utils import EngineArgs
-
     cfg = EngineArgs(model=model, dtype=args.dtype, max_model_len=max_len).create_engine_config()
     mc = cfg.model_config
     per_token = mc.kv_planes * mc.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize  # >= int8's
@@ -324,8 +322,6 @@ def run(args: argparse.Namespace) -> dict:
         top_ops, aten_self = [], None
         profiled = None
         if not args.no_torch_profiler:
-            from torch.profiler import ProfilerActivity, profile
-
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=acts) as prof:
                 profiled = decode_steps(args.steps)

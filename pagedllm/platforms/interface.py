@@ -115,6 +115,11 @@ class PlatformOps:
     def int8_panels_only() -> bool:
         return False
 
+    # -- mixture of experts
+    @staticmethod
+    def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+        return False
+
 
 class Platform:
     """A device family. Subclasses set the class attributes; nothing here probes hardware at import."""

@@ -303,3 +303,11 @@ def int8_panels_only() -> bool:
     of the unpacked weight is slow (a CPU with AVX2 but no VNNI: ``torch._int_mm`` is a reference
     loop there)."""
     return _OPS.int8_panels_only()
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (``F.grouped_mm``) should run a MoE block's experts by default
+    for x [N, H], w13 [E, 2I, H], w2 [E, H, I] instead of the per-expert loop (``fused_moe.py``):
+    the platform's call (CUDA: bf16, a GPU its kernel supports, 16-byte aligned rows); natively no."""
+    return _OPS.grouped_mm_supported(x, w13, w2)

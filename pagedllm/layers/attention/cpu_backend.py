@@ -18,8 +18,7 @@ from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.layers.attention.torch_backend import TorchPagedAttention, flat_cache, gather_rows
-from pagedllm.platforms.cpu.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, _SUFFIX, load_kernel
-from pagedllm.platforms.cpu.attention import check_operand as _check
+from pagedllm.platforms.cpu.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, _SUFFIX, check_operand as _check, load_kernel
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -7,11 +7,18 @@ body returns None for a CUDA tensor, so CUDA tensors reach the native bodies.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.platforms.cpu.ops import CpuOps
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: Optional[int]) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 class CudaOps(CpuOps):
@@ -33,3 +40,14 @@ class CudaOps(CpuOps):
         if m <= 16:
             return torch._int_mm(torch.cat([a, a.new_zeros(17 - m, k)]), b)[:m]
         return None
+
+    @staticmethod
+    def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+        """bf16 on CUDA, SM 8.0+ with ``F.grouped_mm`` (SM 9.x with the older ``torch._grouped_mm``),
+        16-byte aligned rows."""
+        if not x.is_cuda or not (x.dtype == w13.dtype == w2.dtype == torch.bfloat16):
+            return False
+        if w2.shape[1] % 8 or w2.shape[2] % 8:
+            return False
+        cap = _capability(x.device.index)
+        return cap >= (8, 0) if hasattr(F, "grouped_mm") else cap[0] == 9

@@ -11,7 +11,7 @@ import os as _os
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "1000"
 
-from pagedllm.config import EngineArgs  # noqa: E402 (after the OpenMP setting)
+from pagedllm.engine.arg_utils import EngineArgs  # noqa: E402 (after the OpenMP setting)
 from pagedllm.llm import LLM  # noqa: E402
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402

@@ -7,11 +7,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import textwrap
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs, cli_flag
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import init_logger
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -23,67 +26,28 @@ Messages = list[dict[str, Any]]
 class LLM:
     """An engine for offline batches.
 
-    Args:
-        model: local Hugging Face folder, GGUF file (or a folder holding exactly one) or hub id;
-            None = the bundled demo model.
-        tokenizer: tokenizer folder, GGUF file or hub id; None = the model's (a GGUF's from its metadata).
-        dtype: "auto" (on a CPU bfloat16 where it has native bf16 matmuls, else float32; the checkpoint's
-            dtype on CUDA), "float32", "bfloat16", "float16".
-        max_model_len: longest prompt + output in tokens (default: the config's context length).
-        block_size: tokens per KV block.
-        gpu_memory_utilization: fraction of device memory (of RAM on a CPU) the engine may use; None:
-            0.9 on a GPU, and on a CPU (without kv_cache_memory) a fixed 4 GiB KV cache
-            (``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB).
-        kv_cache_memory: KV-cache bytes per rank; overrides gpu_memory_utilization.
-        max_num_seqs, max_num_batched_tokens: scheduler limits per step.
-        tensor_parallel_size: number of ranks (processes) the model is sharded over.
-        seed: seed of the global random state (unseeded sampling).
-        load_format: "auto" (safetensors) or "dummy" (random weights).
-        enable_prefix_caching: reuse K/V of shared prompt prefixes.
-        num_threads: CPU threads (None: OMP_NUM_THREADS if set, else the physical cores).
-        quantization: None, "int8" (W8A8: int8 weights per output channel, int8 activations per
-            token, int32 matmuls; see ``layers/quantization/int8.py``) or "int8-g64" (activation
-            scales per token and group of 64 features: closer to fp32, slower prefill).
-        attention_backend: "auto" (the compiled CPU kernel on a CPU when it builds, else "torch"),
-            "torch" (pure-PyTorch reference) or "cpu".
-        pipeline_parallel_size: pipeline stages (layers split over processes; world = TP x PP).
-        kv_cache_dtype: "auto" (the model's dtype) or "int8" (int8 K/V with a float32 scale per token
-            and KV head: at head_dim 64 and block_size 16, 3.8x the tokens of a float32 cache and 1.9x
-            bfloat16's in the same memory; see ``layers/attention/kv_quant.py``).
-        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
-            default, 20); ``generate`` raises ValueError above it.
-        runner: "generate" (``generate``, ``chat``) or "pooling" (``embed``: embedding models such as
-            Qwen3-Embedding or E5-Mistral; ``layers/pooler.py``).
-        scheduling_policy: "fcfs" (arrival order) or "priority" (``generate(..., priority=[...])``,
-            lower first; the least urgent running request is the one preempted).
+    ``LLM(model=None, **settings)``: ``model`` is a local Hugging Face folder, GGUF file (or a folder holding
+    exactly one) or hub id (None = the bundled demo model); the keywords are the fields of ``EngineArgs``
+    (``pagedllm/engine/arg_utils.py``), the settings ``pagedllm serve`` takes as flags, with the same defaults
+    (``kv_cache_memory`` in bytes). They are listed under "Settings" below, generated from those fields.
 
     Raises:
+        TypeError: a keyword that is not an EngineArgs field (named, with the closest field).
         ValueError: an invalid setting, a model path that is not a loadable model (missing, unsupported
             architecture or quant type, corrupt or truncated file, weights that do not fit the config;
             one-line message), or a KV cache too small.
     """
 
-    def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "auto",
-                 max_model_len: Optional[int] = None, block_size: int = 16, gpu_memory_utilization: Optional[float] = None,
-                 kv_cache_memory: Optional[int] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: Optional[int] = None, tensor_parallel_size: int = 1, seed: int = 0,
-                 load_format: str = "auto", enable_prefix_caching: bool = True, device: Optional[str] = None,
-                 num_threads: Optional[int] = None,
-                 quantization: Optional[str] = None,
-                 attention_backend: str = "auto", pipeline_parallel_size: int = 1,
-                 kv_cache_dtype: str = "auto", max_logprobs: int = 20, runner: str = "generate",
-                 scheduling_policy: str = "fcfs") -> None:
+    def __init__(self, model: Optional[str] = None, **settings: Any) -> None:
         init_logger()
-        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-                          block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                          kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
-                          seed=seed, load_format=load_format, enable_prefix_caching=enable_prefix_caching,
-                          device=device, num_threads=num_threads, quantization=quantization,
-                          attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-                          pipeline_parallel_size=pipeline_parallel_size, max_logprobs=max_logprobs, runner=runner,
-                          scheduling_policy=scheduling_policy)
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        names = EngineArgs.field_names()
+        for name in settings:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}: it takes the fields of "
+                                f"EngineArgs ({', '.join(names)})")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **settings))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -238,3 +202,16 @@ def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[s
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _settings_doc() -> str:
+    """The "Settings" section of LLM's docstring: each EngineArgs field, its default and help."""
+    lines = ["", "    Settings (the EngineArgs fields; the CLI's flag in brackets):"]
+    for f in dataclasses.fields(EngineArgs):
+        flag = f.name.upper() if f.metadata["positional"] else cli_flag(f.name)
+        lines.append(textwrap.fill(f"{f.name} = {f.default!r} [{flag}]: {f.metadata['help']}", width=110,
+                                   initial_indent=" " * 8, subsequent_indent=" " * 12, break_on_hyphens=False))
+    return "\n".join(lines) + "\n"
+
+
+LLM.__doc__ = (LLM.__doc__ or "") + _settings_doc()

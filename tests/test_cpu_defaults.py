@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-import pagedllm.config as config_mod
+import pagedllm.engine.arg_utils as config_mod
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs, resolve_dtype
+from pagedllm.engine.arg_utils import EngineArgs, resolve_dtype
 from pagedllm.platforms.cpu import threads as cpu_threads
 from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes, physical_memory_bytes
 

@@ -162,7 +162,7 @@ def test_replicas_get_their_own_gpus(llama_dir, monkeypatch):
     """On CUDA each replica sees its own world-size slice of the GPUs; too few is a clear error."""
     import dataclasses
 
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.dp_client import replica_devices
 
     cfg = EngineArgs(model=llama_dir, device="cpu").create_engine_config()

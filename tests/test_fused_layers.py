@@ -268,7 +268,7 @@ def test_int8_linear_quantize_and_epilogue_bit_equal(dtype, bias, path):
 def test_decoder_layer_plain_forward_equals_fused(llama_dir):
     """The plain per-layer API (used by other model files) and the fused path agree, and the
     model shares one RoPE table across its layers."""
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.loader import load_model
 
     cfg = EngineArgs(model=llama_dir, dtype="float32", device="cpu").create_engine_config()

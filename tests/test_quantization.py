@@ -385,7 +385,7 @@ def test_q8_0_rejects_bad_rows():
 
 # ---- SmoothQuant ---------------------------------------------------------------------------------
 def _load(path: str, quantization=None, dtype: str = "float32"):
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.loader import load_model
 
     mc = EngineArgs(model=path, dtype=dtype, quantization=quantization).create_engine_config().model_config
@@ -414,7 +414,7 @@ def test_smoothing_leaves_the_float_model_unchanged(tmp_path, monkeypatch, arch,
     and every product x_j W_ij keeps its bits: the smoothed float model's logits must equal the
     unsmoothed ones exactly (tolerance 0), while the folded weights did change. A tied LM head /
     embedding (SmolLM2) is left as it was."""
-    from pagedllm.layers.quantization.smoothquant import apply_smoothquant, calibration_token_ids
+    from pagedllm.models.smoothquant import apply_smoothquant, calibration_token_ids
     from pagedllm.models.checkpoint import load_tokenizer
 
     monkeypatch.setenv("PAGEDLLM_CPU_PACKED_LINEAR", "0")  # keep the plain float weights to fold into

@@ -107,7 +107,7 @@ def test_sigterm_with_request_in_flight_exits_zero(llama_dir, tmp_path):
 # ---- in-process: the async engine ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
     eng = LLMEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=256, kv_cache_memory=2 * 2 ** 20,
@@ -195,7 +195,7 @@ def test_priority_reaches_the_engine_from_each_endpoint(llama_dir, monkeypatch):
     reaches the engine's requests (in-process server)."""
     from starlette.testclient import TestClient
 
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app

@@ -7,7 +7,10 @@ import os
 import platform
 import sys
 import time
+from importlib.metadata import version
 from typing import Any, Iterable, Optional
+
+import torch
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -64,15 +67,11 @@ def _version(mod: str) -> Optional[str]:
 
 def run_metadata() -> dict[str, Any]:
     """Command line, package versions and the machine, recorded in every result file."""
-    import torch
-
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         ram = None
     try:
-        from importlib.metadata import version
-
         pagedllm_version = version("pagedllm")
     except Exception:  # noqa: BLE001
         pagedllm_version = None
@@ -114,7 +113,7 @@ def write_result(output_dir: str, name: str, result: dict[str, Any], fig=None) -
     if fig is not None:
         png_path = os.path.join(output_dir, f"{name}.png")
         fig.savefig(png_path, dpi=90, bbox_inches="tight")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazily: matplotlib is optional (pagedllm[bench])
 
         plt.close(fig)
         result = {**result, "plot": png_path}
@@ -128,13 +127,13 @@ def pyplot():
     """matplotlib.pyplot with the Agg backend (no display needed), or None (with a warning) when
     matplotlib is not installed: the JSON result is still written."""
     try:
-        import matplotlib
+        import matplotlib  # lazily: matplotlib is optional (pagedllm[bench])
     except ImportError:
         print("matplotlib is not installed (pip install 'pagedllm[bench]'): no plot written")
         return None
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazily: matplotlib is optional (pagedllm[bench])
 
     return plt
 

@@ -27,6 +27,8 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
+from pagedllm.benchmarks.common import summarize
+
 DATASETS = ("random", "sharegpt-like", "w48")
 # Per-dataset defaults of --num-prompts and --seed (when not given on the command line).
 _DATASET_DEFAULTS = {"w48": {"num_prompts": 48, "seed": 11}}
@@ -125,8 +127,6 @@ def sample_requests(args: argparse.Namespace, vocab_size: int,
 
 def describe(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
     """The workload's parameters and length statistics, for the result file."""
-    from pagedllm.benchmarks.common import summarize
-
     d = {k: getattr(args, k) for k in ("dataset", "num_prompts", "input_len", "output_len", "input_min", "input_max",
                                        "output_min", "output_max", "len_sigma", "seed")}
     if args.dataset == "w48":
@@ -149,12 +149,12 @@ def describe(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
 
 def model_vocab(model_path: str) -> tuple[int, list[int]]:
     """(vocab size of the model's config, special token ids of its tokenizer if it has one)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     special: list[int] = []
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
         special = list(AutoTokenizer.from_pretrained(model_path).all_special_ids)
     except Exception:  # noqa: BLE001 - no tokenizer: every id is fair game

@@ -8,7 +8,7 @@ widened values, where ``F.linear`` emulates it at a fraction of fp32's speed), i
 same run (fp32 rep, bf16 rep, ...) so that machine load hits both alike; each figure is the
 minimum over ``--reps`` repetitions. Reports the fp32/bf16 time ratio per shape and for a whole
 decode step (the sum of the layers times ``num_hidden_layers``, plus the LM head), next to what
-``--dtype auto`` picks here (``pagedllm.config.resolve_dtype``: bf16 where the CPU has native bf16
+``--dtype auto`` picks here (``pagedllm.engine.arg_utils.resolve_dtype``: bf16 where the CPU has native bf16
 matmuls). A ratio above 1 means bf16 is faster.
 """
 from __future__ import annotations
@@ -17,9 +17,13 @@ import argparse
 import time
 
 import torch
+from torch import nn
 
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.engine.arg_utils import resolve_dtype, resolve_model_path
+from pagedllm.platforms.cpu.cpu_info import cpu_has_native_bf16
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -54,10 +58,6 @@ def _min_time(fn, reps: int) -> float:
 def engine_linear(w: torch.Tensor):
     """x [B, in] -> x @ w.T through the engine's CPU linear layer on w [out, in] (packed as the
     engine packs it after loading)."""
-    from torch import nn
-
-    from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
-
     layer, method = nn.Module(), UnquantizedLinearMethod()
     method.create_weights(layer, w.shape[1], w.shape[0], False, w.dtype)
     layer.weight.data.copy_(w)
@@ -84,9 +84,7 @@ def time_linear(batch: int, d_in: int, d_out: int, reps: int) -> dict[str, float
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig
-
-    from pagedllm.config import cpu_has_native_bf16, resolve_dtype, resolve_model_path
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     model, _ = resolve_model(args.model, "auto", args.output_dir)
     hf_config = AutoConfig.from_pretrained(resolve_model_path(model))

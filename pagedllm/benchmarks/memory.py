@@ -30,6 +30,8 @@ import torch
 from pagedllm.benchmarks import datasets as ds
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
 from pagedllm.benchmarks.throughput import Setup, add_model_args
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -55,8 +57,6 @@ def _summary(steps: list[dict], budget_tokens: int) -> dict:
 
 
 def run_paged(args: argparse.Namespace, s: Setup) -> tuple[list[dict], dict]:
-    from pagedllm import LLM, SamplingParams
-
     llm = LLM(s.model_path, dtype=args.dtype, max_model_len=s.max_model_len, block_size=args.block_size,
               kv_cache_memory=s.kv_budget, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, load_format=s.load_format, seed=args.seed)

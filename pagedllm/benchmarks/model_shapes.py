@@ -18,6 +18,9 @@ import os
 import random
 from typing import Optional
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 SHAPES: dict[str, dict] = {
     # Qwen/Qwen2-0.5B: 494M parameters (136M of them the tied embedding).
     "qwen2-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -43,8 +46,7 @@ def build_tokenizer(out_dir: str, model_vocab_size: int, bpe_vocab_size: int = 1
     """A byte-level BPE tokenizer (every string encodes) trained on a seeded word corpus, its
     vocabulary padded to ``model_vocab_size`` with tokens `` t<id>`` that encoding never produces
     but that decode to text, so every id a random-weight model samples shows up in a stream."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazily: transformers, ~1 s to import
 
     rng = random.Random(0)
     lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 15))) for _ in range(3000)]
@@ -68,7 +70,7 @@ def build_tokenizer(out_dir: str, model_vocab_size: int, bpe_vocab_size: int = 1
 def write_model_shape(out_dir: str, shape: str = "qwen2-0.5b") -> str:
     """Write ``config.json`` (+ tokenizer) of ``shape`` into ``out_dir`` unless it is already there
     (``shape.json`` records what was written)."""
-    import transformers
+    import transformers  # lazily: transformers, ~1 s to import
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -110,8 +112,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     a = p.parse_args(argv)
     out = write_model_shape(a.out_dir, a.shape)
     if a.save_random_weights:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM  # lazily: transformers, ~1 s to import
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)

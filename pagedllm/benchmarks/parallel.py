@@ -25,9 +25,19 @@ import sys
 import time
 from collections import defaultdict
 
+import pagedllm.layers.fused_moe as fused_moe
+import pagedllm.layers.quantization.base as qbase
+import pagedllm.layers.quantization.int8 as qint8
+import pagedllm.layers.vocab_embedding as vocab
+import pagedllm.worker.multiproc_executor as mpx
+import pagedllm.worker.pp_runner as pp_runner
 from pagedllm.benchmarks.common import write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
 from pagedllm.benchmarks.tensor_parallel import _timed
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.dp_client import DPAsyncLLM
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 
 def _workload(a: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -42,14 +52,6 @@ def _engine_kwargs(a: argparse.Namespace, model: str, load_format: str) -> dict:
 
 
 def run_model_parallel(a: argparse.Namespace, tp: int, pp: int, pp_sync: bool = False) -> dict:
-    import pagedllm.layers.fused_moe as fused_moe
-    import pagedllm.layers.quantization.base as qbase
-    import pagedllm.layers.quantization.int8 as qint8
-    import pagedllm.layers.vocab_embedding as vocab
-    import pagedllm.worker.multiproc_executor as mpx
-    import pagedllm.worker.pp_runner as pp_runner
-    from pagedllm import LLM, SamplingParams
-
     comm: dict[str, float] = defaultdict(float)
     for mod in (qbase, qint8, fused_moe):  # the linear methods and the MoE block reduce their outputs
         mod.tensor_model_parallel_all_reduce = _timed(mod.tensor_model_parallel_all_reduce, comm, "comm")
@@ -110,10 +112,6 @@ def run_model_parallel(a: argparse.Namespace, tp: int, pp: int, pp_sync: bool = 
 
 
 def run_data_parallel(a: argparse.Namespace, dp: int) -> dict:
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.dp_client import DPAsyncLLM
-    from pagedllm.sampling_params import SamplingParams
-
     model, load_format = resolve_model(a.model, a.load_format, a.output_dir)
     kw = _engine_kwargs(a, model, load_format)
     llm = DPAsyncLLM(EngineArgs(**kw), dp).start()

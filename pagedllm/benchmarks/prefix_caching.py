@@ -15,6 +15,9 @@ import time
 
 from pagedllm.benchmarks.common import pyplot, run_metadata, summarize, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.engine.arg_utils import resolve_model_path
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -40,8 +43,6 @@ def _workload(args, vocab: int) -> list[list[int]]:
 
 
 def _run_mode(args, model_path: str, load_format: str, prompts: list[list[int]], caching: bool) -> dict:
-    from pagedllm import LLM, SamplingParams
-
     llm = LLM(model_path, load_format=load_format, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -72,11 +73,9 @@ def _run_mode(args, model_path: str, load_format: str, prompts: list[list[int]],
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     model_path, load_format = resolve_model(args.model, args.load_format, args.output_dir)
-    from pagedllm.config import resolve_model_path
-
     model_path = resolve_model_path(model_path)
     prompts = _workload(args, AutoConfig.from_pretrained(model_path).vocab_size)
     off = _run_mode(args, model_path, load_format, prompts, caching=False)

@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
     max_len = args.context_len + max_tokens + 1
     tokens_needed = args.batch_size * (-(-max_len // args.block_size) + 1) * args.block_size
     # Size the KV cache from the model shape: enough for the whole batch, no preemption.
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
 
     cfg = EngineArgs(model=model, dtype=args.dtype, max_model_len=max_len).create_engine_config()
     mc = cfg.model_config

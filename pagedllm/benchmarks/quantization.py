@@ -26,11 +26,20 @@ import math
 import os
 import random
 import time
+from functools import partial
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.benchmarks.common import run_metadata, summarize, write_result
+from pagedllm.engine.arg_utils import resolve_model_path
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.quantization import QUANTIZATION_METHODS, Int8Config, process_weights_after_loading
+from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_token, weight_matrix
+from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 CHAT_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
@@ -77,11 +86,6 @@ def _register_ablation(mode: str) -> str:
     """Register an ablation mode as a quantization name in this process only: ``int8-head-fp32``
     (``int8`` with the LM head left in float), ``int8-nosmooth`` (no SmoothQuant), ``int8-sqALPHA`` (SmoothQuant
     with that alpha). Returns the quantization name (None for fp32)."""
-    from functools import partial
-
-    from pagedllm.layers.quantization import QUANTIZATION_METHODS, Int8Config
-    from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
-
     if mode == "int8-head-fp32":
         QUANTIZATION_METHODS.setdefault(mode, partial(Int8Config, quantize_lm_head=False,
                                                       smooth_alpha=DEFAULT_SMOOTH_ALPHA))
@@ -95,8 +99,6 @@ def _register_ablation(mode: str) -> str:
 
 
 def _llm(model: Optional[str], quantization: Optional[str], kv: int, dtype: str = "float32", **kw):
-    from pagedllm import LLM
-
     return LLM(model, quantization=quantization, kv_cache_memory=kv, dtype=dtype, **kw)
 
 
@@ -113,8 +115,6 @@ def heldout_windows(tokenizer, path: str, fraction: float, window: int, min_toke
 
 
 def perplexity(llm, windows: list[list[int]]) -> tuple[float, int]:
-    from pagedllm import SamplingParams
-
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], sp, use_tqdm=False)
     nll, count = 0.0, 0
@@ -126,8 +126,6 @@ def perplexity(llm, windows: list[list[int]]) -> tuple[float, int]:
 
 
 def greedy_outputs(llm, n: int) -> list[list[int]]:
-    from pagedllm import SamplingParams
-
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     if getattr(llm.get_tokenizer(), "chat_template", None):
         outs = llm.chat([[{"role": "user", "content": p}] for p in CHAT_PROMPTS], sp, use_tqdm=False)
@@ -199,13 +197,7 @@ def linear_shapes(hf_config) -> dict[str, tuple[int, int]]:
 
 @torch.inference_mode()
 def run_matmul(args) -> dict:
-    import torch.nn.functional as F
-    from transformers import AutoConfig
-
-    from pagedllm.config import resolve_model_path
-    from pagedllm.layers.linear import ReplicatedLinear
-    from pagedllm.layers.quantization import Int8Config, process_weights_after_loading
-    from pagedllm.layers.quantization.int8 import int8_mm, quantize_per_token, weight_matrix
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     shapes = linear_shapes(AutoConfig.from_pretrained(resolve_model_path(args.model)))
     rows = []
@@ -238,8 +230,6 @@ def run_matmul(args) -> dict:
 
 
 def run_throughput(args) -> dict:
-    from pagedllm import SamplingParams
-
     res: dict = {"fp32": [], "int8": []}
     prompts = None
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

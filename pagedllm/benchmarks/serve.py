@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Optional
 
 from pagedllm.benchmarks import datasets as ds
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, summarize, write_result
+from pagedllm.benchmarks.model_shapes import resolve_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +137,7 @@ async def _one(client, args, url: str, req: ds.BenchRequest, prompt, t_bench: fl
 
 
 async def _run_async(args, reqs: list[ds.BenchRequest], prompts: list) -> tuple[list[RequestResult], float]:
-    import httpx
+    import httpx  # lazily: httpx is optional (pagedllm[bench]); run() says so when it is missing
 
     url = args.base_url.rstrip("/") + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
     rng = random.Random(args.seed + 1)
@@ -160,17 +162,13 @@ async def _run_async(args, reqs: list[ds.BenchRequest], prompts: list) -> tuple[
 
 
 def _vocab(args) -> tuple[int, list[int], Optional[object]]:
-    import os
-
-    from pagedllm.benchmarks.model_shapes import resolve_model
-
     path = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
     if path:
         path, _ = resolve_model(path, "auto", args.output_dir)
         vocab, special = ds.model_vocab(path)
         tok = None
         if args.prompt_format == "text":
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
             tok = AutoTokenizer.from_pretrained(path)
             vocab = min(vocab, len(tok))
@@ -201,7 +199,7 @@ def _plot(results: list[RequestResult], title: str):
 
 
 def run(args: argparse.Namespace):
-    try:
+    try:  # lazily: httpx is optional (pagedllm[bench])
         import httpx  # noqa: F401 - the client; not in the base install
     except ImportError:
         print("pagedllm bench serve needs httpx, which the base install does not include: "

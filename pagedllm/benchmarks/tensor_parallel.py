@@ -21,8 +21,15 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+import pagedllm.layers.fused_moe as fused_moe
+import pagedllm.layers.quantization.base as qbase
+import pagedllm.layers.quantization.int8 as qint8
+import pagedllm.layers.vocab_embedding as vocab
+import pagedllm.worker.multiproc_executor as mpx
 from pagedllm.benchmarks.common import write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 
 def _timed(fn: Callable, stats: dict, key: str) -> Callable:
@@ -37,14 +44,6 @@ def _timed(fn: Callable, stats: dict, key: str) -> Callable:
 
 def run_one(a: argparse.Namespace) -> dict:
     """One tensor-parallel size, in this process."""
-
-    import pagedllm.layers.fused_moe as fused_moe
-    import pagedllm.layers.quantization.base as qbase
-    import pagedllm.layers.quantization.int8 as qint8
-    import pagedllm.layers.vocab_embedding as vocab
-    import pagedllm.worker.multiproc_executor as mpx
-    from pagedllm import LLM, SamplingParams
-
     comm: dict[str, float] = defaultdict(float)
     # The layers imported the collectives by name: wrap them where they are called (rank 0 only).
     for mod in (qbase, qint8, fused_moe):  # the linear methods and the MoE block reduce their outputs

@@ -28,6 +28,11 @@ import torch
 from pagedllm.benchmarks import datasets as ds
 from pagedllm.benchmarks.common import parse_size, pyplot, run_metadata, stamp, summarize, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
+from pagedllm.config import DEFAULT_BLOCK_SIZE
+from pagedllm.engine.arg_utils import EngineArgs, resolve_model_path
+from pagedllm.layers.attention.kv_quant import block_rows
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 BACKENDS = ("pagedllm", "hf", "hf-cb")
 
@@ -44,7 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="pagedllm only")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest request of the workload (throughput) / the model's (memory)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-memory", default=None,
@@ -72,8 +77,6 @@ class Setup:
     def __init__(self, args: argparse.Namespace, default_max_model_len: str = "workload") -> None:
         """``default_max_model_len``: without --max-model-len, use the workload's longest request
         ("workload") or the model's context length ("model")."""
-        from pagedllm.config import EngineArgs, resolve_model_path
-
         model, self.load_format = resolve_model(args.model, args.load_format, args.output_dir)
         self.model_path = resolve_model_path(model)
         vocab, special = ds.model_vocab(self.model_path)
@@ -106,8 +109,6 @@ class Setup:
                             "workload_tokens": total_tokens, "max_model_len": self.max_model_len,
                             "dtype": str(self.dtype).replace("torch.", "")}
         if getattr(args, "kv_cache_dtype", "auto") == "int8":  # pagedllm's int8 cache: more tokens, same bytes
-            from pagedllm.layers.attention.kv_quant import block_rows
-
             per_token = (mc.kv_planes * self.hf_config.num_hidden_layers * mc.num_kv_heads * mc.head_dim
                          * block_rows(bs, mc.head_dim, "int8") / bs)
             self.budget_info["budget_tokens_int8"] = int(self.kv_budget // per_token)
@@ -128,8 +129,6 @@ def _result(name: str, reqs: list[ds.BenchRequest], elapsed: float, per_request:
 
 # ---- pagedllm --------------------------------------------------------------------------------
 def run_pagedllm(args: argparse.Namespace, s: Setup) -> dict:
-    from pagedllm import LLM, SamplingParams
-
     llm = LLM(s.model_path, dtype=args.dtype, max_model_len=s.max_model_len, block_size=args.block_size,
               kv_cache_memory=s.kv_budget, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, load_format=s.load_format, seed=args.seed,
@@ -177,7 +176,7 @@ def run_pagedllm(args: argparse.Namespace, s: Setup) -> dict:
 # ---- transformers ----------------------------------------------------------------------------
 def build_hf_model(s: Setup):
     """The transformers model of the same checkpoint, or of the same config with random init."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazily: transformers, ~1 s to import
 
     if s.load_format == "dummy":
         torch.manual_seed(0)
@@ -209,7 +208,7 @@ def static_batches(reqs: list[ds.BenchRequest], budget_tokens: int, fixed: Optio
 
 @torch.inference_mode()
 def _hf_generate(model, batch: list[list[int]], max_new: int, pad_id: int) -> torch.Tensor:
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazily: transformers, ~1 s to import
 
     width = max(len(p) for p in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -258,7 +257,7 @@ def run_hf(args: argparse.Namespace, s: Setup) -> dict:
 
 
 def run_hf_cb(args: argparse.Namespace, s: Setup) -> dict:
-    try:
+    try:  # lazily: transformers, ~1 s to import; an older one lacks these
         from transformers import GenerationConfig
         from transformers.generation import ContinuousBatchingConfig
     except ImportError as e:

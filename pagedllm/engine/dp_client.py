@@ -16,24 +16,32 @@ server answers /health 503 and exits non-zero; ``shutdown()`` stops every replic
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from pagedllm.config import EngineArgs, EngineConfig
+import torch
+
+from pagedllm import envs
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineSnapshot
-from pagedllm.engine.llm_engine import LLMEngine, PromptType, _load_tokenizer
+from pagedllm.engine.dp_replica import replica_main
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import SchedulerStats
-from pagedllm.structured_output.backend import make_compiler
+from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend import make_compiler
+from pagedllm.worker.multiproc_executor import threads_per_rank
 
 logger = logging.getLogger("pagedllm")
 
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_DP_STARTUP_TIMEOUT_S", "600"))
+STARTUP_TIMEOUT_S = envs.PAGEDLLM_DP_STARTUP_TIMEOUT_S  # read once, at import
 
 
 class FrontEngine:
@@ -50,7 +58,7 @@ class FrontEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = _load_tokenizer(config.model_config.tokenizer)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
@@ -102,8 +110,6 @@ def combine_snapshots(snaps: list[EngineSnapshot], num_blocks: list[int]) -> Eng
 
 
 def replica_threads(data_parallel_size: int, tensor_parallel_size: int = 1) -> int:
-    from pagedllm.worker.multiproc_executor import threads_per_rank
-
     return threads_per_rank(data_parallel_size) if tensor_parallel_size == 1 else \
         max(1, threads_per_rank(data_parallel_size * tensor_parallel_size) * tensor_parallel_size)
 
@@ -113,8 +119,6 @@ def replica_devices(config: EngineConfig, data_parallel_size: int) -> list[Optio
     vLLM gives each DP rank its own GPUs); None on a CPU. Raises ValueError when too few GPUs."""
     if not config.device.startswith("cuda"):
         return [None] * data_parallel_size
-    import torch
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [x for x in visible.split(",") if x.strip()] if visible else \
         [str(i) for i in range(torch.cuda.device_count())]
@@ -135,10 +139,6 @@ class DPAsyncLLM(AsyncLLM):
                  on_abort: Optional[Callable[[str], None]] = None, log_level: str = "INFO") -> None:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-        import multiprocessing as mp
-
-        from pagedllm.engine.dp_replica import replica_main
-
         config = engine_args.create_engine_config()  # validates the settings before any process starts
         self.replicas: list[_Replica] = []
         self._route: dict[str, _Replica] = {}  # unfinished request id -> its replica

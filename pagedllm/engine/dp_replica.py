@@ -20,6 +20,13 @@ import time
 import traceback
 from typing import Any
 
+import torch
+
+from pagedllm.engine.async_engine import EngineSnapshot
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.logger import init_logger
+from pagedllm.worker.multiproc_executor import _watch_parent
+
 logger = logging.getLogger("pagedllm")
 
 _IDLE_HEALTH_CHECK_S = 2.0
@@ -32,19 +39,11 @@ def replica_main(engine_args: Any, index: int, num_threads: int, conn: Any, pare
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end handles Ctrl-C and tells us to stop
-    from pagedllm.worker.multiproc_executor import _watch_parent
-
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     # Tensor-parallel workers of this replica (spawned later) share its cores, not the machine's.
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    import torch
-
     torch.set_num_threads(num_threads)
-    from pagedllm.logger import init_logger
-
     init_logger(log_level)
-    from pagedllm.engine.llm_engine import LLMEngine
-
     try:
         engine = LLMEngine.from_engine_args(engine_args, log_stats=True)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which prints it
@@ -79,8 +78,6 @@ class _ReplicaLoop:
             self.wake.set()
 
     def snapshot(self) -> Any:
-        from pagedllm.engine.async_engine import EngineSnapshot
-
         e = self.engine
         return EngineSnapshot(e.get_stats(), e.num_prompt_tokens_total, e.num_generation_tokens_total)
 

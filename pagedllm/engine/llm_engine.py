@@ -19,12 +19,14 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.kv_cache_manager import KVCacheManager, max_blocks_per_seq
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler, SchedulerStats
 from pagedllm.layers.sampler import Sampler, SamplingRow, topk_logprobs
+from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
@@ -36,15 +38,9 @@ logger = logging.getLogger("pagedllm")
 PromptType = Union[str, list[int], dict]
 
 
-def _load_tokenizer(path: str):
-    from pagedllm.models.checkpoint import load_tokenizer
-
-    return load_tokenizer(path)
-
-
 def _generation_eos_ids(model_path: str) -> set[int]:
     try:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # lazily: transformers, ~1 s to import
 
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except Exception:  # noqa: BLE001 - generation_config.json is optional
@@ -62,7 +58,7 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model_config, config.cache_config
         self.model_config = mc
-        self.tokenizer = _load_tokenizer(mc.tokenizer)
+        self.tokenizer = load_tokenizer(mc.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.generation_eos_ids = _generation_eos_ids(mc.model)
         self.vocab_size = mc.hf_config.vocab_size

@@ -12,6 +12,7 @@ import re
 from typing import Any, Iterable, Iterator
 
 from pagedllm.models.gguf import find_gguf_file, load_gguf_config, load_gguf_tokenizer, one_line
+from pagedllm.models.registry import supported_architectures
 
 # A Hugging Face hub id: "name" or "owner/name" (letters, digits, "-", "_", ".").
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -57,7 +58,7 @@ def load_hf_config(path: str) -> Any:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {config_file}: {one_line(e)}") from None
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
 
     try:
         same_as = REMOTE_CODE_MODEL_TYPES.get(raw.get("model_type")) if isinstance(raw, dict) else None
@@ -67,8 +68,6 @@ def load_hf_config(path: str) -> Any:
         else:
             config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - unknown model_type, bad values, ...
-        from pagedllm.models.registry import supported_architectures
-
         raise ValueError(f"cannot load the config of {path} ({one_line(e)}); supported architectures: "
                          f"{', '.join(supported_architectures())}") from None
     return text_only_config(config)
@@ -135,7 +134,7 @@ def load_tokenizer(path: str) -> Any:
     gguf_file = find_gguf_file(path) if os.path.exists(path) else None
     if gguf_file:
         return load_gguf_tokenizer(gguf_file)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
     try:
         return AutoTokenizer.from_pretrained(path)

@@ -21,6 +21,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 import numpy as np
 import torch
 
+from pagedllm.models.registry import supported_architectures
+
 GGUF_MAGIC = b"GGUF"
 # Q8_0 block (ggml-common.h, block_q8_0): one float16 scale d, then 32 int8 values q; x = d * q.
 Q8_0_BLOCK = 32
@@ -75,6 +77,7 @@ def find_gguf_file(path: str) -> Optional[str]:
 
 def dequantizable_types() -> list[str]:
     """Names of the GGML tensor types ``gguf.quants.dequantize`` implements in this ``gguf`` version."""
+    # lazily: gguf, 0.1-0.2 s to import, read only for a .gguf model
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -105,6 +108,7 @@ def open_gguf(path: str):
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, size: int, mtime_ns: int):
+    # lazily: gguf, 0.1-0.2 s to import, read only for a .gguf model
     from gguf import GGUFReader
 
     name = os.path.basename(path)
@@ -147,7 +151,7 @@ def _metadata_reader():
     ``field.parts[0]``, which is the key's length (a 1-element array, which NumPy 2 will not turn
     into a float); every other reader of a field indexes ``parts`` through ``field.data``, which
     this leaves as it was. (transformers 5.x.)"""
-    import gguf
+    import gguf  # lazily: gguf, 0.1-0.2 s to import, read only for a .gguf model
 
     def reader(path, *args, **kwargs):
         if args or kwargs:  # a mode other than read-only: the library's own
@@ -192,6 +196,7 @@ def load_gguf_config(path: str) -> Any:
     Raises:
         ValueError: unreadable file, or an architecture transformers cannot convert from GGUF.
     """
+    # lazily: transformers, ~1 s to import
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -201,8 +206,6 @@ def load_gguf_config(path: str) -> Any:
             config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                 gguf_file=os.path.basename(path))
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError here
-        from pagedllm.models.registry import supported_architectures
-
         raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported ({one_line(e)}); "
                          f"supported architectures: {', '.join(supported_architectures())}") from None
     if config.model_type == "gpt_oss":
@@ -215,7 +218,7 @@ def load_gguf_config(path: str) -> Any:
 
 def load_gguf_tokenizer(path: str) -> Any:
     """The tokenizer (with chat template) built from the file's metadata by transformers."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazily: transformers, ~1 s to import
 
     open_gguf(path)  # a clear error for a bad file first
     try:
@@ -289,6 +292,7 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
     Raises:
         ValueError: the file is unreadable, or its tensors do not map to the architecture's parameters.
     """
+    # lazily: gguf (read only for a .gguf model) and transformers (~2 s to import with its GGUF helpers)
     import gguf
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM

@@ -20,10 +20,11 @@ from pagedllm.distributed.parallel_state import get_tp_rank
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
-from pagedllm.layers.quantization.smoothquant import smooth_for_quantization
+from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
 from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
+from pagedllm.models.smoothquant import smooth_for_quantization
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -66,7 +67,7 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape the config implies, from transformers' model built on the meta device
     (no memory). Our tensor-parallel loaders narrow what they read, so a matrix larger than the config
     says would otherwise load silently. Empty when transformers cannot build the model."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazily: transformers, ~1 s to import
 
     try:
         with torch.device("meta"):
@@ -103,8 +104,6 @@ def gguf_q8_0_direct(quant_config: Any) -> bool:
     scales, requantized per output channel; no float copy): for ``--quantization int8`` without
     SmoothQuant. With SmoothQuant (the default) they are dequantized (exactly: fp16 x int8 fits
     float32), calibrated and smoothed, then quantized per channel: smoothing needs float weights."""
-    from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
-
     return isinstance(quant_config, Int8Config) and smoothquant_alpha(quant_config.smooth_alpha) is None
 
 
@@ -117,7 +116,7 @@ def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[
         yield name, w
 
 
-def load_model(model_config: ModelConfig, device: str, block_size: int = 16) -> torch.nn.Module:
+def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
     then let each layer's linear method process them (e.g. quantize them to int8)."""

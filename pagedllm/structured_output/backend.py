@@ -13,6 +13,9 @@ import threading
 from collections import OrderedDict
 from typing import Optional
 
+import llguidance
+
+from pagedllm.structured_output.matcher import GrammarMatcher
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _CACHE_SIZE = 256
@@ -44,7 +47,7 @@ class GrammarCompiler:
     def ll_tokenizer(self):
         with self._lock:
             if self._ll_tokenizer is None:  # ~1 s for a 50k vocabulary: built on first use only
-                import llguidance.hf
+                import llguidance.hf  # lazily: it imports transformers, ~1 s (not at the CLI's start)
 
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
             return self._ll_tokenizer
@@ -58,8 +61,6 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         grammar = self._to_grammar(params)
-        import llguidance
-
         err = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if err:
             raise ValueError(f"invalid structured output {params.kind}: {err.strip()}")
@@ -71,8 +72,6 @@ class GrammarCompiler:
 
     @staticmethod
     def _to_grammar(params: StructuredOutputsParams) -> str:
-        import llguidance
-
         M = llguidance.LLMatcher
         kind = params.kind
         if kind in ("json", "json_object"):
@@ -98,12 +97,8 @@ class GrammarCompiler:
         except ValueError as e:
             raise ValueError(f"invalid structured output grammar: {e}") from None
 
-    def matcher(self, params: StructuredOutputsParams) -> "GrammarMatcher":
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for one sequence (at the start of its output)."""
-        import llguidance
-
-        from pagedllm.structured_output.matcher import GrammarMatcher
-
         return GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0),
                               self.vocab_size, self.ll_tokenizer.eos_token)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import llguidance
 import torch
 
 logger = logging.getLogger("pagedllm")
@@ -73,8 +74,7 @@ def fill_bitmask(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tenso
     next, computed in parallel by llguidance's thread pool. A matcher whose mask cannot be
     computed fails (one request's grammar does not lift another's mask); a failed matcher allows
     only EOS, and the engine aborts its request after this step."""
-    import llguidance
-    import llguidance.torch
+    import llguidance.torch  # lazily: 2.4 s to import (it sets up torch.compile), paid by the first grammar only
 
     global _executor
     if _executor is None:

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from pagedllm import envs
+
 
 def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -40,15 +42,9 @@ def cpu_kv_cache_space_bytes() -> tuple[int, str]:
     Raises:
         ValueError: the environment variable is not a positive number.
     """
-    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
-    if raw:
-        try:
-            gib = float(raw)
-        except ValueError:
-            gib = -1.0
-        if not gib > 0:
-            raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {raw!r}")
-        how = f"{CPU_KVCACHE_SPACE_ENV}={raw} GiB"
+    gib = envs.PAGEDLLM_CPU_KVCACHE_SPACE  # None when unset; raises ValueError when not a positive number
+    if gib is not None:
+        how = f"{CPU_KVCACHE_SPACE_ENV}={envs.raw(CPU_KVCACHE_SPACE_ENV).strip()} GiB"  # as the user wrote it
     else:
         gib = DEFAULT_CPU_KVCACHE_SPACE_GIB
         how = (f"CPU default {gib:g} GiB (set --kv-cache-memory, --gpu-memory-utilization or "

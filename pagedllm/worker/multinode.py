@@ -24,7 +24,10 @@ import signal
 import time
 from typing import Any
 
+import torch.multiprocessing as mp
+
 from pagedllm.config import EngineConfig
+from pagedllm.worker.multiproc_executor import threads_per_rank, validate_tensor_parallel, worker_main
 
 logger = logging.getLogger("pagedllm")
 
@@ -32,10 +35,6 @@ logger = logging.getLogger("pagedllm")
 def run_headless(config: EngineConfig) -> int:
     """Run this node's ranks until they exit; returns the process exit code (0 when node 0
     stopped them cleanly, 1 when one failed or the driver vanished)."""
-    import torch.multiprocessing as mp
-
-    from pagedllm.worker.multiproc_executor import threads_per_rank, validate_tensor_parallel, worker_main
-
     pc = config.parallel_config
     if pc.node_rank == 0:
         raise ValueError("--headless runs worker ranks only; node 0 runs the driver and the API server "

@@ -41,14 +41,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.control_channel import (PendingBroadcast, broadcast_object, broadcast_object_async,
                                                   recv_broadcast_object)
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
+from pagedllm.models.registry import get_model_class
 from pagedllm.worker.executor import Executor, ModelOutputFuture, UniProcExecutor
 from pagedllm.worker.model_input import ModelInput
 from pagedllm.worker.kv_cache_budget import physical_memory_bytes
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.pp_runner import PPModelRunner, check_pp_support
 
 logger = logging.getLogger("pagedllm")
 
@@ -60,7 +63,7 @@ CONTROL_TIMEOUT = timedelta(days=7)
 
 
 def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "300")))
+    return timedelta(seconds=envs.PAGEDLLM_TP_TIMEOUT_S)
 
 
 def validate_tensor_parallel(hf_config: Any, tp: int) -> None:
@@ -135,8 +138,6 @@ class RankWorker(UniProcExecutor):
         # Pickled calls travel over gloo on CPU memory even when the model runs on NCCL.
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         if pc.pipeline_parallel_size > 1:
-            from pagedllm.worker.pp_runner import PPModelRunner
-
             self.runner = PPModelRunner(config)  # this stage's layers (and TP shard)
         else:
             self.runner = ModelRunner(config)  # sharded: the TP state is set above
@@ -219,15 +220,11 @@ class MultiprocExecutor(Executor):
         self._lock = threading.RLock()  # the server checks health from another thread
         self._prev_threads = torch.get_num_threads()
         validate_tensor_parallel(config.model_config.hf_config, tp)
-        from pagedllm.models.registry import get_model_class
-
         model_cls = get_model_class(config.model_config.hf_config, config.model_config.max_model_len)
         if tp > 1 and not getattr(model_cls, "supports_tp", True):  # fail before any process starts
             raise ValueError(f"tensor parallelism is not implemented for {model_cls.__name__}; use "
                              f"--tensor-parallel-size 1 (or --pipeline-parallel-size)")
         if config.parallel_config.pipeline_parallel_size > 1:
-            from pagedllm.worker.pp_runner import check_pp_support
-
             check_pp_support(model_cls)
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process (another "

@@ -18,16 +18,17 @@ import os
 import socket
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.worker.multiproc_executor import MultiprocExecutor, worker_main
 
 logger = logging.getLogger("pagedllm")
 
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
+PLACEMENT_TIMEOUT_S = envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S  # read once, at import
 
 
 def _import_ray():
     try:
-        import ray
+        import ray  # lazily: ray is an optional extra (pagedllm[ray])
     except ImportError:
         raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'pagedllm[ray]'") from None
     return ray
@@ -101,6 +102,7 @@ class RayExecutor(MultiprocExecutor):
 
     def _launch_workers(self, ranks: list[int], init_method: str, threads: int) -> str:
         ray = _import_ray()
+        # lazily: ray is an optional extra (pagedllm[ray])
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

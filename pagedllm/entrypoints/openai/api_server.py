@@ -30,8 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
-from pagedllm import __version__
+from pagedllm import __version__, envs
+from pagedllm.engine.arg_utils import EngineArgs, ServerArgs, cli_flag
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.engine.dp_client import DPAsyncLLM
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
@@ -47,11 +49,13 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, BIG_TOKEN_COUNT, ClientDisconnected, error_body, tokenize_error)
+from pagedllm.logger import init_logger
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.worker.multinode import run_headless
 
 logger = logging.getLogger("pagedllm")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = ServerArgs.max_request_bytes  # 4 MiB
 _KEYED_PATHS = ("/v1", "/dashboard/api")  # routes that need the API key (the dashboard page itself holds no data)
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -358,9 +362,9 @@ def parse_list(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
-def cors_options(args: argparse.Namespace) -> dict:
+def cors_options(args: ServerArgs) -> dict:
     """CORSMiddleware keyword arguments from ``--allowed-origins/--allowed-methods/--allowed-headers/
-    --allow-credentials`` (vLLM's flags and defaults)."""
+    --allow-credentials`` (vLLM's flags and defaults). Raises ValueError for a list that is not one."""
     return dict(allow_origins=parse_list(args.allowed_origins), allow_methods=parse_list(args.allowed_methods),
                 allow_headers=parse_list(args.allowed_headers), allow_credentials=args.allow_credentials)
 
@@ -385,11 +389,9 @@ def _bind(host: str, port: int) -> socket.socket:
 def flag_names(message: str) -> str:
     """An engine error as ``pagedllm serve`` users know it: EngineArgs field names (max_model_len)
     become the CLI flags that set them (--max-model-len)."""
-    from pagedllm.config import EngineArgs
-
-    for name in EngineArgs.__dataclass_fields__:
+    for name in EngineArgs.field_names():
         if "_" in name:
-            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+            message = re.sub(rf"(?<![\w-]){name}\b", cli_flag(name), message)
     return message
 
 
@@ -397,7 +399,9 @@ class _Interrupted(BaseException):
     pass
 
 
-def _read_chat_template(value: Optional[str]) -> Optional[str]:
+def read_chat_template(value: Optional[str]) -> Optional[str]:
+    """``--chat-template``'s template: a file's text, or the value itself when it is inline Jinja (None: none).
+    Raises ValueError for anything else."""
     if value is None:
         return None
     if os.path.isfile(value):
@@ -408,13 +412,13 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
-def _check_tool_flags(args: argparse.Namespace) -> None:
-    parser = getattr(args, "tool_call_parser", None)
-    if getattr(args, "enable_auto_tool_choice", False) and not parser:
+def check_tool_flags(args: ServerArgs) -> None:
+    """ValueError for --enable-auto-tool-choice without a parser, or a parser name that is not one."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
-    if parser:
-        get_tool_parser(parser)  # ValueError naming the known parsers
-    if getattr(args, "reasoning_parser", None):
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)  # ValueError naming the known parsers
+    if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)
 
 
@@ -431,65 +435,46 @@ def _exit_when_engine_dies(llm: AsyncLLM, server, died: threading.Event, poll_s:
         time.sleep(poll_s)
 
 
-def _engine_args(args: argparse.Namespace):
-    from pagedllm.config import EngineArgs
-
-    return EngineArgs(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-        nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
-        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None),
-        distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
-        seed=args.seed, load_format=args.load_format,
-        served_model_name=args.served_model_name, enable_prefix_caching=args.enable_prefix_caching,
-        device=None if args.device == "auto" else args.device,
-        num_threads=getattr(args, "num_threads", None),
-        quantization=getattr(args, "quantization", None),
-        attention_backend=getattr(args, "attention_backend", "auto"),
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        max_logprobs=getattr(args, "max_logprobs", 20), runner=getattr(args, "runner", "generate"),
-        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
-
-
-def _run_headless(args: argparse.Namespace) -> int:
+def _run_headless(engine_args: EngineArgs) -> int:
     """``pagedllm serve --headless``: this node's worker ranks of a multi-node launch, no server."""
-    from pagedllm.worker.multinode import run_headless
-
     try:
-        return run_headless(_engine_args(args).create_engine_config())
+        return run_headless(engine_args.create_engine_config())
     except (ValueError, OSError) as e:
         print(f"pagedllm serve: error: {e}", file=sys.stderr)
         return 1
 
 
+def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: str) -> AsyncLLM:
+    """The started engine: one AsyncLLM, or ``data_parallel_size`` > 1 replicas behind a DPAsyncLLM."""
+    if data_parallel_size > 1:
+        return DPAsyncLLM(engine_args, data_parallel_size, log_level=log_level).start()
+    return AsyncLLM.from_engine_args(engine_args).start()
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """``pagedllm serve``: load the engine, serve until SIGINT/SIGTERM, return the exit code."""
-    import uvicorn
+    """``pagedllm serve``: load the engine, serve until SIGINT/SIGTERM, return the exit code. ``args``: parsed by
+    a parser with the EngineArgs and ServerArgs flags (``pagedllm.entrypoints.cli.add_server_args``)."""
+    import uvicorn  # lazily: only a running server needs it
 
-    from pagedllm.logger import init_logger
-
-    log_level = args.log_level.upper()
+    engine_args, opts = EngineArgs.from_cli_args(args), ServerArgs.from_cli_args(args)
+    log_level = opts.log_level.upper()
     init_logger(log_level)
-    if getattr(args, "headless", False):
-        return _run_headless(args)
-    if getattr(args, "nnodes", 1) > 1 and getattr(args, "node_rank", 0) != 0:
+    if opts.headless:
+        return _run_headless(engine_args)
+    if engine_args.nnodes > 1 and engine_args.node_rank != 0:
         print("pagedllm serve: error: only node 0 serves the API; start the other nodes with --headless",
               file=sys.stderr)
         return 1
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    host = args.host
+    api_key = opts.api_key or envs.PAGEDLLM_API_KEY
+    host = opts.host
     try:
-        store = ResponseStore(args.max_stored_responses, args.stored_response_ttl, args.max_stored_response_bytes)
-        sock = _bind(host, args.port)
+        store = ResponseStore(opts.max_stored_responses, opts.stored_response_ttl, opts.max_stored_response_bytes)
+        sock = _bind(host, opts.port)
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"pagedllm serve: error: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"pagedllm serve: error: cannot listen on {host}:{opts.port}: {e.strerror or e}", file=sys.stderr)
         return 1
 
     def interrupted(signum, frame):
@@ -499,16 +484,9 @@ def run_server(args: argparse.Namespace) -> int:
     llm: Optional[AsyncLLM] = None
     try:
         try:
-            chat_template = _read_chat_template(args.chat_template)
-            _check_tool_flags(args)
-            engine_args = _engine_args(args)
-            dp = getattr(args, "data_parallel_size", 1)
-            if dp > 1:
-                from pagedllm.engine.dp_client import DPAsyncLLM
-
-                llm = DPAsyncLLM(engine_args, dp, log_level=log_level).start()
-            else:
-                llm = AsyncLLM.from_engine_args(engine_args).start()
+            chat_template = read_chat_template(opts.chat_template)
+            check_tool_flags(opts)
+            llm = start_engine(engine_args, opts.data_parallel_size, log_level)
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
@@ -519,23 +497,22 @@ def run_server(args: argparse.Namespace) -> int:
             return 1
 
         try:
-            cors = cors_options(args)
+            cors = cors_options(opts)
         except ValueError as e:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
         # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
-        dashboard = args.dashboard and getattr(args, "data_parallel_size", 1) == 1
-        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=args.max_request_bytes,
+        dashboard = opts.dashboard and opts.data_parallel_size == 1
+        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=opts.max_request_bytes,
                         response_store=store, dashboard=dashboard, cors=cors,
-                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(args, "tool_call_parser", None),
-                        reasoning_parser=getattr(args, "reasoning_parser", None))
-        ensure_file_limit(args.limit_concurrency)
-        http = guarded_http_protocol(args.limit_concurrency or None, args.timeout_request_read or None)
-        config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=not args.disable_access_log,
-                                timeout_keep_alive=args.timeout_keep_alive, http=http,
-                                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
-        server = GracefulServer(config, args.shutdown_timeout, llm.abort_all)
+                        enable_auto_tool_choice=opts.enable_auto_tool_choice, tool_call_parser=opts.tool_call_parser,
+                        reasoning_parser=opts.reasoning_parser)
+        ensure_file_limit(opts.limit_concurrency)
+        http = guarded_http_protocol(opts.limit_concurrency or None, opts.timeout_request_read or None)
+        config = uvicorn.Config(app, log_level=opts.log_level.lower(), access_log=not opts.disable_access_log,
+                                timeout_keep_alive=opts.timeout_keep_alive, http=http,
+                                h11_max_incomplete_event_size=opts.h11_max_incomplete_event_size)
+        server = GracefulServer(config, opts.shutdown_timeout, llm.abort_all)
         app.state.uvicorn_server = server  # long-lived streams (the dashboard) end when it stops
         shown_host = host if ":" not in host else f"[{host}]"
         url = f"http://{shown_host}:{sock.getsockname()[1]}"

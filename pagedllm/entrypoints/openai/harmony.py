@@ -26,7 +26,7 @@ import re
 from typing import Optional
 
 from pagedllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
-from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, partial_tail
+from pagedllm.entrypoints.openai.reasoning_parser_base import ReasoningParser, partial_tail
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls, ToolParser, register_tool_parser)
 
@@ -140,9 +140,6 @@ def visible_content(content: str, finished: bool) -> str:
     elif not finished:
         text = text[:len(text) - partial_tail(text, CALL)]
     return text
-
-
-REASONING_PARSERS[HarmonyReasoningParser.name] = HarmonyReasoningParser
 
 
 @register_tool_parser("openai")

@@ -116,7 +116,7 @@ def ensure_file_limit(limit_concurrency: Optional[int], spare: int = 256) -> Non
     if not limit_concurrency:
         return
     try:
-        import resource
+        import resource  # lazily: POSIX only
     except ImportError:  # not on POSIX
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

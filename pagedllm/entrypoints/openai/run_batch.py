@@ -19,6 +19,11 @@ from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
+from pagedllm.engine.arg_utils import EngineArgs, ServerArgs
+from pagedllm.entrypoints.openai.api_server import (build_app, check_tool_flags, flag_names, read_chat_template,
+                                                    start_engine)
+from pagedllm.logger import init_logger
+
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
@@ -103,13 +108,10 @@ async def run_lines(app: Any, lines: list[str]) -> list[dict]:
 
 def run_batch(args: argparse.Namespace) -> int:
     """``pagedllm run-batch``: returns 0, or 1 when the files or the engine cannot be set up (a
-    request that fails is a result line, not a failure of the run)."""
-    from pagedllm.engine.async_engine import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import (_check_tool_flags, _engine_args, _read_chat_template,
-                                                        build_app, flag_names)
-    from pagedllm.logger import init_logger
-
-    init_logger(args.log_level.upper())
+    request that fails is a result line, not a failure of the run). ``args``: parsed by ``pagedllm run-batch``'s
+    parser (its -i/-o and the EngineArgs and ServerArgs flags)."""
+    engine_args, opts = EngineArgs.from_cli_args(args), ServerArgs.from_cli_args(args)
+    init_logger(opts.log_level.upper())
     try:
         if args.input_file == "-":
             text = sys.stdin.read()
@@ -129,23 +131,16 @@ def run_batch(args: argparse.Namespace) -> int:
         return 1
     try:
         try:
-            chat_template = _read_chat_template(args.chat_template)
-            _check_tool_flags(args)
-            engine_args = _engine_args(args)
-            if getattr(args, "data_parallel_size", 1) > 1:
-                from pagedllm.engine.dp_client import DPAsyncLLM
-
-                llm = DPAsyncLLM(engine_args, args.data_parallel_size, log_level=args.log_level.upper()).start()
-            else:
-                llm = AsyncLLM.from_engine_args(engine_args).start()
+            chat_template = read_chat_template(opts.chat_template)
+            check_tool_flags(opts)
+            llm = start_engine(engine_args, opts.data_parallel_size, opts.log_level.upper())
         except (ValueError, OSError, RuntimeError) as e:
             print(f"pagedllm run-batch: error: {flag_names(str(e))}", file=sys.stderr)
             return 1
         try:
             app = build_app(llm, chat_template=chat_template, dashboard=False, shutdown_engine=False,
-                            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                            tool_call_parser=getattr(args, "tool_call_parser", None),
-                            reasoning_parser=getattr(args, "reasoning_parser", None))
+                            enable_auto_tool_choice=opts.enable_auto_tool_choice,
+                            tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser)
             results = asyncio.run(run_lines(app, lines))
         except KeyboardInterrupt:
             print("pagedllm run-batch: interrupted; no results written", file=sys.stderr)

@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
+from pagedllm import envs
+
 BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 INCLUDE_DIR = Path(__file__).parent  # cpu_math.h, shared by the kernels
 
@@ -45,7 +47,7 @@ def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
     headers = sorted({*INCLUDE_DIR.glob("*.h"), *source.parent.glob("*.h")})  # shared, and the source's own
     src = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
     key = hashlib.sha256(src + " ".join([cxx, *flags]).encode() + cpu_id().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "kernels"
+    cache = envs.PAGEDLLM_CACHE_DIR / "kernels"
     lib_path = cache / f"{source.stem}-{key}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)

@@ -11,16 +11,16 @@ off (read once, at import).
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from pagedllm import envs
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("float_gemm.cpp")
-ENABLED = os.environ.get("PAGEDLLM_CPU_FLOAT_GEMM", "1") != "0"
+ENABLED = envs.PAGEDLLM_CPU_FLOAT_GEMM  # read once, at import
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LEVEL = {torch.float32: 1, torch.bfloat16: 2}  # float_gemm_level() needed for the dtype
 PANEL = 16  # columns per packed panel

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from pagedllm import envs
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
@@ -49,7 +49,7 @@ def _build() -> ctypes.CDLL:
 
 _LIBRARY = LazyLibrary(_build)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-ENABLED = os.environ.get("PAGEDLLM_CPU_FUSED_OPS", "1") != "0"  # read once, at import
+ENABLED = envs.PAGEDLLM_CPU_FUSED_OPS  # read once, at import
 _logged_fallback = False
 logger = logging.getLogger("pagedllm")
 

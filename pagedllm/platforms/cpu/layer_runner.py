@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from pagedllm import envs
 from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
 from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention import cpu_backend as cpu_kernel
@@ -40,7 +40,7 @@ from pagedllm.layers.attention.backend import SlidingWindowBackend, attention_wi
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
 SOURCE = Path(__file__).with_name("layer_runner.cpp")
-ENABLED = os.environ.get("PAGEDLLM_CPU_LAYER_RUNNER", "1") != "0"
+ENABLED = envs.PAGEDLLM_CPU_LAYER_RUNNER  # read once, at import
 _SUFFIX = cpu_fused_ops._SUFFIX  # dtype -> the kernels' name suffix (the same in every library)
 logger = logging.getLogger("pagedllm")
 

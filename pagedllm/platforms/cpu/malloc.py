@@ -16,8 +16,9 @@ Linux with glibc only; ``PAGEDLLM_CPU_MALLOC_TUNING=0`` leaves malloc as it is.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from pagedllm import envs
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
 TRIM_THRESHOLD = 1 << 30
@@ -31,7 +32,7 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("PAGEDLLM_CPU_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+    if not envs.PAGEDLLM_CPU_MALLOC_TUNING or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

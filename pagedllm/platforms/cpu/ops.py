@@ -11,12 +11,12 @@ Kernel functions the tests patch (``float_gemm.linear``, ``int8_gemm.int8_gemm``
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.platforms.cpu import float_gemm, fused_ops, int8_gemm
 from pagedllm.platforms.interface import PlatformOps
 
@@ -26,7 +26,7 @@ def can_pack(w: torch.Tensor) -> bool:
     layout): a 2-d float32/bfloat16 CPU tensor, ``PAGEDLLM_CPU_PACKED_LINEAR`` not 0 (read per
     call: load time), and a PyTorch built with oneDNN's linear."""
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.numel() > 0
-            and os.environ.get("PAGEDLLM_CPU_PACKED_LINEAR", "1") != "0"
+            and envs.PAGEDLLM_CPU_PACKED_LINEAR
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

@@ -9,7 +9,7 @@ from typing import Optional
 
 from pagedllm.entrypoints.openai.protocol import (
     DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall)
-from pagedllm.entrypoints.openai.reasoning_parsers import partial_tail
+from pagedllm.entrypoints.openai.reasoning_parser_base import partial_tail
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls, ToolParser, register_tool_parser)
 

@@ -28,9 +28,10 @@ from pagedllm.distributed.parallel_state import (get_tp_size, tensor_model_paral
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.platforms import ops
-# The int8 grid, and the matmul (the platform's kernels, else torch._int_mm: ``platforms/ops.py``),
-# which the benchmarks and tests import from here too.
-from pagedllm.platforms.ops import INT8_QMAX as QMAX, INT8_TINY as _TINY, int8_mm
+
+QMAX = ops.INT8_QMAX  # symmetric: [-127, 127]; -128 unused so that negation is exact
+_TINY = ops.INT8_TINY  # all-zero rows get this scale (their int8 values are then 0)
+int8_mm = ops.int8_mm  # int8 [m, k] x int8 [k, n] -> exact int32 (the platform's kernel, else torch._int_mm)
 
 
 def _all_reduce_max(x: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_CPU_PACKED_LINEAR": EnvVar(
         "switch (0 = off)", "1", _switch,
         "Pack float32/bfloat16 linear weights once after loading into oneDNN's blocked layout (and our "
-        "panel GEMM's, see PAGEDLLM_CPU_FLOAT_GEMM; layers/quantization/unquantized.py); 0 keeps the "
+        "panel GEMM's, see PAGEDLLM_CPU_FLOAT_GEMM; platforms/cpu/ops.py); 0 keeps the "
         "weights as loaded and multiplies with F.linear. Read for each layer as its weights are processed."),
     "PAGEDLLM_CPU_LAYER_RUNNER": EnvVar(
         "switch (0 = off)", "1", _switch,

@@ -272,7 +272,7 @@ def test_decoder_layer_plain_forward_equals_fused(llama_dir):
     from pagedllm.models.loader import load_model
 
     cfg = EngineArgs(model=llama_dir, dtype="float32", device="cpu").create_engine_config()
-    model = load_model(cfg.model_config, "cpu")
+    model = load_model(cfg.model_config, "cpu", cfg.cache_config.block_size)
     assert all(layer.self_attn.rotary_emb is model.rotary_emb for layer in model.layers)
     from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 

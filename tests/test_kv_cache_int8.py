@@ -70,13 +70,13 @@ def test_c_writer_writes_the_reference_bytes(dtype, d, cache):
         before = torch.randn(2, 40, 8, 2, d, generator=g).to(dtype)
         ref, got = before.clone(), before.clone()
         write_kv(k, v, ref, slots)
-        write_kv_c(k, v, got, slots)
+        write_kv_c(k, v, got, slots, 8)
         assert torch.equal(got, ref) and torch.equal(got[0].view(-1, 2, d)[slots], k)
         return
     before = torch.randint(-128, 127, (2, 40, kv_quant.block_rows(8, d, "int8"), 2, d), dtype=torch.int8, generator=g)
     ref, got = before.clone(), before.clone()
     write_kv(k, v, ref, slots)
-    write_kv_c(k, v, got, slots)
+    write_kv_c(k, v, got, slots, 8)
     assert torch.equal(got, ref)
     for i, x in enumerate((k, v)):  # the written slots hold x quantized; the others are untouched
         values, scales = kv_quant.split_blocks(ref[i])

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
-from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod, _can_pack
+from pagedllm.platforms.cpu.ops import can_pack as _can_pack
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 def _layer(out_f: int, in_f: int, bias: bool, dtype=torch.float32) -> nn.Module:

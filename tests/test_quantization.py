@@ -388,8 +388,8 @@ def _load(path: str, quantization=None, dtype: str = "float32"):
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.models.loader import load_model
 
-    mc = EngineArgs(model=path, dtype=dtype, quantization=quantization).create_engine_config().model_config
-    return load_model(mc, "cpu")
+    cfg = EngineArgs(model=path, dtype=dtype, quantization=quantization).create_engine_config()
+    return load_model(cfg.model_config, "cpu", cfg.cache_config.block_size)
 
 
 def _logits(model, seqs) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
+from pagedllm.platforms import ops
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -34,15 +34,8 @@ def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * I] laid out [gate | up] -> silu(gate) * up [..., I], contiguous, x's dtype.
-
-    Two kernels and one new tensor: SiLU runs in place over x's gate half (x is overwritten there),
-    the product goes into a fresh contiguous tensor, which the down projection reads without a copy.
-    The same ops in the same order as transformers' ``act_fn(gate_proj(x)) * up_proj(x)``.
-    """
-    if x.device.type == "cpu":  # one C pass (platforms/cpu/fused_ops.py), x left as it is, if it applies
-        out = cpu_fused_ops.silu_and_mul(x)
-        if out is not None:
-            return out
-    i = x.shape[-1] // 2
-    return torch.mul(F.silu(x[..., :i], inplace=True), x[..., i:])
+    """x [..., 2 * I] laid out [gate | up] -> silu(gate) * up [..., I], contiguous, x's dtype
+    (``ops.silu_and_mul``: the platform's kernel leaves x as it is; the torch body overwrites x's
+    gate half with SiLU in place, one new tensor for the product, the same ops in the same order
+    as transformers' ``act_fn(gate_proj(x)) * up_proj(x)``)."""
+    return ops.silu_and_mul(x)

@@ -18,7 +18,6 @@ Weights are stacked at load time: ``w13`` [E, 2 * I / tp, H] (gate rows, then up
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from pagedllm.layers.linear import ReplicatedLinear, _copy, load_narrow, loaded_shape
+from pagedllm.platforms import ops
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,20 +50,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: Optional[int]) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM kernel takes these operands: bf16 on CUDA, SM 8.0+ with
-    ``F.grouped_mm`` (SM 9.x with the older ``torch._grouped_mm``), 16-byte aligned rows."""
-    if _GROUPED_MM is None or not x.is_cuda or not (x.dtype == w13.dtype == w2.dtype == torch.bfloat16):
-        return False
-    if w2.shape[1] % 8 or w2.shape[2] % 8:
-        return False
-    cap = _cuda_capability(x.device.index)
-    return cap >= (8, 0) if hasattr(F, "grouped_mm") else cap[0] == 9
+    """Whether torch's grouped GEMM runs these operands by default (``ops.grouped_mm_supported``:
+    the platform's say; CUDA: bf16, SM 8.0+, 16-byte aligned rows)."""
+    return _GROUPED_MM is not None and ops.grouped_mm_supported(x, w13, w2)
 
 
 def silu_and_mul_halves(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from pagedllm.structured_output.matcher import apply_bitmask, fill_bitmask
+
 if TYPE_CHECKING:
     from pagedllm.layers.sampler import SamplingRow
 
@@ -79,8 +81,6 @@ def apply_grammar(logits: torch.Tensor, rows: list["SamplingRow"]) -> None:
     which = [i for i, r in enumerate(rows) if r.grammar is not None]
     if not which:
         return
-    from pagedllm.structured_output.matcher import apply_bitmask, fill_bitmask
-
     mask = fill_bitmask([rows[i].grammar for i in which], logits.shape[-1])
     apply_bitmask(logits, mask, which)
 

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
+from pagedllm.platforms import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -131,11 +131,7 @@ class RotaryEmbedding(nn.Module):
 
     def apply_(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [N, h, D] (any strides, last dim contiguous) in place; returns x."""
-        r = x if self.rotary_dim == self.head_dim else x[..., :self.rotary_dim]
-        if x.device.type == "cpu" and cpu_fused_ops.rotary_(r, cos_sin):  # one C pass, if it applies
-            return x
-        rot = r.roll(self.rotary_dim // 2, -1).mul_(cos_sin[:, 1])
-        r.mul_(cos_sin[:, 0]).add_(rot)
+        ops.rotary_(x if self.rotary_dim == self.head_dim else x[..., :self.rotary_dim], cos_sin)
         return x
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 from pagedllm.layers.logits_processors import LOGITS_PROCESSORS, keep_grammar_rows_alive, needs_logits_processors
+from pagedllm.platforms import ops
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Sampler:
                 logits = keep_grammar_rows_alive(logits, raw, rows)
 
         greedy = [r.params.greedy for r in rows]
-        tokens = cpu_fused_ops.argmax_rows(logits)  # torch.argmax off the CPU
+        tokens = ops.argmax_rows(logits)
         if not all(greedy):
             dev = logits.device
             temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=dev)
@@ -122,7 +122,7 @@ class Sampler:
             for i, r in enumerate(rows):
                 if r.generator is not None:
                     q[i].exponential_(generator=r.generator)
-            sampled = cpu_fused_ops.argmax_rows(probs / q)
+            sampled = ops.argmax_rows(probs / q)
             tokens = torch.where(torch.tensor(greedy, device=dev), tokens, sampled)
 
         token_list = tokens.tolist()

@@ -48,6 +48,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states [M, hidden] -> logits [M, vocab_size] (gathered from every rank's slice).
     The matmul is its linear method's (``layers/quantization``; float by default)."""
 
+    # What the linear methods test (they cannot import this class: this module imports them): a
+    # tied head keeps its plain weight, an int8 head stays on its packed panels at every row count.
+    is_lm_head = True
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32,
                  quant_config: Optional[QuantizationConfig] = None, prefix: str = "") -> None:
         super().__init__(vocab_size, hidden_size, dtype)

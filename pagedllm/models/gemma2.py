@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedllm.config import get_rope_parameters
 from pagedllm.distributed.parallel_state import get_pp_layer_range, is_first_pp_rank, is_last_pp_rank
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
+from pagedllm.platforms import ops
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from pagedllm.layers.layernorm import GemmaRMSNorm
@@ -67,10 +67,8 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.gelu_tanh and gate_up.is_cpu:  # one C pass (platforms/cpu/fused_ops.py), if it applies
-            h = cpu_fused_ops.gelu_tanh_and_mul(gate_up)
-            if h is not None:
-                return self.down_proj(h)
+        if self.gelu_tanh:  # one pass where the platform has the kernel (ops.gelu_tanh_and_mul)
+            return self.down_proj(ops.gelu_tanh_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -22,7 +22,6 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
 from pagedllm.layers.pooler import last_token_embeddings
 from pagedllm.models.loader import load_model
-from pagedllm.platforms.cpu import malloc as cpu_malloc
 from pagedllm.worker.model_input import ModelInput
 
 logger = logging.getLogger("pagedllm")
@@ -32,8 +31,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
-        if torch.device(self.device).type == "cpu":
-            cpu_malloc.keep_freed_memory()  # activations reuse freed pages (platforms/cpu/malloc.py)
+        self.platform().prepare_process()
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
         self.attach_layer_stack()
@@ -66,9 +64,8 @@ class ModelRunner:
         """Set ``model.layer_stack`` (a model with that hook: Llama's family, Gemma's) to the platform's
         fused stack of its decoder layers, where the platform has one (``layer_stack(model)``: the CPU
         layer runner, which decides on its first call whether it covers the model)."""
-        make = getattr(self.platform(), "layer_stack", None)
-        if make is not None and hasattr(self.model, "layer_stack"):
-            self.model.layer_stack = make(self.model)
+        if hasattr(self.model, "layer_stack"):
+            self.model.layer_stack = self.platform().layer_stack(self.model)
 
     @property
     def weight_bytes(self) -> int:

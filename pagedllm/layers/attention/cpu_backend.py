@@ -9,6 +9,7 @@ ninja nor a torch build requirement). Where it cannot be built (no compiler) the
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -17,14 +18,7 @@ from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.backend import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.layers.attention.torch_backend import TorchPagedAttention, flat_cache, gather_rows
-from pagedllm.platforms.cpu.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, _SUFFIX, load_kernel
-
-
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
-    """GUIDE plug point 5: the kernel reads raw pointers, so a layout mismatch must fail here."""
-    if t.device.type != "cpu" or t.dtype != dtype or t.dim() != ndim or not t.is_contiguous():
-        raise ValueError(f"cpu paged attention: {name} must be a contiguous {ndim}-d {dtype} CPU tensor, got "
-                         f"{tuple(t.shape)} {t.dtype} on {t.device} (strides {t.stride()})")
+from pagedllm.platforms.cpu.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, _SUFFIX, check_operand as _check, load_kernel
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -80,10 +74,19 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     return out
 
 
-def write_kv_c(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _check_rows(rows: int, block_size: int, d: int, int8: bool) -> None:
+    """The int8 kernels lay a block out from ``block_size``: a cache of other rows per block must fail here."""
+    if rows != kv_quant.block_rows(block_size, d, "int8" if int8 else "auto"):
+        raise ValueError(f"cpu paged attention: a cache block of {rows} rows does not fit block_size {block_size}"
+                         f" (head_dim {d}, {'int8' if int8 else 'model dtype'})")
+
+
+def write_kv_c(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               block_size: int) -> None:
     """``backend.write_kv`` in one C call (an int8 cache: quantized, the same bytes as the torch
     reference; else copied); k/v [N, Hkv, D] with free token strides (views of the fused qkv
-    output). Falls back to ``write_kv`` for any other layout."""
+    output); ``block_size``: the step's (``AttentionMetadata.block_size``). Falls back to
+    ``write_kv`` for any other layout."""
     lib, _ = load_kernel()
     n, hkv, d = k.shape
     int8 = kv_quant.is_int8(kv_cache)
@@ -97,24 +100,27 @@ def write_kv_c(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_ma
         return
     half = kv_cache.stride(0) * kv_cache.element_size() * (kv_cache.shape[0] - 1)  # one plane: V is K
     ptrs = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, hkv, d)
-    if int8:
-        getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(*ptrs, kv_quant.block_size_of(kv_cache.shape[2], d),
-                                                          kv_cache.data_ptr(), kv_cache.data_ptr() + half)
+    if int8:  # (a cache in the model's dtype is written by flat slot: no block layout to check)
+        _check_rows(kv_cache.shape[2], block_size, d, True)
+        getattr(lib, f"kv_write_int8_{_SUFFIX[k.dtype]}")(*ptrs, block_size, kv_cache.data_ptr(),
+                                                          kv_cache.data_ptr() + half)
     else:
         getattr(lib, f"kv_write_{_SUFFIX[k.dtype]}")(*ptrs, kv_cache.data_ptr(), kv_cache.data_ptr() + half)
 
 
-def gather_kv(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``torch_backend.gather_rows`` with an int8 cache read and dequantized in one C pass (same values)."""
+def gather_kv(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, *, block_size: int) -> torch.Tensor:
+    """``torch_backend.gather_rows`` with an int8 cache read and dequantized in one C pass (same
+    values); ``block_size``: the step's (``AttentionMetadata.block_size``)."""
     lib, _ = load_kernel()
     if (lib is None or not kv_quant.is_int8(flat) or dtype not in _SUFFIX or not flat.is_contiguous()
             or slots.dtype != torch.int64):
         return gather_rows(flat, slots, dtype)
     slots = slots.contiguous()
     _, rows, hkv, d = flat.shape
+    _check_rows(rows, block_size, d, True)
     out = torch.empty(slots.shape[0], hkv, d, dtype=dtype)
     getattr(lib, f"kv_read_int8_{_SUFFIX[dtype]}")(flat.data_ptr(), slots.data_ptr(), slots.shape[0], hkv, d,
-                                                    kv_quant.block_size_of(rows, d), out.data_ptr())
+                                                    block_size, out.data_ptr())
     return out
 
 
@@ -155,7 +161,7 @@ class CpuPagedAttention(AttentionBackend):
             return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap, sinks=sinks,
                                            attention_chunk=attention_chunk)
-        write_kv_c(k, v, kv_cache, meta.slot_mapping)
+        write_kv_c(k, v, kv_cache, meta.slot_mapping, meta.block_size)
         long_prefill = self.LONG_PREFILL
         out = paged_attention(torch.empty_like(q), q.contiguous(), kv_cache, meta, scale, sliding_window,
                               logits_soft_cap, max_query_len=long_prefill or 0,
@@ -164,9 +170,10 @@ class CpuPagedAttention(AttentionBackend):
         if long_prefill is None:
             return out
         flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, -1)
+        gather = functools.partial(gather_kv, block_size=meta.block_size)
         for i, p in enumerate(meta.prefills):
             if p.query_end - p.query_start > long_prefill:
                 out[p.query_start:p.query_end] = self._reference.prefill(
                     q, k, v, flat_k, flat_v, meta, meta.num_decode_tokens + i, p, scale, sliding_window,
-                    logits_soft_cap, gather=gather_kv, sinks=sinks, chunk=attention_chunk)
+                    logits_soft_cap, gather=gather, sinks=sinks, chunk=attention_chunk)
         return out

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
-from pagedllm.layers.quantization.q8_0 import finish_q8_0
+from pagedllm.layers.quantization import q8_0
 from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -74,8 +74,10 @@ def process_weights_after_loading(model: nn.Module, quant_config: Optional[Quant
         if quant_config is not None and not getattr(module, "prefix", ""):
             module.prefix = name
             module.quant_method = get_linear_method(module, quant_config, name)
-        if getattr(module, "q8_0_qs", None) is not None and not isinstance(module.quant_method, Int8LinearMethod):
-            finish_q8_0(module, to_int8=False)  # GGUF Q8_0 blocks into a layer that stays float
+        if getattr(module, "q8_0_qs", None) is not None:  # GGUF Q8_0 blocks kept by the loader
+            # straight into an int8 layer's weights where every row came from Q8_0 (its method
+            # then skips quantizing), else into the float weight (which an int8 method quantizes)
+            q8_0.finish_q8_0(module, to_int8=isinstance(module.quant_method, Int8LinearMethod))
         module.quant_method.process_weights_after_loading(module)
         count += not isinstance(module.quant_method, UnquantizedLinearMethod)
     return QuantizationReport(quant_config.describe() if quant_config else "none", count, before, _param_bytes(model))

@@ -25,12 +25,13 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import (get_tp_size, tensor_model_parallel_all_reduce,
                                                  tensor_model_parallel_all_reduce_max)
-from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, int8_gemm as int8_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagedllm.platforms import ops
 
-QMAX = 127  # symmetric: [-127, 127]; -128 unused so that negation is exact
-_TINY = 1e-12  # all-zero rows get this scale (their int8 values are then 0)
+QMAX = ops.INT8_QMAX  # symmetric: [-127, 127]; -128 unused so that negation is exact
+_TINY = ops.INT8_TINY  # all-zero rows get this scale (their int8 values are then 0)
+int8_mm = ops.int8_mm  # int8 [m, k] x int8 [k, n] -> exact int32 (the platform's kernel, else torch._int_mm)
 
 
 def _all_reduce_max(x: torch.Tensor) -> torch.Tensor:
@@ -53,44 +54,12 @@ def quantize_per_channel(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -
 
 
 def quantize_per_token(x: torch.Tensor, reduce_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [m, k] -> (int8 [m, k], float32 scale [m, 1]) with ``x ~ scale * q``.
-
-    Four passes over x: |x| and its row max, one multiply by 127 / amax, one in-place round, one
-    cast (measured on a CPU: ``vector_norm(ord=inf)`` and ``aminmax`` are 4-7x slower than
-    ``abs().amax()``, and dividing by the scale instead of multiplying by its reciprocal is up to
-    10x slower at k = 1536). ``x * (127 / amax)`` lies in [-127, 127] up to rounding, so no clamp
-    is needed. ``reduce_amax`` takes the max over tensor-parallel ranks. Error per element <= scale / 2.
-    """
-    if x.device.type == "cpu" and (not reduce_amax or get_tp_size() == 1):  # one C pass, same bits (cpu_fused_ops)
-        fused = cpu_fused_ops.quantize_rows(x)
-        if fused is not None:
-            return fused
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    if reduce_amax:
-        amax = _all_reduce_max(amax)
-    amax = amax.clamp_min_(_TINY)
-    q = (x * (QMAX / amax)).round_().to(torch.int8)
-    return q, amax.div_(QMAX)
-
-
-def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8 [m, k] x int8 [k, n] -> exact int32 [m, n] via ``torch._int_mm``.
-
-    On a CPU ``_int_mm`` takes any shape. On CUDA it needs m > 16 and k, n multiples of 8, and
-    cuBLASLt refuses a row-major ``b`` for some shapes (seen on an H200, torch 2.11: [k, n]
-    contiguous failed at m=1, n=48 and n=49152; the transposed view of an [n, k] weight, which the
-    int8 method stores on CUDA, ran every shape exactly). So m <= 16 rows are padded with zeros,
-    and other k, n fall back to a float32 matmul of the int8 values (exact while
-    k * 127^2 < 2^24, i.e. k <= 1040; a relative error ~1e-7 beyond).
-    """
-    if a.device.type == "cuda":
-        m, k = a.shape
-        n = b.shape[1]
-        if k % 8 or n % 8:
-            return torch.mm(a.float(), b.float()).round_().to(torch.int32)
-        if m <= 16:
-            return torch._int_mm(torch.cat([a, a.new_zeros(17 - m, k)]), b)[:m]
-    return torch._int_mm(a, b)
+    """Activations [m, k] -> (int8 [m, k], float32 scale [m, 1]) with ``x ~ scale * q``
+    (``ops.quantize_per_token``). ``reduce_amax`` takes the max over tensor-parallel ranks.
+    Error per element <= scale / 2."""
+    if not reduce_amax or get_tp_size() == 1:
+        return ops.quantize_per_token(x)
+    return ops.quantize_per_token(x, _all_reduce_max(x.abs().amax(dim=-1, keepdim=True).float()))
 
 
 def int8_weight_layout(q: torch.Tensor) -> torch.Tensor:
@@ -128,12 +97,7 @@ class Int8LinearMethod(LinearMethodBase):
 
     def _quantize(self, layer: nn.Module) -> None:
         if getattr(layer, "weight_q", None) is not None:
-            return  # already int8 (e.g. set from a GGUF Q8_0 tensor by set_int8_weight)
-        if getattr(layer, "q8_0_qs", None) is not None:  # GGUF Q8_0 blocks kept by the loader
-            from pagedllm.layers.quantization.q8_0 import finish_q8_0
-
-            if finish_q8_0(layer, to_int8=True):
-                return
+            return  # already int8 (set from a GGUF Q8_0 tensor by set_int8_weight, or by finish_q8_0)
         w = layer.weight.data
         amax = None
         if getattr(layer, "input_is_parallel", False) and getattr(layer, "tp_size", 1) > 1:
@@ -161,34 +125,25 @@ class Int8LinearMethod(LinearMethodBase):
             if bias is not None:
                 out.add_(bias)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-        packed = getattr(layer, "weight_packed", None)  # a CPU with AVX512-VNNI or AVX2 (pack_weight)
+        packed = getattr(layer, "weight_packed", None)  # the platform's panels (pack_weight)
         x2 = x.reshape(-1, shape[-1])
         on_panels = packed is not None and (layer.panel_max_rows is None or x2.shape[0] <= layer.panel_max_rows)
         if on_panels and not reduce_results and (not parallel_input or get_tp_size() == 1):
-            # the whole linear in one C call, the same bits
-            out = int8_gemm_cpu.panel_linear(x2, packed, layer.weight_sum, layer.weight_scale, bias)
+            # the whole linear in one call, the same bits
+            out = ops.int8_panel_linear(x2, packed, layer.weight_sum, layer.weight_scale, bias)
             if out is not None:
                 return out.reshape(*shape[:-1], out.shape[-1])
         xq, sx = quantize_per_token(x2, reduce_amax=parallel_input)
         if packed is not None:
             if on_panels:
-                acc = int8_gemm_cpu.panel_gemm(xq, packed, layer.weight_sum, layer.weight_scale.numel())
+                acc = ops.int8_panel_gemm(xq, packed, layer.weight_sum, layer.weight_scale.numel())
             else:  # a prefill's many rows: oneDNN's GEMM is the faster there, on the unpacked weight
                 acc = int8_mm(xq, weight_matrix(layer))
-        else:
-            acc = int8_gemm_cpu.int8_gemm(xq, layer.weight_q.t(), layer.weight_sum)  # a few CPU rows: VNNI
-            if acc is None:
-                acc = int8_mm(xq, layer.weight_q)
+        else:  # weight_sum: a few CPU rows may take the small-batch kernel
+            acc = int8_mm(xq, layer.weight_q, layer.weight_sum)
         if reduce_results:
             acc = tensor_model_parallel_all_reduce(acc)  # int32 sum: exact, order-free
-        out = None
-        if acc.device.type == "cpu":  # one C pass, same bits
-            out = cpu_fused_ops.int8_epilogue(acc, sx, layer.weight_scale, bias, x.dtype)
-        if out is None:
-            out = acc.float().mul_(sx).mul_(layer.weight_scale)  # float32 [m, n]
-            if bias is not None:
-                out.add_(bias)
-            out = out.to(x.dtype)
+        out = ops.int8_epilogue(acc, sx, layer.weight_scale, bias, x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
@@ -212,7 +167,7 @@ def set_int8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> N
         del layer.weight
     layer.weight_q = nn.Parameter(int8_weight_layout(q), requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().to(q.device), requires_grad=False)
-    layer.register_buffer("weight_sum", int8_gemm_cpu.weight_row_sums(q), persistent=False)
+    layer.register_buffer("weight_sum", ops.int8_row_sums(q), persistent=False)
 
 
 # Rows up to which a packed layer (not the LM head) runs on the panel GEMM; above it, a step
@@ -228,21 +183,24 @@ PANEL_MAX_ROWS = 128
 
 def pack_weight(layer: nn.Module) -> None:
     """An int8 layer on a CPU with AVX512-VNNI or AVX2: its weight packed once for
-    ``int8_gemm_cpu.panel_gemm``, the packed copy replacing ``weight_q`` (the layer still takes
+    ``ops.int8_panel_gemm``, the packed copy replacing ``weight_q`` (the layer still takes
     n * k bytes). A decode step's rows are few, and there the panel GEMM beat ``torch._int_mm``
     (SmolLM2, 48 rows: see PANEL_MAX_ROWS); a step of more rows than ``panel_max_rows`` unpacks
     the weight (``weight_matrix``: one pass over n * k bytes, small against that many rows'
     arithmetic) for ``torch._int_mm``. The LM head always runs on the panels (its rows are the
     step's sequences; 2-2.9x ``torch._int_mm`` at 48-2,048 rows), and so does every layer on an
-    AVX2 CPU without VNNI (``int8_gemm_cpu.int_mm_is_slow``). Layers it does not apply to (another
+    AVX2 CPU without VNNI (``ops.int8_panels_only``). Layers it does not apply to (another
     device, neither VNNI nor AVX2, fewer than 64 columns a thread) are left as they are."""
     q = getattr(layer, "weight_q", None)
-    if q is None or q.numel() == 0 or not int8_gemm_cpu.panel_supported(q.t()):
+    if q is None or q.numel() == 0:
         return
-    packed = int8_gemm_cpu.panel_pack(q.t())
+    packed = ops.int8_pack_panels(q.t())
+    if packed is None:
+        return
     layer.register_buffer("weight_packed", packed, persistent=False)
     layer.weight_shape = tuple(q.t().shape)  # [n, k]
-    layer.panel_max_rows = None if _is_lm_head(layer) or int8_gemm_cpu.int_mm_is_slow() else PANEL_MAX_ROWS
+    is_head = getattr(layer, "is_lm_head", False)  # ParallelLMHead's (vocab_embedding imports this package)
+    layer.panel_max_rows = None if is_head or ops.int8_panels_only() else PANEL_MAX_ROWS
     layer.weight_q = nn.Parameter(torch.empty(0, 0, dtype=torch.int8), requires_grad=False)
     layer.packed_bytes = packed.numel()
 
@@ -253,13 +211,7 @@ def weight_matrix(layer: nn.Module) -> torch.Tensor:
     packed = getattr(layer, "weight_packed", None)
     if packed is None:
         return layer.weight_q
-    return int8_weight_layout(int8_gemm_cpu.panel_unpack(packed, *layer.weight_shape))
-
-
-def _is_lm_head(layer: nn.Module) -> bool:
-    from pagedllm.layers.vocab_embedding import ParallelLMHead  # not at import time: it imports this package
-
-    return isinstance(layer, ParallelLMHead)
+    return int8_weight_layout(ops.int8_unpack_panels(packed, *layer.weight_shape))
 
 
 class Int8Config(QuantizationConfig):
@@ -288,11 +240,9 @@ class Int8Config(QuantizationConfig):
         return any(prefix == p or prefix.startswith(p + ".") for p in self.ignore)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
-        from pagedllm.layers.vocab_embedding import ParallelLMHead
-
         if self.is_layer_skipped(prefix):
             return None
-        if isinstance(layer, ParallelLMHead) and not self.quantize_lm_head:
+        if getattr(layer, "is_lm_head", False) and not self.quantize_lm_head:  # ParallelLMHead
             return None
         return Int8LinearMethod(self.act_group_size)
 

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.layers.quantization.int8 import _TINY, QMAX, set_int8_weight
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce_max
+from pagedllm.layers.quantization.int8 import set_int8_weight
+from pagedllm.platforms.ops import INT8_QMAX as QMAX, INT8_TINY as _TINY
 
 Q8_0_BLOCK = 32  # weights per block
 Q8_0_BYTES = 2 + Q8_0_BLOCK  # fp16 scale + 32 int8
@@ -111,10 +113,8 @@ def finish_q8_0(layer: nn.Module, to_int8: bool) -> bool:
     if to_int8 and bool(rows.all()):
         amax = None
         if getattr(layer, "input_is_parallel", False) and getattr(layer, "tp_size", 1) > 1:
-            from pagedllm.layers.quantization.int8 import _all_reduce_max
-
             w = qs.float().view(qs.shape[0], -1, Q8_0_BLOCK) * d.float()[:, :, None]
-            amax = _all_reduce_max(w.abs().amax(dim=(1, 2)))
+            amax = tensor_model_parallel_all_reduce_max(w.abs().amax(dim=(1, 2)))  # this stage's TP group
         q, scale = q8_0_to_int8_per_channel(qs, d, amax)
         set_int8_weight(layer, q, scale)
         return True

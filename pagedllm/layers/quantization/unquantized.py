@@ -11,6 +11,8 @@ panel GEMM takes the place of oneDNN's: it splits decode-sized matmuls evenly ov
 where oneDNN left one thread idle part of the time (SmolLM2's attention and MLP-down shapes at 48
 rows: 1.4-1.6x faster; benchmarks/README.md section 10).
 ``PAGEDLLM_CPU_PACKED_LINEAR=0`` turns both off; ``PAGEDLLM_CPU_FLOAT_GEMM=0`` only ours.
+Both packings are the platform's (``platforms/ops.py``: ``pack_gemm_weight``, ``pack_library_weight``;
+natively neither applies and the layer keeps ``F.linear``).
 """
 from __future__ import annotations
 
@@ -20,17 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import envs
-from pagedllm.platforms.cpu import float_gemm as float_gemm_cpu
 from pagedllm.layers.quantization.base import LinearMethodBase
-
-
-def _can_pack(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and w.numel() > 0
-            and envs.PAGEDLLM_CPU_PACKED_LINEAR
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+from pagedllm.platforms import ops
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -41,24 +34,18 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = getattr(layer, "weight", None)
-        if w is None or not _can_pack(w):
+        if w is None:
             return
-        if float_gemm_cpu.supported(w):
-            packed = float_gemm_cpu.pack(w.detach())
+        packed = ops.pack_gemm_weight(w)
+        if packed is not None:
             layer.register_buffer("gemm_weight", packed, persistent=False)
             layer.out_features = w.shape[0]
             if not _is_tied(layer):
                 w.data = torch.empty(0, dtype=w.dtype)
             layer.packed_bytes = packed.numel() * packed.element_size()
             return
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
-            probe = torch.ones(2, w.shape[1], dtype=w.dtype)
-            ok = torch.allclose(torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float(),
-                                F.linear(probe, w).float(), rtol=1e-2, atol=1e-2)
-        except RuntimeError:
-            return
-        if not ok:
+        packed = ops.pack_library_weight(w)
+        if packed is None:
             return
         layer.register_buffer("packed_weight", packed, persistent=False)
         layer.out_features = w.shape[0]
@@ -68,18 +55,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         gemm_weight = getattr(layer, "gemm_weight", None)
-        if gemm_weight is not None and x.dtype == gemm_weight.dtype and x.device.type == "cpu":
-            y = float_gemm_cpu.linear(x.reshape(-1, x.shape[-1]), gemm_weight, bias, layer.out_features)
-            return y.view(*x.shape[:-1], layer.out_features)
+        if gemm_weight is not None:
+            y = ops.gemm_linear(x.reshape(-1, x.shape[-1]), gemm_weight, bias, layer.out_features)
+            if y is not None:
+                return y.view(*x.shape[:-1], layer.out_features)
         packed = getattr(layer, "packed_weight", None)
-        if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-            return y.view(*x.shape[:-1], layer.out_features)
+        if packed is not None:
+            y = ops.library_linear(x.reshape(-1, x.shape[-1]), packed, bias)
+            if y is not None:
+                return y.view(*x.shape[:-1], layer.out_features)
         return F.linear(x, layer.weight, bias)
 
 
 def _is_tied(layer: nn.Module) -> bool:
-    """The LM head, whose weight may be the embedding's (then it must keep the plain tensor)."""
-    from pagedllm.layers.vocab_embedding import ParallelLMHead  # not at import time: it imports this package
-
-    return isinstance(layer, ParallelLMHead)
+    """The LM head, whose weight may be the embedding's (then it must keep the plain tensor):
+    ``ParallelLMHead.is_lm_head`` (an attribute, not the class: vocab_embedding imports this package)."""
+    return getattr(layer, "is_lm_head", False)

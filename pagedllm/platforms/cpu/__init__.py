@@ -1,6 +1,7 @@
 """The CPU wing: everything only the CPU path needs.
 
 - ``build.py``: compiles this folder's C++ sources with the host's compiler into a cache, on first use.
+- ``ops.py``: this wing's bodies for the ops layers call (``platforms/ops.py``), over the kernels below.
 - ``fused_ops.py`` (``fused_ops.cpp``): residual add + RMSNorm, RoPE, SiLU/GELU-tanh * up, the sampler's passes.
 - ``float_gemm.py`` (``float_gemm.cpp``), ``int8_gemm.py`` (``int8_gemm.cpp``), ``panel_gemm.h``: packed GEMMs.
 - ``attention.py`` (``paged_attention.cpp``, ``paged_attention_simd.h``): the paged-attention kernels.
@@ -12,13 +13,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from pagedllm.platforms.cpu import layer_runner
+from pagedllm.platforms.cpu import layer_runner, malloc
+from pagedllm.platforms.cpu.ops import CpuOps
 from pagedllm.platforms.interface import Platform
 
 
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    ops = CpuOps
+
+    def prepare_process(self) -> None:
+        malloc.keep_freed_memory()  # activations reuse freed pages (malloc.py)
 
     # ---- the fused layer stack (layer_runner.py) ----
     def layer_stack(self, model: Any) -> Optional[Callable]:

@@ -1,7 +1,9 @@
 """The CPU paged-attention kernels of ``paged_attention.cpp`` (C++/OpenMP, no torch headers), built on
 first use by ``build.py`` and bound with ctypes: attention that reads K/V in place through the block
 table, the K/V write by slot mapping, and the int8 cache's read. The attention backend that calls them,
-with its shape checks and fallbacks, is ``layers/attention/cpu_backend.py``.
+with its shape checks and fallbacks, is ``layers/attention/cpu_backend.py``; it passes the block size
+(``AttentionMetadata.block_size``), which an int8 cache's rows do not state on their own. This module
+imports nothing of ``layers``.
 """
 from __future__ import annotations
 
@@ -48,3 +50,11 @@ _LIBRARY = LazyLibrary(_build)
 def load_kernel() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """(library, None) once built and loaded, else (None, why not); tried once per process."""
     return _LIBRARY.get()
+
+
+def check_operand(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
+    """The kernels read raw pointers, so an operand in another layout must fail here (GUIDE plug
+    point 5): raises ValueError unless ``t`` is a contiguous ``ndim``-d ``dtype`` CPU tensor."""
+    if not t.is_cpu or t.dtype != dtype or t.dim() != ndim or not t.is_contiguous():
+        raise ValueError(f"cpu paged attention: {name} must be a contiguous {ndim}-d {dtype} CPU tensor, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device} (strides {t.stride()})")

@@ -3,8 +3,8 @@
 values widened to float32 as they load), float32 accumulation, with ``W`` packed once after loading
 (``pack``) into 16-column panels that each thread shares out evenly.
 
-``layers/quantization/unquantized.py`` uses it where it applies (``supported``) and oneDNN's packed
-linear elsewhere. Why: at decode-sized batches oneDNN splits a few-hundred-column matmul unevenly
+``layers/quantization/unquantized.py`` runs it (through the seam: ``platforms/cpu/ops.py``) where it
+applies (``supported``), and oneDNN's packed linear elsewhere. Why: at decode-sized batches oneDNN splits a few-hundred-column matmul unevenly
 over the threads; measured in benchmarks/README.md section 10. ``PAGEDLLM_CPU_FLOAT_GEMM=0`` turns it
 off (read once, at import).
 """

@@ -3,9 +3,9 @@ RMSNorm per head in place (q/k norms), SiLU(gate) * up, Gemma's RMSNorm (with it
 add) and GELU-tanh(gate) * up, and rotate-half RoPE in place, each one pass over memory instead of
 2-9 ATen ops; and the sampler's row-wise argmax of float32 logits.
 
-Used by ``layers/layernorm.py``, ``layers/activation.py``, ``layers/rotary_embedding.py`` and
-``models/gemma2.py`` when the tensors are float32 or bfloat16 on a CPU and the library builds
-(``platforms/cpu/build.py``); otherwise those layers run their PyTorch code. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
+The CPU bodies of the seam's ops (``platforms/cpu/ops.py`` for ``platforms/ops.py``) where the
+tensors are float32 or bfloat16 on a CPU and the library builds (``platforms/cpu/build.py``); each
+returns None (or False) otherwise, and the seam runs its PyTorch body. ``PAGEDLLM_CPU_FUSED_OPS=0`` turns it off.
 Measured on SmolLM2-135M, batch 48 decode, 2 threads: see benchmarks/README.md section 5.
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: O
     [m, n] ``dtype`` = rnd(float(acc) * sx * sw (+ bias)), as the int8 method's PyTorch epilogue;
     None when the kernel does not apply."""
     m, n = acc.shape
-    if (acc.dtype != torch.int32 or not acc.is_contiguous() or sx.dtype != torch.float32 or sw.dtype != torch.float32
+    if (acc.dtype != torch.int32 or not acc.is_cpu or not acc.is_contiguous() or sx.dtype != torch.float32 or sw.dtype != torch.float32
             or not sx.is_contiguous() or not sw.is_contiguous() or sx.numel() != m or sw.numel() != n
             or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
         return None
@@ -220,9 +220,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for x [M, V] (V >= 1): int64 [M], the first maximum of each row (the
     first NaN where a row has one), as torch.argmax. One C pass for float32 CPU rows with a
     contiguous last dim, else torch.argmax."""
+    out = argmax_rows_or_none(x)
+    return x.argmax(dim=-1) if out is None else out
+
+
+def argmax_rows_or_none(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``argmax_rows`` through the kernel, or None where it does not apply."""
     fn = _fn("argmax_rows", x) if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 else None
     if fn is None:
-        return x.argmax(dim=-1)
+        return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out

@@ -2,8 +2,8 @@
 ``a @ w.T``:
 
 - ``int8_gemm``: steps of ``MIN_ROWS`` to ``MAX_ROWS`` tokens over the layer's own [n, k] weight,
-  where it beats ``torch._int_mm``; the int8 linear method (``layers/quantization/int8.py``) calls
-  it and falls back to ``torch._int_mm`` where it returns None (another device, fewer or more
+  where it beats ``torch._int_mm``; the int8 linear method (``layers/quantization/int8.py``) runs
+  it through the seam (``platforms/cpu/ops.py``: ``int8_mm``) and falls back to ``torch._int_mm`` where it returns None (another device, fewer or more
   rows, a CPU without AVX512-VNNI, no compiler, or ``PAGEDLLM_CPU_FUSED_OPS=0``). Measured in
   benchmarks/README.md section 9.
 - ``panel_gemm``: any number of rows over a weight packed once into 16-column panels
@@ -71,7 +71,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor) -> Optional[
     ``weight_row_sums(w)`` -> int32 [m, n] = a @ w.T, bit-identical to ``torch._int_mm``; None
     when the kernel does not apply (see the module docstring)."""
     m, k = a.shape
-    if (not MIN_ROWS <= m <= MAX_ROWS or not cpu_fused_ops.ENABLED or a.device.type != "cpu"
+    if (not MIN_ROWS <= m <= MAX_ROWS or not cpu_fused_ops.ENABLED or not a.is_cpu
             or a.dtype != torch.int8 or a.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != k
             or wsum.dtype != torch.int32):
         return None

@@ -76,6 +76,17 @@ def test_cors_preflight_needs_no_key_and_everything_else_does(server):
         assert r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_invocations_needs_the_key_and_ops_routes_do_not(server):
+    """SageMaker's /invocations runs the model, so an API key guards it as it guards /v1/*;
+    /ping and /load (health and load probes) answer without one."""
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        r = h.post("/invocations", json=chat_body())
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = h.post("/invocations", json=chat_body(), headers=AUTH)
+        assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+        assert h.get("/ping").status_code == 200 and h.get("/load").json() == {"server_load": 0}
+
+
 # ---- 5. chat and completion edges --------------------------------------------------------------
 def test_continue_final_message_with_add_generation_prompt_is_refused(http):
     messages = [{"role": "user", "content": "speak"}, {"role": "assistant", "content": "the king"}]

@@ -446,3 +446,10 @@ class ServerArgs(CliArgs):
     log_level: str = setting("info", "log level of pagedllm and uvicorn",
                              choices=("debug", "info", "warning", "error", "critical"))
     disable_access_log: bool = setting(False, "do not log one line per HTTP request")
+    # vLLM's response details and ops routes (their flags)
+    enable_prompt_tokens_details: bool = setting(
+        False, "report usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache")
+    enable_server_load_tracking: bool = setting(
+        False, "count in-flight inference requests for GET /load ({\"server_load\": N}; 0 without this flag)")
+    enable_tokenizer_info_endpoint: bool = setting(
+        False, "serve GET /tokenizer_info: the tokenizer's configuration (may show the chat template)")

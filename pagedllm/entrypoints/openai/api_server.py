@@ -2,8 +2,9 @@
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (+ GET/DELETE/cancel by
 id, input_items), /v1/embeddings, /health, /version, /metrics, /tokenize, /detokenize, /dashboard
-(and its data under /dashboard/api). With an API key, every /v1/* and /dashboard/api/* route needs
-``Authorization: Bearer KEY``.
+(and its data under /dashboard/api), and vLLM's ops routes: /ping and /invocations (SageMaker), /load,
+/tokenizer_info (with --enable-tokenizer-info-endpoint). With an API key, every /v1/*, /invocations
+and /dashboard/api/* route needs ``Authorization: Bearer KEY``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import threading
 import time
 from typing import Optional
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,6 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
     ModelList, RequestError, TokenizeRequest, TokenizeResponse)
 from pagedllm.entrypoints.openai.http_server import GracefulServer, ensure_file_limit, guarded_http_protocol
+from pagedllm.entrypoints.openai.ops_routes import LoadCounter, ServerLoad, invocation_route, tokenizer_info
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -56,7 +59,8 @@ from pagedllm.worker.multinode import run_headless
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_MAX_BODY_BYTES = ServerArgs.max_request_bytes  # 4 MiB
-_KEYED_PATHS = ("/v1", "/dashboard/api")  # routes that need the API key (the dashboard page itself holds no data)
+# routes that need the API key (the dashboard page itself holds no data; /invocations runs the model)
+_KEYED_PATHS = ("/v1", "/dashboard/api", "/invocations")
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                  503: "service_unavailable"}
@@ -185,12 +189,14 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
               shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
               dashboard: bool = True, cors: Optional[dict] = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None, enable_prompt_tokens_details: bool = False,
+              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
     keyword arguments of starlette's CORSMiddleware (allow_origins, allow_methods, allow_headers,
-    allow_credentials); None = no CORS headers."""
+    allow_credentials); None = no CORS headers. The ``enable_*`` switches are vLLM's flags of those
+    names (ServerArgs)."""
     served = served_model_name or llm.model_config.served_model_name
     metrics = ServerMetrics(lambda: llm.snapshot, served)
     llm.on_outputs = metrics.record_outputs
@@ -206,6 +212,9 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     responses = OpenAIServingResponses(chat, response_store if response_store is not None else ResponseStore())
     embeddings = OpenAIServingEmbedding(llm, served, chat)
+    for serving in (completions, chat):
+        serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+    load = LoadCounter(enable_server_load_tracking)
 
     def generating() -> None:
         """The text endpoints need the generating runner."""
@@ -259,6 +268,15 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
             return Response(status_code=200)
         return _error(503, f"The engine is not running: {llm.dead_reason}", code="engine_dead")
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check
+    async def ping():
+        return await health()
+
+    @app.get("/load")
+    async def server_load():
+        """vLLM's load report: inference requests in flight (always 0 without --enable-server-load-tracking)."""
+        return {"server_load": load.count}
+
     @app.get("/version")
     async def version():
         return {"version": __version__}
@@ -296,6 +314,31 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw_request: Request):
         return JSONResponse(await embeddings.create_embedding(body, raw_request))
+
+    @app.post("/invocations")
+    async def invocations(raw_request: Request):
+        """SageMaker's one inference route: the body is a chat, completion or embedding request
+        (``ops_routes.invocation_route``), answered as its own route answers it."""
+        try:
+            body = json.loads(await raw_request.body())
+        except ValueError as e:
+            raise RequestError(f"Invalid JSON body: {e}") from None
+        route = invocation_route(body, llm.engine.pooling)
+        model = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest}[route]
+        try:
+            req = model.model_validate(body)
+        except pydantic.ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if route == "chat":
+            return await create_chat_completion(req, raw_request)
+        if route == "completions":
+            return await create_completion(req, raw_request)
+        return await create_embedding(req, raw_request)
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            return SafeJSONResponse(tokenizer_info(chat.tokenizer, chat_template))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: Optional[bool] = None, starting_after: Optional[int] = None):
@@ -343,6 +386,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
 
     if dashboard:
         add_dashboard(app, llm, metrics)
+    app.add_middleware(ServerLoad, state=load)  # inside the guard: a refused request is not load
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     if cors is not None:
         # Added last, so outermost: a preflight (OPTIONS) is answered before the API-key check, and
@@ -506,7 +550,10 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=opts.max_request_bytes,
                         response_store=store, dashboard=dashboard, cors=cors,
                         enable_auto_tool_choice=opts.enable_auto_tool_choice, tool_call_parser=opts.tool_call_parser,
-                        reasoning_parser=opts.reasoning_parser)
+                        reasoning_parser=opts.reasoning_parser,
+                        enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
+                        enable_server_load_tracking=opts.enable_server_load_tracking,
+                        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint)
         ensure_file_limit(opts.limit_concurrency)
         http = guarded_http_protocol(opts.limit_concurrency or None, opts.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=opts.log_level.lower(), access_log=not opts.disable_access_log,

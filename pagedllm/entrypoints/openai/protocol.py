@@ -464,10 +464,16 @@ class CompletionTokensDetails(OpenAIBaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed again)
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with --enable-prompt-tokens-details: how many prompt tokens were prefix-cache hits (OpenAI's field)
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
     # with a reasoning parser: how many of the completion tokens are the thought (OpenAI's field)
     completion_tokens_details: Optional[CompletionTokensDetails] = None
 
@@ -519,6 +525,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    system_fingerprint: Optional[str] = None  # the server's (OpenAIServing.system_fingerprint)
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -528,6 +535,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -649,10 +657,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(OpenAIBaseModel):
+    """An answer's message. ``tool_calls`` is left out when no tool was called, as OpenAI does
+    (clients test for the key, not for an empty list)."""
+
     role: str = "assistant"
     content: Optional[str] = None
     reasoning: Optional[str] = None  # vLLM's field, with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _no_empty_tool_calls(self, handler):
+        d = handler(self)
+        if not d.get("tool_calls"):
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -684,6 +702,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    system_fingerprint: Optional[str] = None  # the server's (OpenAIServing.system_fingerprint)
     prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's, when the request asks for them
 
 
@@ -694,8 +713,8 @@ class DeltaMessage(OpenAIBaseModel):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # a delta carries only what changed
-        return {k: v for k, v in handler(self).items() if v is not None}
+    def _drop_none(self, handler):  # a delta carries only what changed (no empty tool_calls either)
+        return {k: v for k, v in handler(self).items() if v is not None and not (k == "tool_calls" and not v)}
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -713,6 +732,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
 
 
 # ---- /v1/models --------------------------------------------------------------------------------

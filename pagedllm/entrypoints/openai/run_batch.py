@@ -140,7 +140,8 @@ def run_batch(args: argparse.Namespace) -> int:
         try:
             app = build_app(llm, chat_template=chat_template, dashboard=False, shutdown_engine=False,
                             enable_auto_tool_choice=opts.enable_auto_tool_choice,
-                            tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser)
+                            tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser,
+                            enable_prompt_tokens_details=opts.enable_prompt_tokens_details)
             results = asyncio.run(run_lines(app, lines))
         except KeyboardInterrupt:
             print("pagedllm run-batch: interrupted; no results written", file=sys.stderr)

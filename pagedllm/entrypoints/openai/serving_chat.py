@@ -160,10 +160,12 @@ class OpenAIServingChat(OpenAIServing):
                                                         stop_reason=c.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                           total_tokens=len(ids) + completion_tokens,
+                          prompt_tokens_details=self.prompt_tokens_details(out.num_cached_tokens),
                           completion_tokens_details=self.reasoning_details(
                               [c.token_ids for c in out.outputs], params.structured_outputs is not None))
         plp = prompt_logprobs_of(out.prompt_logprobs) if req.prompt_logprobs is not None else None
-        resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage, prompt_logprobs=plp)
+        resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                      system_fingerprint=self.system_fingerprint, prompt_logprobs=plp)
         return Response(resp.model_dump_json(), media_type="application/json")
 
     def tool_call_output(self, req: ChatCompletionRequest, params) -> ToolCallOutput:
@@ -211,18 +213,21 @@ class OpenAIServingChat(OpenAIServing):
             if self.reasoning_parser is not None else None
 
         continuous = include_usage and req.stream_options.continuous_usage_stats
+        num_cached = 0  # prompt tokens from the prefix cache (known once the request is scheduled)
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             # vLLM's continuous_usage_stats: every chunk carries the usage of its choice so far
             usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=sent_tokens[choice.index],
                               total_tokens=num_prompt_tokens + sent_tokens[choice.index]) if continuous else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=[choice], usage=usage).model_dump_json())
+                                                    choices=[choice], usage=usage,
+                                                    system_fingerprint=self.system_fingerprint).model_dump_json())
 
         try:
             for i in range(n):
                 yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             async for out in gen:
+                num_cached = out.num_cached_tokens
                 for c in out.outputs:
                     i = c.index
                     if done[i]:
@@ -265,9 +270,10 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 total = sum(completion_tokens)
                 yield sse(ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
+                    id=request_id, created=created, model=model, choices=[], system_fingerprint=self.system_fingerprint,
                     usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
                                     total_tokens=num_prompt_tokens + total,
+                                    prompt_tokens_details=self.prompt_tokens_details(num_cached),
                                     completion_tokens_details=self.reasoning_details(final_ids, constrained)
                                     )).model_dump_json())
         except Exception as e:  # noqa: BLE001 - report in-band; headers are already sent

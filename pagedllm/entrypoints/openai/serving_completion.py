@@ -93,8 +93,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                         prompt_logprobs=plp))
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=num_prompt_tokens + completion_tokens)
-        resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+                          total_tokens=num_prompt_tokens + completion_tokens,
+                          prompt_tokens_details=self.prompt_tokens_details(sum(o.num_cached_tokens for o in finals)))
+        resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                  system_fingerprint=self.system_fingerprint)
         return Response(resp.model_dump_json(), media_type="application/json")
 
     async def _score_prompts(self, req: CompletionRequest, raw_request: Request, prompt_ids: list[list[int]],
@@ -133,10 +135,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                                         logprobs=logprobs, finish_reason="length",
                                                         prompt_logprobs=plp))
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens)
+        cached = sum(out.num_cached_tokens for out in finals if out is not None)  # (0: the engine did not run)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0, total_tokens=num_prompt_tokens,
+                          prompt_tokens_details=self.prompt_tokens_details(cached))
         model = self.served_model_name
+        fp = self.system_fingerprint
         if not req.stream:
-            resp = CompletionResponse(id=response_id, model=model, choices=choices, usage=usage)
+            resp = CompletionResponse(id=response_id, model=model, choices=choices, usage=usage, system_fingerprint=fp)
             return Response(resp.model_dump_json(), media_type="application/json")
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -144,10 +149,10 @@ class OpenAIServingCompletion(OpenAIServing):
         async def stream() -> AsyncIterator[str]:
             for c in choices:
                 yield sse(CompletionStreamResponse(id=response_id, created=created, model=model,
-                                                   choices=[c]).model_dump_json())
+                                                   choices=[c], system_fingerprint=fp).model_dump_json())
             if include_usage:
                 yield sse(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
-                                                   usage=usage).model_dump_json())
+                                                   usage=usage, system_fingerprint=fp).model_dump_json())
             yield sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -204,8 +209,11 @@ class OpenAIServingCompletion(OpenAIServing):
         done = [False] * num_choices
         completion_tokens = [0] * num_choices
         continuous = include_usage and req.stream_options.continuous_usage_stats
+        cached = [0] * len(gens)  # per prompt: its tokens from the prefix cache
+        fp = self.system_fingerprint
         try:
             async for i, out in merge_streams(gens):
+                cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     idx = i * n + c.index
                     if done[idx]:
@@ -239,7 +247,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         usage = UsageInfo(prompt_tokens=len(prompt_ids[i]), completion_tokens=sent_tokens[idx],
                                           total_tokens=len(prompt_ids[i]) + sent_tokens[idx])
                     chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=model,
+                        id=request_id, created=created, model=model, system_fingerprint=fp,
                         choices=[CompletionResponseChoice(index=idx, text=text, logprobs=logprobs,
                                                           finish_reason=c.finish_reason,
                                                           stop_reason=c.stop_reason)], usage=usage)
@@ -248,9 +256,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
                 total = sum(completion_tokens)
                 chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
+                    id=request_id, created=created, model=model, choices=[], system_fingerprint=fp,
                     usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=total,
-                                    total_tokens=num_prompt_tokens + total))
+                                    total_tokens=num_prompt_tokens + total,
+                                    prompt_tokens_details=self.prompt_tokens_details(sum(cached))))
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - report in-band; headers are already sent
             yield sse_error(e)

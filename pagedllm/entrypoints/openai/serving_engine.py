@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
 
 from starlette.requests import Request
 
+from pagedllm import __version__
+from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, RequestError
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, RequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -48,13 +51,33 @@ def sse_error(e: BaseException) -> str:
     return sse(json.dumps(body))
 
 
+def system_fingerprint(config: EngineConfig) -> str:
+    """OpenAI's ``system_fingerprint``: ``fp_`` and 10 hex digits naming the backend configuration
+    that can change outputs (pagedllm's version, the checkpoint, dtype, quantization, KV-cache dtype,
+    attention backend, parallel layout, device). Same configuration, same fingerprint: a client
+    that sets ``seed`` sees from it whether a changed answer may come from the server."""
+    mc, pc = config.model_config, config.parallel_config
+    parts = (__version__, mc.model, str(mc.dtype), mc.quantization, config.cache_config.cache_dtype,
+             mc.attention_backend, pc.tensor_parallel_size, pc.pipeline_parallel_size, config.device)
+    return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
+
+
 class OpenAIServing:
+    # usage.prompt_tokens_details.cached_tokens: set by the server from --enable-prompt-tokens-details
+    enable_prompt_tokens_details: bool = False
+
     def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: Optional[str] = None) -> None:
         self.llm = llm
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.model_config.max_model_len
+        self.system_fingerprint = system_fingerprint(llm.engine.config)
+
+    def prompt_tokens_details(self, num_cached_tokens: int) -> Optional[PromptTokensDetails]:
+        """usage.prompt_tokens_details: the prompt tokens served from the prefix cache, with
+        --enable-prompt-tokens-details (0 when nothing was cached); None without it."""
+        return PromptTokensDetails(cached_tokens=num_cached_tokens) if self.enable_prompt_tokens_details else None
 
     # ---- checks --------------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:

@@ -15,6 +15,29 @@ def _finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
+def one_entry_per_index(calls: list[DeltaToolCall]) -> list[DeltaToolCall]:
+    """The tool-call entries of one chunk with at most one entry per ``index`` (OpenAI's and vLLM's
+    shape: clients such as instructor read only the first entry of an index): the fragments of one
+    index merge into its first entry, which keeps the first id, type and name and the arguments
+    joined in order. Entries keep the order of their index's first appearance."""
+    merged: dict[int, DeltaToolCall] = {}
+    for c in calls:
+        into = merged.get(c.index)
+        if into is None:
+            merged[c.index] = c.model_copy(deep=True)
+            continue
+        into.id = into.id or c.id
+        into.type = into.type or c.type
+        if c.function is not None:
+            if into.function is None:
+                into.function = c.function.model_copy()
+            else:
+                into.function.name = into.function.name or c.function.name
+                if c.function.arguments is not None:
+                    into.function.arguments = (into.function.arguments or "") + c.function.arguments
+    return list(merged.values())
+
+
 class ToolCallOutput:
     """``parallel_tool_calls`` False: at most one call ("auto" keeps the parser's first; forced
     choices constrain the output to one)."""
@@ -55,9 +78,10 @@ class ToolCallOutput:
 class ToolCallStreamer:
     """Streaming state of one choice: ``delta(text so far, finished)`` -> DeltaMessage or None.
 
-    A named function streams as OpenAI does: a first delta with the call's id and name, then the
-    arguments in fragments as they are generated. "required" sends its calls when the array is
-    complete; "auto" follows the parser."""
+    A named function streams as OpenAI does: a first delta with the call's id, name and the
+    arguments so far, then the arguments in fragments as they are generated. "required" sends its
+    calls when the array is complete; "auto" follows the parser. Every delta holds at most one
+    entry per tool-call index (``one_entry_per_index``)."""
 
     def __init__(self, out: ToolCallOutput) -> None:
         self.out = out
@@ -66,6 +90,12 @@ class ToolCallStreamer:
         self.called = False
 
     def delta(self, text: str, finished: bool) -> Optional[DeltaMessage]:
+        d = self._delta(text, finished)
+        if d is not None and d.tool_calls:
+            d.tool_calls = one_entry_per_index(d.tool_calls)
+        return d
+
+    def _delta(self, text: str, finished: bool) -> Optional[DeltaMessage]:
         prev, self.sent = text[:self.sent], len(text)
         new = text[len(prev):]
         if self.parser is not None:
@@ -77,15 +107,14 @@ class ToolCallStreamer:
                     return None
             return d
         tc = self.out.tool_choice
-        if isinstance(tc, NamedToolChoice):
-            calls = []
+        if isinstance(tc, NamedToolChoice):  # one entry: the first also carries id, type and name
             if not self.called:
                 self.called = True
-                calls.append(DeltaToolCall(index=0, id=random_id("chatcmpl-tool"), type="function",
-                                           function=DeltaFunctionCall(name=tc.function.name, arguments="")))
-            if new:
-                calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new)))
-            return DeltaMessage(tool_calls=calls) if calls else None
+                return DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, id=random_id("chatcmpl-tool"), type="function",
+                    function=DeltaFunctionCall(name=tc.function.name, arguments=new))])
+            return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))]) \
+                if new else None
         if not finished:
             return None
         calls = parse_forced_tool_calls(text, tc)

@@ -8,7 +8,8 @@ folder (nothing is downloaded), then for each ``--batch-sizes`` entry B and each
 ``LLMEngine.step`` until done, the bar updated as generate does). Every request is prefilled in the
 first step, so the next ``--steps`` steps are pure decode steps of the whole batch; only those count.
 
-Each setting runs twice: once with only a clock read around each ``LLMEngine.step`` (the step's wall
+Each setting runs ``--repeats`` times two ways (the bar settings alternating; the fastest run of each
+way is reported, as a shared host's load only ever adds time): with only a clock read around each ``LLMEngine.step`` (the step's wall
 time, and the time between two steps: the driver loop, i.e. the progress bar and collecting finished
 outputs), then once with timing wrappers around the engine's parts (as ``pagedllm bench profile``
 wraps them; no engine file is changed), which split a step into disjoint phases:
@@ -25,7 +26,7 @@ wraps them; no engine file is changed), which split a step into disjoint phases:
   finished outputs; the last step's share runs to the end of the loop, the bar's close included).
 
 The phases sum to the timed run's step (µs per step and per sequence per step). The result JSON holds,
-per batch size and bar setting, ``step_us`` (uninstrumented), ``step_us_timed``, ``phases_us`` (per
+per batch size and bar setting, ``step_us`` (uninstrumented; ``step_us_all`` every repeat), ``step_us_timed``, ``phases_us`` (per
 step), ``phases_us_per_seq`` and ``us_per_seq_step``; ``bar_over_no_bar`` the ratio of the two bar
 settings' uninstrumented steps.
 
@@ -59,6 +60,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,64,256,1024",
                    help="comma-separated numbers of sequences decoding together")
     p.add_argument("--steps", type=int, default=32, help="decode steps measured per run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each setting (bar off and on alternating); the fastest is reported")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens of each request")
     p.add_argument("--bar", default="both", choices=["both", "on", "off"],
                    help="the progress bar (LLM.generate's use_tqdm): each setting, or both in turn")
@@ -169,10 +172,38 @@ def measure(llm: LLM, clock: StepClock, batch: int, steps: int, prompt_len: int,
     return clock.step_s + clock.total["driver"], clock.steps
 
 
+def _plain_step_us(llm: LLM, clock: StepClock, batch: int, args: argparse.Namespace, vocab: int,
+                   use_tqdm: bool) -> float:
+    """µs per pure decode step (the driver loop after it included), only the step clock on."""
+    clock.parts_on = False
+    wall, n = measure(llm, clock, batch, args.steps, args.prompt_len, vocab, use_tqdm, args.seed)
+    if n != args.steps:
+        raise RuntimeError(f"batch {batch}: {n} pure decode steps of the whole batch, expected {args.steps} "
+                           f"(were the requests prefilled in one step?)")
+    return wall / n * 1e6
+
+
+def _timed_step_us(llm: LLM, clock: StepClock, batch: int, args: argparse.Namespace, vocab: int,
+                   use_tqdm: bool) -> tuple[float, dict[str, float]]:
+    """(µs per pure decode step, µs per step of each of PHASES) with the parts' timers on; the
+    phases sum to the step."""
+    clock.parts_on = True
+    try:
+        wall, n = measure(llm, clock, batch, args.steps, args.prompt_len, vocab, use_tqdm, args.seed)
+    finally:
+        clock.parts_on = False
+    step = clock.step_s / n
+    inner = sum(v for k, v in clock.total.items() if k != "driver") / n
+    phases = {k: clock.total.get(k, 0.0) / n for k in PHASES if k not in ("engine_other", "driver")}
+    phases["engine_other"] = max(0.0, step - inner)
+    phases["driver"] = clock.total.get("driver", 0.0) / n
+    return wall / n * 1e6, {k: phases[k] * 1e6 for k in PHASES}
+
+
 def run(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in str(args.batch_sizes).split(",") if b.strip()]
-    if not batches or min(batches) < 1 or args.steps < 1:
-        raise ValueError("--batch-sizes must be positive integers and --steps >= 1")
+    if not batches or min(batches) < 1 or args.steps < 1 or args.repeats < 1:
+        raise ValueError("--batch-sizes must be positive integers, --steps and --repeats >= 1")
     bars = {"both": [False, True], "on": [True], "off": [False]}[args.bar]
     tmp = None
     model = args.model
@@ -193,30 +224,23 @@ def run(args: argparse.Namespace) -> dict:
         runs = []
         for batch in batches:
             clock.batch = batch
+            plain: dict[bool, list[float]] = {b: [] for b in bars}
+            timed: dict[bool, list[tuple[float, dict[str, float]]]] = {b: [] for b in bars}
+            for _ in range(args.repeats):  # the bar settings alternate: a burst of load hits both alike
+                for use_tqdm in bars:
+                    plain[use_tqdm].append(_plain_step_us(llm, clock, batch, args, vocab, use_tqdm))
+                    timed[use_tqdm].append(_timed_step_us(llm, clock, batch, args, vocab, use_tqdm))
             for use_tqdm in bars:
-                clock.parts_on = False
-                wall, n = measure(llm, clock, batch, args.steps, args.prompt_len, vocab, use_tqdm, args.seed)
-                if n == 0:
-                    raise RuntimeError(f"batch {batch}: no pure decode step (is the KV cache too small?)")
-                step_us = wall / n * 1e6
-                clock.parts_on = True
-                wall_t, n_t = measure(llm, clock, batch, args.steps, args.prompt_len, vocab, use_tqdm, args.seed)
-                clock.parts_on = False
-                step_t = clock.step_s / n_t
-                inner = sum(v for k, v in clock.total.items() if k != "driver") / n_t
-                phases = {k: clock.total.get(k, 0.0) / n_t for k in PHASES if k not in ("engine_other", "driver")}
-                phases["engine_other"] = max(0.0, step_t - inner)
-                phases["driver"] = clock.total.get("driver", 0.0) / n_t
-                phases_us = {k: phases[k] * 1e6 for k in PHASES}
-                r = {"batch_size": batch, "progress_bar": use_tqdm, "decode_steps": n,
-                     "step_us": step_us, "us_per_seq_step": step_us / batch,
-                     "tokens_per_s": batch / (step_us / 1e6),
-                     "step_us_timed": wall_t / n_t * 1e6, "phases_us": phases_us,
-                     "phases_us_per_seq": {k: v / batch for k, v in phases_us.items()}}
+                step_us = min(plain[use_tqdm])
+                step_us_timed, phases_us = min(timed[use_tqdm], key=lambda t: t[0])
+                r = {"batch_size": batch, "progress_bar": use_tqdm, "decode_steps": args.steps,
+                     "step_us": step_us, "step_us_all": plain[use_tqdm], "us_per_seq_step": step_us / batch,
+                     "tokens_per_s": batch / (step_us / 1e6), "step_us_timed": step_us_timed,
+                     "phases_us": phases_us, "phases_us_per_seq": {k: v / batch for k, v in phases_us.items()}}
                 runs.append(r)
                 print(f"batch {batch:5d} bar {'on ' if use_tqdm else 'off'}: {step_us:9.1f} us/step "
                       f"{step_us / batch:7.2f} us/seq-step ({batch / step_us * 1e6:,.0f} tok/s); timed run "
-                      f"{r['step_us_timed']:.1f} us/step: "
+                      f"{step_us_timed:.1f} us/step, per seq: "
                       + ", ".join(f"{k} {v / batch:.2f}" for k, v in phases_us.items()))
         engine.shutdown()
     finally:
@@ -230,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
             ratios[str(batch)] = on[0]["step_us"] / off[0]["step_us"]
     result = {**run_metadata(), "bench": "overhead", "model": args.model or "nano (1 layer, hidden 64, random)",
               "vocab_size": args.vocab_size if args.model is None else None, "num_threads": args.num_threads,
-              "prompt_len": args.prompt_len, "steps": args.steps, "batch_sizes": batches, "phases": list(PHASES),
+              "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "batch_sizes": batches, "phases": list(PHASES),
               "runs": runs, "bar_over_no_bar": ratios}
     write_result(args.output_dir, f"overhead-{stamp()}", result, _plot(runs))
     return result

@@ -1,12 +1,14 @@
 """``pagedllm bench overhead`` end to end at tiny sizes: its JSON has every phase for every batch
-size and bar setting, each a positive number of µs, and the phases add up to the step they split.
-Timings are never compared with thresholds here."""
+size and bar setting, each a positive number of µs, and the phases add up to the step they split;
+with --served, every streamed token counted. Timings are never compared with thresholds here."""
 from __future__ import annotations
 
 import glob
 import json
 import math
 import os
+
+import pytest
 
 from pagedllm.benchmarks.cli import main
 from pagedllm.benchmarks.overhead import PHASES
@@ -36,3 +38,19 @@ def test_overhead_bench_phases_sum_to_the_step(tmp_path):
     assert set(r["bar_over_no_bar"]) == {"1", "4"} and all(v > 0 for v in r["bar_over_no_bar"].values())
     for key in ("command", "versions", "machine"):
         assert key in r
+
+
+def test_overhead_bench_served(tmp_path):
+    pytest.importorskip("httpx")
+    out = str(tmp_path / "res")
+    main(["bench", "overhead", "--batch-sizes", "1,3", "--steps", "2", "--prompt-len", "4", "--vocab-size", "300",
+          "--repeats", "1", "--bar", "off", "--served", "--served-timeout", "120", "--output-dir", out])
+    (path,) = glob.glob(os.path.join(out, "overhead-*.json"))
+    with open(path) as f:
+        r = json.load(f)
+    assert [x["progress_bar"] for x in r["runs"]] == [False, False]
+    assert [(s["batch_size"], s["output_tokens"]) for s in r["served"]] == [(1, 3), (3, 9)]  # steps + 1 each
+    for s in r["served"]:
+        assert s["wall_s"] > 0 and math.isclose(s["tokens_per_s"], s["output_tokens"] / s["wall_s"])
+    (log,) = glob.glob(os.path.join(out, "overhead-serve-*.log"))
+    assert os.path.getsize(log) > 0

@@ -30,15 +30,26 @@ per batch size and bar setting, ``step_us`` (uninstrumented; ``step_us_all`` eve
 step), ``phases_us_per_seq`` and ``us_per_seq_step``; ``bar_over_no_bar`` the ratio of the two bar
 settings' uninstrumented steps.
 
+With ``--served`` the same model and engine settings are then served (``pagedllm serve`` on 127.0.0.1, a
+free port, its log next to the JSON): per batch size B, B streaming ``/v1/completions`` requests at once
+(``pagedllm bench serve``'s client, httpx), each ``--steps`` + 1 tokens; ``served`` in the JSON gives
+output tok/s over the run (prefill and HTTP included) and µs of wall time per output token, the best of
+``--repeats``.
+
 The model runs on ``--num-threads`` (default 1) CPU threads: its matmuls are 64 wide, and a second
 OpenMP thread only adds a hand-off per op (on a shared 2-core host it made the same run swing 2-3x).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -47,8 +58,11 @@ from typing import Callable, Optional
 import torch
 
 import pagedllm.engine.llm_engine as le
+from pagedllm.benchmarks import serve as serve_bench
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
+from pagedllm.benchmarks.datasets import BenchRequest
 from pagedllm.benchmarks.model_shapes import build_tokenizer
+from pagedllm.engine.arg_utils import cli_flag
 from pagedllm.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
@@ -69,6 +83,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=1, help="CPU threads for the (64-wide) model")
     p.add_argument("--model", default=None,
                    help="an HF folder to use instead of the nano model (written to a temp dir by default)")
+    p.add_argument("--served", action="store_true",
+                   help="also serve the model (pagedllm serve on 127.0.0.1) and stream B requests at once per batch size")
+    p.add_argument("--served-timeout", type=float, default=300.0,
+                   help="seconds the server may take to start, and each streamed request to finish")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench_results")
     p.set_defaults(func=run)
@@ -172,6 +190,89 @@ def measure(llm: LLM, clock: StepClock, batch: int, steps: int, prompt_len: int,
     return clock.step_s + clock.total["driver"], clock.steps
 
 
+def _engine_settings(args: argparse.Namespace, batches: list[int]) -> dict:
+    """The engine settings of every run (offline and served): the whole batch prefilled in one step."""
+    return dict(num_threads=args.num_threads, max_model_len=args.prompt_len + args.steps + 2,
+                max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
+                seed=args.seed)
+
+
+def _engine_flags(args: argparse.Namespace, batches: list[int]) -> list[str]:
+    """:func:`_engine_settings` as ``pagedllm serve`` flags."""
+    return [a for k, v in _engine_settings(args, batches).items() for a in (cli_flag(k), str(v))]
+
+
+SERVED_MODEL_NAME = "nano"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served(args: argparse.Namespace, model: str, batches: list[int], vocab: int, log_path: str) -> list[dict]:
+    """``pagedllm serve`` of ``model`` on 127.0.0.1 (a free port, the same engine settings as the
+    offline runs), then for each batch size B: B streaming ``/v1/completions`` requests at once,
+    each its ``--steps`` + 1 tokens (greedy, ignore_eos). Returns per B the output tok/s over the
+    run, µs of wall time per output token and the failed requests. The server is stopped (SIGTERM,
+    then SIGKILL after 30 s) whatever happens."""
+    import httpx  # lazily: httpx is optional (pagedllm[bench]); the offline figures need none
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, *_engine_flags(args, batches)]
+    out = []
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + args.served_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"pagedllm serve exited with {proc.returncode} while starting (log: {log_path})")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pagedllm serve not healthy after {args.served_timeout} s (log: {log_path})")
+                time.sleep(0.25)
+            rng = random.Random(args.seed)
+            client = argparse.Namespace(base_url=url, endpoint="completions", model=SERVED_MODEL_NAME,
+                                        api_key="EMPTY", timeout=args.served_timeout, max_concurrency=None,
+                                        request_rate=float("inf"), seed=args.seed)
+            warm = [BenchRequest([5, 6, 7], 4)] * 2  # the first requests pay for connections and first calls
+            asyncio.run(serve_bench._run_async(client, warm, [r.prompt_token_ids for r in warm]))
+            for batch in batches:
+                reqs = [BenchRequest([rng.randrange(3, vocab) for _ in range(args.prompt_len)], args.steps + 1)
+                        for _ in range(batch)]
+                best = None
+                for _ in range(args.repeats):
+                    results, wall = asyncio.run(serve_bench._run_async(client, reqs, [r.prompt_token_ids for r in reqs]))
+                    tokens = sum(r.output_tokens for r in results if r.success)
+                    failed = [r.error for r in results if not r.success]
+                    if failed:
+                        raise RuntimeError(f"served batch {batch}: {len(failed)} requests failed, e.g. {failed[0]}")
+                    if best is None or wall < best[0]:
+                        best = (wall, tokens)
+                wall, tokens = best
+                r = {"batch_size": batch, "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                     "us_per_token": wall / tokens * 1e6}
+                out.append(r)
+                print(f"served batch {batch:5d}: {tokens / wall:,.0f} output tok/s ({wall / tokens * 1e6:.1f} us a token "
+                      f"of wall time, {batch} streams at once)")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return out
+
+
 def _plain_step_us(llm: LLM, clock: StepClock, batch: int, args: argparse.Namespace, vocab: int,
                    use_tqdm: bool) -> float:
     """µs per pure decode step (the driver loop after it included), only the step clock on."""
@@ -211,9 +312,7 @@ def run(args: argparse.Namespace) -> dict:
         tmp = tempfile.mkdtemp(prefix="pagedllm-nano-")
         model = write_nano_model(tmp, args.vocab_size, args.seed)
     try:
-        max_len = args.prompt_len + args.steps + 2
-        llm = LLM(model, num_threads=args.num_threads, max_model_len=max_len, max_num_seqs=max(batches),
-                  max_num_batched_tokens=max(2048, max(batches) * args.prompt_len), seed=args.seed)
+        llm = LLM(model, **_engine_settings(args, batches))
         engine = llm.llm_engine
         vocab = engine.model_config.hf_config.vocab_size
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -243,6 +342,11 @@ def run(args: argparse.Namespace) -> dict:
                       f"{step_us_timed:.1f} us/step, per seq: "
                       + ", ".join(f"{k} {v / batch:.2f}" for k, v in phases_us.items()))
         engine.shutdown()
+        del llm, engine
+        served_runs = None
+        if args.served:
+            os.makedirs(args.output_dir, exist_ok=True)
+            served_runs = served(args, model, batches, vocab, os.path.join(args.output_dir, f"overhead-serve-{stamp()}.log"))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -255,7 +359,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {**run_metadata(), "bench": "overhead", "model": args.model or "nano (1 layer, hidden 64, random)",
               "vocab_size": args.vocab_size if args.model is None else None, "num_threads": args.num_threads,
               "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "batch_sizes": batches, "phases": list(PHASES),
-              "runs": runs, "bar_over_no_bar": ratios}
+              "runs": runs, "bar_over_no_bar": ratios, "served": served_runs}
     write_result(args.output_dir, f"overhead-{stamp()}", result, _plot(runs))
     return result
 

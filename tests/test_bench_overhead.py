@@ -51,6 +51,7 @@ def test_overhead_bench_served(tmp_path):
     assert [x["progress_bar"] for x in r["runs"]] == [False, False]
     assert [(s["batch_size"], s["output_tokens"]) for s in r["served"]] == [(1, 3), (3, 9)]  # steps + 1 each
     for s in r["served"]:
+        assert s["failed_requests"] == 0 and s["first_error"] is None
         assert s["wall_s"] > 0 and math.isclose(s["tokens_per_s"], s["output_tokens"] / s["wall_s"])
     (log,) = glob.glob(os.path.join(out, "overhead-serve-*.log"))
     assert os.path.getsize(log) > 0

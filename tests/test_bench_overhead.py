@@ -16,8 +16,8 @@ from pagedllm.benchmarks.overhead import PHASES
 
 def test_overhead_bench_phases_sum_to_the_step(tmp_path):
     out = str(tmp_path / "res")
-    main(["bench", "overhead", "--batch-sizes", "1,4", "--steps", "3", "--prompt-len", "5", "--vocab-size", "300", "--repeats", "2",
-          "--output-dir", out])
+    main(["bench", "overhead", "--batch-sizes", "1,4", "--steps", "3", "--prompt-len", "5", "--vocab-size", "300",
+          "--repeats", "2", "--output-dir", out])
     (path,) = glob.glob(os.path.join(out, "overhead-*.json"))
     with open(path) as f:
         r = json.load(f)

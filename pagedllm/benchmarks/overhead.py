@@ -9,10 +9,11 @@ folder (nothing is downloaded), then for each ``--batch-sizes`` entry B and each
 first step, so the next ``--steps`` steps are pure decode steps of the whole batch; only those count.
 
 Each setting runs ``--repeats`` times two ways (the bar settings alternating; the fastest run of each
-way is reported, as a shared host's load only ever adds time): with only a clock read around each ``LLMEngine.step`` (the step's wall
-time, and the time between two steps: the driver loop, i.e. the progress bar and collecting finished
-outputs), then once with timing wrappers around the engine's parts (as ``pagedllm bench profile``
-wraps them; no engine file is changed), which split a step into disjoint phases:
+way is reported, as a shared host's load only ever adds time): with only a clock read around each
+``LLMEngine.step`` (the step's wall time, and the time between two steps: the driver loop, i.e. the
+progress bar and collecting finished outputs), and with timing wrappers around the engine's parts
+(as ``pagedllm bench profile`` wraps them; no engine file is changed), which split a step into
+disjoint phases:
 
 - ``schedule``: ``Scheduler.schedule`` (the KV manager's slot allocation included);
 - ``prepare_inputs``: the flat batch built from the scheduled requests (``engine/input_batch.py``);
@@ -25,10 +26,10 @@ wraps them; no engine file is changed), which split a step into disjoint phases:
 - ``driver``: between two steps, outside the engine (``LLM._run_engine``: the progress bar, the dict of
   finished outputs; the last step's share runs to the end of the loop, the bar's close included).
 
-The phases sum to the timed run's step (µs per step and per sequence per step). The result JSON holds,
-per batch size and bar setting, ``step_us`` (uninstrumented; ``step_us_all`` every repeat), ``step_us_timed``, ``phases_us`` (per
-step), ``phases_us_per_seq`` and ``us_per_seq_step``; ``bar_over_no_bar`` the ratio of the two bar
-settings' uninstrumented steps.
+The phases sum to the timed run's step (µs per step and per sequence per step). The result JSON
+holds, per batch size and bar setting, ``step_us`` (uninstrumented; ``step_us_all`` every repeat),
+``step_us_timed``, ``phases_us`` (per step), ``phases_us_per_seq`` and ``us_per_seq_step``;
+``bar_over_no_bar`` the ratio of the two bar settings' uninstrumented steps.
 
 With ``--served`` the same model and engine settings are then served (``pagedllm serve`` on 127.0.0.1, a
 free port, its log next to the JSON): per batch size B, B streaming ``/v1/completions`` requests at once
@@ -73,7 +74,7 @@ PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update_requests", 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,64,256,1024",
                    help="comma-separated numbers of sequences decoding together")
-    p.add_argument("--steps", type=int, default=32, help="decode steps measured per run")
+    p.add_argument("--steps", type=int, default=64, help="decode steps measured per run")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of each setting (bar off and on alternating); the fastest is reported")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens of each request")
@@ -84,7 +85,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="an HF folder to use instead of the nano model (written to a temp dir by default)")
     p.add_argument("--served", action="store_true",
-                   help="also serve the model (pagedllm serve on 127.0.0.1) and stream B requests at once per batch size")
+                   help="also serve the model (pagedllm serve on 127.0.0.1) and stream B requests at once "
+                        "per batch size")
     p.add_argument("--served-timeout", type=float, default=300.0,
                    help="seconds the server may take to start, and each streamed request to finish")
     p.add_argument("--seed", type=int, default=0)
@@ -109,7 +111,7 @@ def write_nano_model(out_dir: str, vocab_size: int = 512, seed: int = 0) -> str:
 
 class StepClock:
     """Times ``LLMEngine.step`` and the gaps between steps, counting only pure decode steps of the
-    whole batch (every running request one token to compute, none waiting). With ``parts`` on, also
+    whole batch (every running request one token to compute, none waiting). With ``parts_on``, also
     the engine's parts (wrapped by :meth:`wrap`) inside those steps."""
 
     def __init__(self, engine, batch: int) -> None:
@@ -119,14 +121,14 @@ class StepClock:
         step = engine.step
 
         def timed_step():
-            sched = engine.scheduler
+            if self.last_pure_end is not None:
+                self.total["driver"] += time.perf_counter() - self.last_pure_end
+                self.last_pure_end = None
+            sched = engine.scheduler  # the check (O(batch)) is outside both the step and the driver
             pure = (not sched.waiting and len(sched.running) == self.batch
                     and all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running))
-            t = time.perf_counter()
-            if self.last_pure_end is not None:
-                self.total["driver"] += t - self.last_pure_end
-                self.last_pure_end = None
             self.in_pure = pure
+            t = time.perf_counter()
             try:
                 return step()
             finally:
@@ -252,7 +254,8 @@ def served(args: argparse.Namespace, model: str, batches: list[int], vocab: int,
                         for _ in range(batch)]
                 best = None
                 for _ in range(args.repeats):
-                    results, wall = asyncio.run(serve_bench._run_async(client, reqs, [r.prompt_token_ids for r in reqs]))
+                    results, wall = asyncio.run(serve_bench._run_async(client, reqs,
+                                                                       [r.prompt_token_ids for r in reqs]))
                     tokens = sum(r.output_tokens for r in results if r.success)
                     failed = [r.error for r in results if not r.success]
                     if best is None or (len(failed), wall) < (len(best[2]), best[0]):
@@ -314,43 +317,48 @@ def run(args: argparse.Namespace) -> dict:
     if model is None:
         tmp = tempfile.mkdtemp(prefix="pagedllm-nano-")
         model = write_nano_model(tmp, args.vocab_size, args.seed)
+    prepare_inputs = le.prepare_inputs  # instrument() wraps the module's global: put back at the end
     try:
         llm = LLM(model, **_engine_settings(args, batches))
         engine = llm.llm_engine
         vocab = engine.model_config.hf_config.vocab_size
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-        # One clock and the parts' wrappers for the whole run: with parts_on False a wrapper is one
-        # call and a flag test (a few per step, not per sequence).
-        clock = StepClock(engine, 0)
-        instrument(engine, clock)
-        runs = []
-        for batch in batches:
-            clock.batch = batch
-            plain: dict[bool, list[float]] = {b: [] for b in bars}
-            timed: dict[bool, list[tuple[float, dict[str, float]]]] = {b: [] for b in bars}
-            for _ in range(args.repeats):  # the bar settings alternate: a burst of load hits both alike
+        try:
+            # One clock and the parts' wrappers for the whole run: with parts_on False a wrapper is one
+            # call and a flag test (a few per step, not per sequence).
+            clock = StepClock(engine, 0)
+            instrument(engine, clock)
+            runs = []
+            for batch in batches:
+                clock.batch = batch
+                plain: dict[bool, list[float]] = {b: [] for b in bars}
+                timed: dict[bool, list[tuple[float, dict[str, float]]]] = {b: [] for b in bars}
+                for _ in range(args.repeats):  # the bar settings alternate: a burst of load hits both alike
+                    for use_tqdm in bars:
+                        plain[use_tqdm].append(_plain_step_us(llm, clock, batch, args, vocab, use_tqdm))
+                        timed[use_tqdm].append(_timed_step_us(llm, clock, batch, args, vocab, use_tqdm))
                 for use_tqdm in bars:
-                    plain[use_tqdm].append(_plain_step_us(llm, clock, batch, args, vocab, use_tqdm))
-                    timed[use_tqdm].append(_timed_step_us(llm, clock, batch, args, vocab, use_tqdm))
-            for use_tqdm in bars:
-                step_us = min(plain[use_tqdm])
-                step_us_timed, phases_us = min(timed[use_tqdm], key=lambda t: t[0])
-                r = {"batch_size": batch, "progress_bar": use_tqdm, "decode_steps": args.steps,
-                     "step_us": step_us, "step_us_all": plain[use_tqdm], "us_per_seq_step": step_us / batch,
-                     "tokens_per_s": batch / (step_us / 1e6), "step_us_timed": step_us_timed,
-                     "phases_us": phases_us, "phases_us_per_seq": {k: v / batch for k, v in phases_us.items()}}
-                runs.append(r)
-                print(f"batch {batch:5d} bar {'on ' if use_tqdm else 'off'}: {step_us:9.1f} us/step "
-                      f"{step_us / batch:7.2f} us/seq-step ({batch / step_us * 1e6:,.0f} tok/s); timed run "
-                      f"{step_us_timed:.1f} us/step, per seq: "
-                      + ", ".join(f"{k} {v / batch:.2f}" for k, v in phases_us.items()))
-        engine.shutdown()
+                    step_us = min(plain[use_tqdm])
+                    step_us_timed, phases_us = min(timed[use_tqdm], key=lambda t: t[0])
+                    r = {"batch_size": batch, "progress_bar": use_tqdm, "decode_steps": args.steps,
+                         "step_us": step_us, "step_us_all": plain[use_tqdm], "us_per_seq_step": step_us / batch,
+                         "tokens_per_s": batch / (step_us / 1e6), "step_us_timed": step_us_timed,
+                         "phases_us": phases_us, "phases_us_per_seq": {k: v / batch for k, v in phases_us.items()}}
+                    runs.append(r)
+                    print(f"batch {batch:5d} bar {'on ' if use_tqdm else 'off'}: {step_us:9.1f} us/step "
+                          f"{step_us / batch:7.2f} us/seq-step ({batch / step_us * 1e6:,.0f} tok/s); timed run "
+                          f"{step_us_timed:.1f} us/step, per seq: "
+                          + ", ".join(f"{k} {v / batch:.2f}" for k, v in phases_us.items()))
+        finally:
+            engine.shutdown()
         del llm, engine
         served_runs = None
         if args.served:
             os.makedirs(args.output_dir, exist_ok=True)
-            served_runs = served(args, model, batches, vocab, os.path.join(args.output_dir, f"overhead-serve-{stamp()}.log"))
+            log = os.path.join(args.output_dir, f"overhead-serve-{stamp()}.log")
+            served_runs = served(args, model, batches, vocab, log)
     finally:
+        le.prepare_inputs = prepare_inputs
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     ratios = {}
@@ -361,7 +369,8 @@ def run(args: argparse.Namespace) -> dict:
             ratios[str(batch)] = on[0]["step_us"] / off[0]["step_us"]
     result = {**run_metadata(), "bench": "overhead", "model": args.model or "nano (1 layer, hidden 64, random)",
               "vocab_size": args.vocab_size if args.model is None else None, "num_threads": args.num_threads,
-              "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "batch_sizes": batches, "phases": list(PHASES),
+              "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "batch_sizes": batches,
+              "phases": list(PHASES),
               "runs": runs, "bar_over_no_bar": ratios, "served": served_runs}
     write_result(args.output_dir, f"overhead-{stamp()}", result, _plot(runs))
     return result

@@ -5,14 +5,16 @@ kernels round where the native ops do); RoPE and the residual add bit for bit. A
 takes them for a layer's tensors, while CPU tensors off the interpreter keep the CPU kernels.
 
 Where torch sees a GPU the kernels run compiled on CUDA tensors; elsewhere Triton's interpreter runs them on CPU
-tensors. The interpreter must be chosen before triton itself is imported (``triton.language``'s own jit helpers,
-``tl.sum``'s combine function among them, are decorated then), so this module sets ``TRITON_INTERPRET=1`` at
-collection on a host without a GPU, for the rest of the session (triton's kernels cannot run there otherwise),
-and skips, saying so, where triton was imported before without it.
+tensors. The interpreter must be chosen before triton itself is imported (``triton.language``'s own functions,
+``tl.sum`` among them, are ``@triton.jit`` functions decorated then), so on a host without a GPU this module sets
+``TRITON_INTERPRET=1`` at collection when triton is not imported yet (for the rest of the session: triton's
+kernels cannot run there otherwise). Where something imported it first (transformers does, through torch's
+triton helpers), the tests run in a fresh process instead (``test_in_a_fresh_process``), and skip here.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -37,15 +39,35 @@ from pagedllm.platforms.interface import PlatformOps  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STEP = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}  # rtol: 1e-5, or one step
 EPS = 1e-6
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy: exp(88+) = inf, as on a GPU
+# the interpreter's numpy warns where exp(-g) overflows to inf (g < -88: silu(g) = g / inf = -0, as on a GPU)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+
+
+IN_PROCESS = DEVICE == "cuda" or triton_ops.INTERPRET  # else triton came first: see the module docstring
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def tk():
     """The kernels module: compiled on a GPU host, interpreted elsewhere."""
-    if DEVICE == "cpu" and not triton_ops.INTERPRET:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (no GPU here): run this file alone")
+    if not IN_PROCESS:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run by test_in_a_fresh_process")
     return triton_ops
+
+
+def test_in_a_fresh_process():
+    """This file's tests in a process that sets the interpreter before triton's import, where this one
+    imported triton first: they all pass, none skipped."""
+    if IN_PROCESS:
+        pytest.skip("the kernels run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and summary.count("skipped") <= 1, tail  # (this one)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, equal_share: float = 0.95,
@@ -91,6 +113,8 @@ def test_rms_norm_heads_in_place(tk, dtype, head_dim):
         assert tk.rms_norm_heads_(got[:, 1:4], w, EPS, gemma)
         close(got[:, 1:4], want, dtype)
         assert torch.equal(got[:, :1], qkv[:, :1]) and torch.equal(got[:, 4:], qkv[:, 4:])  # other heads untouched
+        if not gemma:  # the out-of-place norm of such a view (what the seam runs where no in-place kernel applies)
+            close(tk.rms_norm(qkv[:, 1:4], w, EPS), ops.rms_norm_native(qkv[:, 1:4], w, EPS), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -215,7 +239,8 @@ def test_cpu_tensors_keep_the_cpu_kernels_without_the_interpreter(tk, monkeypatc
     rec = Recorder(tk)
     monkeypatch.setattr(cuda_ops, "_CPU_KERNELS", None)
     monkeypatch.setattr(cuda_ops, "_KERNELS", rec)
-    x, w, res = (rand(*shape, dtype=torch.float32, seed=i, device="cpu") for i, shape in enumerate([(5, 64), (64,), (5, 64)]))
+    x, w, res = (rand(*shape, dtype=torch.float32, seed=i, device="cpu")
+                 for i, shape in enumerate([(5, 64), (64,), (5, 64)]))
     for a, b in ((CudaOps.rms_norm(x, w, EPS), CpuOps.rms_norm(x, w, EPS)),
                  (CudaOps.rms_norm(x, w, EPS, res.clone()), CpuOps.rms_norm(x, w, EPS, res.clone())),
                  (CudaOps.silu_and_mul(x), CpuOps.silu_and_mul(x))):

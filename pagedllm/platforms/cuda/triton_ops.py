@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # what the @triton.jit decorators below saw
-MAX_HIDDEN = 65536  # a norm's row (or a rotary head) is one block of registers
+MAX_HIDDEN = 16384  # a norm's row (or a rotary head) is one block of registers (wider: the native bodies)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -178,6 +178,8 @@ def test_kernels_decline_what_they_do_not_take(tk):
     assert tk.rms_norm(x.double(), w.double(), EPS) is None
     assert tk.rms_norm(x.t(), rand(3, dtype=torch.bfloat16), EPS) is None  # last dim not contiguous
     assert tk.silu_and_mul(rand(3, 63, dtype=torch.float32)) is None  # odd
+    wide = rand(1, tk.MAX_HIDDEN + 2, dtype=torch.float32)
+    assert tk.rms_norm(wide, wide[0], EPS) is None  # a row wider than one block
     heads = rand(2, 3, 16, dtype=torch.float32)
     before = heads.clone()
     assert not tk.rms_norm_heads_(heads, rand(16, dtype=torch.bfloat16), EPS)

@@ -12,7 +12,7 @@ Arithmetic: float16, bfloat16 and float32 tensors, loaded into float32, rounded 
 dtype at the points where the native body rounds (its ops run in that dtype), so that the results are
 the native ones up to float32 differences (the sum of squares in another order, the GPU's exp and
 rsqrt, products the compiler may fuse into an FMA): bf16 results mostly equal bit for bit. RoPE and the
-residual adds equal them bit for bit in every dtype (RoPE compiles without FMA fusion).
+pre-norm residual add equal them bit for bit in every dtype (RoPE compiles without FMA fusion).
 
 Each function returns None (the in-place ones: False, nothing touched) where its kernel does not
 apply: another dtype, mixed dtypes, a last dim that is not contiguous, a row wider than ``MAX_HIDDEN``;
@@ -114,7 +114,7 @@ def _row_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    """(rows of the grid's first index, its token stride, its head stride) for t [N, hidden] or [N, h, D]."""
+    """(token stride, head stride, heads) of t [N, hidden] (one "head") or [N, h, D]."""
     return (t.stride(0), 0, 1) if t.dim() == 2 else (t.stride(0), t.stride(1), t.shape[1])
 
 

@@ -1,19 +1,53 @@
-"""The CUDA wing's bodies for the ops of ``platforms/ops.py``. CUDA tensors take the seam's native
-torch bodies for now (Triton kernels land here), except where cuBLASLt needs a detour (``int8_mm``).
+"""The CUDA wing's bodies for the ops of ``platforms/ops.py``. CUDA tensors take our Triton kernels
+(``triton_ops.py``: the norms, the activations, RoPE) where triton imports and the kernel applies, else
+the seam's native torch bodies (None); ``int8_mm`` has cuBLASLt's detours.
 
 ``CudaOps`` extends the CPU wing's ``CpuOps``: a GPU host still holds CPU tensors (``--device cpu``,
 the layers' unit tests), and those keep the CPU kernels exactly as on a CPU-only host; every CPU
-body returns None for a CUDA tensor, so CUDA tensors reach the native bodies.
+body returns None for a CUDA tensor. The one exception is Triton's interpreter: where
+``triton_ops`` was imported under ``TRITON_INTERPRET=1`` its kernels run on CPU tensors, and then
+CPU tensors take them too (tests/test_triton_ops.py, on a host without a GPU). The CPU platform
+never uses ``CudaOps``.
 """
 from __future__ import annotations
 
 import functools
+import logging
+from types import ModuleType
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.platforms.cpu.ops import CpuOps
+
+logger = logging.getLogger("pagedllm")
+_UNRESOLVED = object()
+_KERNELS: "ModuleType | None | object" = _UNRESOLVED  # triton_ops once imported; None: triton does not import
+_CPU_KERNELS: Optional[ModuleType] = None  # triton_ops where it runs interpreted (CPU tensors), else None
+
+
+def _kernels() -> Optional[ModuleType]:
+    """``triton_ops``, imported on the first CUDA tensor's op (not at import: CPU-only installs lack
+    triton), or None where triton does not import (logged once; the native bodies run)."""
+    global _KERNELS, _CPU_KERNELS
+    if _KERNELS is _UNRESOLVED:
+        try:
+            # lazily: triton is an optional dependency (the [cuda]/[test] extras), and ~1 s to import
+            from pagedllm.platforms.cuda import triton_ops
+        except ImportError as e:
+            logger.info("cuda elementwise ops: PyTorch ops (triton does not import: %s)", e)
+            _KERNELS = None
+        else:
+            _KERNELS = triton_ops
+            _CPU_KERNELS = triton_ops if triton_ops.INTERPRET else None
+    return _KERNELS  # type: ignore[return-value]
+
+
+def _triton_for(x: torch.Tensor) -> Optional[ModuleType]:
+    """The Triton kernels for x's device: CUDA tensors where triton imports; CPU tensors only under
+    Triton's interpreter (``_CPU_KERNELS``); else None (CPU tensors: the CPU kernels)."""
+    return _kernels() if x.is_cuda else _CPU_KERNELS
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,6 +56,48 @@ def _capability(index: Optional[int]) -> tuple[int, int]:
 
 
 class CudaOps(CpuOps):
+    # -- norms, activations, RoPE: the Triton kernels (each tests its own preconditions), else
+    # CpuOps' C kernels for CPU tensors (None for CUDA ones: the native bodies)
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        tk = _triton_for(x)
+        return CpuOps.rms_norm(x, weight, eps, residual) if tk is None else tk.rms_norm(x, weight, eps, residual)
+
+    @staticmethod
+    def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> bool:
+        tk = _triton_for(x)
+        fn = CpuOps.rms_norm_heads_ if tk is None else tk.rms_norm_heads_
+        return fn(x, weight, eps, gemma)
+
+    @staticmethod
+    def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+        tk = _triton_for(x)
+        return CpuOps.gemma_rms_norm(x, weight, eps) if tk is None else tk.gemma_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def gemma_add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            next_weight: Optional[torch.Tensor] = None,
+                            next_eps: float = 0.0) -> Optional[torch.Tensor]:
+        tk = _triton_for(x)
+        fn = CpuOps.gemma_add_rms_norm_ if tk is None else tk.gemma_add_rms_norm_
+        return fn(residual, x, weight, eps, next_weight, next_eps)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
+        tk = _triton_for(x)
+        return CpuOps.silu_and_mul(x) if tk is None else tk.silu_and_mul(x)
+
+    @staticmethod
+    def gelu_tanh_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
+        tk = _triton_for(x)
+        return CpuOps.gelu_tanh_and_mul(x) if tk is None else tk.gelu_tanh_and_mul(x)
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+        tk = _triton_for(x)
+        return CpuOps.rotary_(x, cos_sin) if tk is None else tk.rotary_(x, cos_sin)
+
     @staticmethod
     def int8_mm(a: torch.Tensor, b: torch.Tensor, b_row_sums: Optional[torch.Tensor] = None
                 ) -> Optional[torch.Tensor]:

@@ -1,0 +1,262 @@
+"""CUDA graphs of decode steps (pagedllm/platforms/cuda/graph_runner.py), their bookkeeping tested on the CPU:
+the capture ladder, padding to the next captured size, persistent buffers reused step after step, which
+steps run eagerly and why; the capture itself stubbed by a fake graph whose replay runs the model eagerly
+on the padded buffers (the real capture needs CUDA: scripts/device_check.sh). Also ``--enforce-eager``,
+and the optional flash-attn / flashinfer backends refusing where their library is missing."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+
+import pytest
+import torch
+from conftest import assert_pool_empty
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.layers.attention import AttentionMetadata, kv_quant
+from pagedllm.layers.attention.flash_attn_backend import FlashAttnPagedAttention, unsupported_features
+from pagedllm.layers.attention.flashinfer_backend import FlashInferPagedAttention, page_list
+from pagedllm.layers.attention.selector import ATTENTION_BACKENDS, get_attention_backend
+from pagedllm.platforms.cuda import graph_runner as gr
+from pagedllm.platforms.cuda.graph_runner import CudaGraphRunner, DecodeBuffers, capture_sizes, padded_size
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph: capture runs ``fn`` once and keeps its output tensor; replay
+    runs ``fn`` again (eagerly, on whatever the buffers hold now) into that same tensor, as a replay
+    rewrites the captured output in place."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+# ---- the ladder and the reasons ---------------------------------------------------------------------
+@pytest.mark.parametrize("max_num_seqs, expected", [
+    (1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]),
+    (32, [1, 2, 4, 8, 16, 24, 32]), (256, [1, 2, 4] + list(range(8, 257, 8))),
+    (1024, [1, 2, 4] + list(range(8, 513, 8))),  # capped at vLLM's 512
+])
+def test_capture_ladder(max_num_seqs, expected):
+    assert capture_sizes(max_num_seqs) == expected
+
+
+def test_capture_ladder_refuses_zero():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_sizes(0)
+
+
+@pytest.mark.parametrize("n, expected", [(1, 1), (3, 4), (4, 4), (5, 8), (9, 16), (17, 24), (255, 256), (256, 256),
+                                         (257, None)])
+def test_padded_size(n, expected):
+    assert padded_size(capture_sizes(256), n) == expected
+
+
+def test_graphs_off_reasons():
+    ok = dict(device="cuda", enforce_eager=False, backend_name="triton")
+    assert gr.graphs_off_reason(**ok) is None
+    assert gr.graphs_off_reason(**{**ok, "backend_name": "flash-attn"}) is None
+    assert gr.graphs_off_reason(**{**ok, "device": "cpu"}) == "not a CUDA device"
+    assert gr.graphs_off_reason(**{**ok, "enforce_eager": True}) == "--enforce-eager"
+    assert "'torch' is not graph-safe" in gr.graphs_off_reason(**{**ok, "backend_name": "torch"})
+    assert "'flashinfer' is not graph-safe" in gr.graphs_off_reason(**{**ok, "backend_name": "flashinfer"})
+    assert "world size 2" in gr.graphs_off_reason(**ok, world_size=2)
+    assert "pooling" in gr.graphs_off_reason(**ok, pooling=True)
+
+
+def test_enforce_eager_is_a_setting():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert EngineArgs.from_cli_args(parser.parse_args([])).enforce_eager is False
+    assert EngineArgs(enforce_eager=True).create_engine_config().model_config.enforce_eager is True
+
+
+# ---- the runner on a toy forward --------------------------------------------------------------------
+def _toy_runner(sizes, max_blocks=4, block_size=8, pad_block=9):
+    buffers = DecodeBuffers(sizes[-1], max_blocks, block_size, pad_block, "cpu")
+    calls = []
+
+    def forward(b):  # one output row per buffer row, from every input the step loaded
+        calls.append(b)
+        return torch.stack([buffers.input_ids[:b].float(), buffers.positions[:b].float(),
+                            buffers.slot_mapping[:b].float(), buffers.seq_lens[:b].float(),
+                            buffers.block_tables[:b].float().sum(1)], 1)
+
+    runner = CudaGraphRunner(sizes, buffers, forward, FakeGraph)
+    runner.capture()
+    return runner, buffers, calls
+
+
+def _decode_step(n, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    return dict(input_ids=torch.randint(0, 100, (n,), generator=g), positions=torch.randint(0, 30, (n,), generator=g),
+                slot_mapping=torch.randint(0, 72, (n,), generator=g),
+                block_tables=torch.randint(0, 9, (n, width), generator=g, dtype=torch.int32),
+                seq_lens=torch.randint(1, 30, (n,), generator=g, dtype=torch.int32))
+
+
+def test_runner_pads_reuses_buffers_and_falls_back():
+    runner, buffers, calls = _toy_runner([1, 2, 4, 8])
+    assert calls == [8, 4, 2, 1]  # captured largest first, each once
+    ptrs = {name: getattr(buffers, name).data_ptr()
+            for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
+    out_ptr = runner.outputs[8].data_ptr()
+    for step, (n, width) in enumerate([(5, 3), (7, 4), (6, 1)]):  # all pad to 8
+        s = _decode_step(n, width, step)
+        rows = torch.tensor([n - 1, 0, 2])  # logits_indices: any rows, in any order
+        out = runner.run(**s, num_decodes=n, logits_indices=rows)
+        table_sums = torch.cat([s["block_tables"].float().sum(1), torch.full((8 - n,), 9.0)])
+        full = torch.stack([torch.cat([s["input_ids"].float(), torch.zeros(8 - n)]),
+                            torch.cat([s["positions"].float(), torch.zeros(8 - n)]),
+                            torch.cat([s["slot_mapping"].float(), torch.full((8 - n,), 72.0)]),  # pad slot 9 * 8
+                            torch.cat([s["seq_lens"].float(), torch.ones(8 - n)]), table_sums], 1)
+        assert torch.equal(out, full[rows])
+        assert torch.equal(buffers.block_tables[:n, width:], torch.zeros(n, 4 - width, dtype=torch.int32))
+        assert torch.equal(buffers.block_tables[n:8, 0], torch.full((8 - n,), 9, dtype=torch.int32))
+        assert out.data_ptr() != out_ptr  # the caller gets its own rows
+    assert runner.replays == {8: 3} and not runner.eager_steps
+    assert {name: getattr(buffers, name).data_ptr() for name in ptrs} == ptrs
+    assert runner.outputs[8].data_ptr() == out_ptr
+    assert buffers.query_start_loc.tolist() == list(range(9))
+
+    s = _decode_step(9, 2, 7)  # over the largest size
+    assert runner.run(**s, num_decodes=9, logits_indices=torch.arange(9)) is None
+    s = _decode_step(3, 5, 8)  # a table wider than the buffer's
+    assert runner.run(**s, num_decodes=3, logits_indices=torch.arange(3)) is None
+    s = _decode_step(4, 2, 9)  # 3 decodes and a prefill (4 tokens in 4 rows cannot be one, but the count says so)
+    assert runner.run(**s, num_decodes=3, logits_indices=torch.arange(3)) is None
+    assert runner.eager_steps == {gr.TOO_LARGE: 1, gr.TOO_WIDE: 1, gr.PREFILL: 1}
+    assert runner.replays == {8: 3}
+
+
+# ---- the runner in the engine, against eager steps --------------------------------------------------
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.",
+           "KING RICHARD III:\nNow is the winter", "HAMLET:", "MERCUTIO:\nNay, I'll", "NURSE:", "LADY CAPULET:",
+           "What light", "But soft", "To be, or not"]
+
+
+def _llm(graphs: bool, **kw):
+    llm = LLM(attention_backend="torch", kv_cache_memory=4 << 20, max_num_seqs=16, max_model_len=128, **kw)
+    runner = llm.llm_engine.executor.runner
+    steps = []
+    inner = runner.execute_model
+
+    def execute_model(model_input):  # every step's layout and output
+        out = inner(model_input)
+        meta = model_input.attn_metadata
+        steps.append((meta.num_decode_tokens, len(meta.prefills), out.clone()))
+        return out
+
+    runner.execute_model = execute_model
+    if graphs:  # what allocate_kv_cache does on CUDA, with the capture stubbed
+        assert runner.graphs_off == "not a CUDA device" and runner.cuda_graphs is None
+        runner.graphs_off, runner.graph_factory = None, lambda: FakeGraph
+        num_blocks = llm.llm_engine.config.cache_config.num_blocks
+        runner.allocate_kv_cache(num_blocks)
+        assert runner.kv_caches[0].shape[1] == num_blocks + 1  # + the scratch block of the padding rows
+        assert runner.cuda_graphs.sizes == [1, 2, 4, 8, 16]
+    return llm, runner, steps
+
+
+def _generate(llm, prompts, max_tokens=5):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_padded_replay_equals_the_eager_step():
+    eager, _, eager_steps = _llm(False)
+    graphs, runner, graph_steps = _llm(True)
+    forwards = []  # the input_ids tensor of every forward the model runs
+    model_forward = runner.model.forward
+    runner.model.forward = lambda ids, *a, **k: (forwards.append(ids.data_ptr()), model_forward(ids, *a, **k))[1]
+    buffers = runner.cuda_graphs.buffers
+    ptrs = (buffers.input_ids.data_ptr(), buffers.slot_mapping.data_ptr(), buffers.block_tables.data_ptr())
+    for n in (3, 5, 11):  # between the rungs 2-4, 4-8, 8-16
+        assert _generate(graphs, PROMPTS[:n]) == _generate(eager, PROMPTS[:n])
+    assert len(graph_steps) == len(eager_steps)
+    for (nd, np_, out), (nd_e, np_e, out_e) in zip(graph_steps, eager_steps):
+        assert (nd, np_) == (nd_e, np_e) and out.shape == out_e.shape
+        # padding changes the batch of every matmul (and the graph gathers the context up to max_model_len), so
+        # the rows agree to rounding, not bit for bit
+        torch.testing.assert_close(out, out_e, rtol=1e-4, atol=1e-4)
+    decode_steps = sum(1 for nd, np_, _ in graph_steps if np_ == 0)
+    assert runner.cuda_graphs.replays == {4: 4, 8: 4, 16: 4} and decode_steps == 12
+    assert runner.cuda_graphs.eager_steps[gr.PREFILL] == len(graph_steps) - decode_steps
+    assert forwards.count(buffers.input_ids.data_ptr()) == 12  # every replay ran on the persistent buffers
+    assert (buffers.input_ids.data_ptr(), buffers.slot_mapping.data_ptr(), buffers.block_tables.data_ptr()) == ptrs
+    assert_pool_empty(graphs)
+
+
+def test_steps_with_prefills_run_eagerly():
+    # A short prompt decodes while a long one is still prefilled in chunks of the 16-token budget.
+    kw = dict(max_num_batched_tokens=16, enable_prefix_caching=False)
+    eager, _, eager_steps = _llm(False, **kw)
+    graphs, runner, graph_steps = _llm(True, **kw)
+    prompts = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak. All: Speak, speak."]
+    assert _generate(graphs, prompts, 8) == _generate(eager, prompts, 8)
+    mixed = [s for s in graph_steps if s[0] and s[1]]
+    assert mixed, "no step held a decode and a prefill"
+    replayed = sum(1 for nd, np_, _ in graph_steps if np_ == 0)
+    assert sum(runner.cuda_graphs.replays.values()) == replayed
+    assert runner.cuda_graphs.eager_steps == {gr.PREFILL: len(graph_steps) - replayed}
+    for (_, _, out), (_, _, out_e) in zip(graph_steps, eager_steps):
+        torch.testing.assert_close(out, out_e, rtol=1e-4, atol=1e-4)
+
+
+# ---- the optional library backends ------------------------------------------------------------------
+SETUP = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256)
+
+
+@pytest.mark.parametrize("name, cls, library, reason", [
+    ("flash-attn", FlashAttnPagedAttention, "flash_attn", "flash_attn is not installed (pip install flash-attn)"),
+    ("flashinfer", FlashInferPagedAttention, "flashinfer", "flashinfer is not installed (pip install flashinfer-python)"),
+])
+def test_library_backends_refuse_without_their_library(name, cls, library, reason):
+    if importlib.util.find_spec(library) is not None:
+        pytest.skip(f"{library} is installed here")
+    assert ATTENTION_BACKENDS[name].endswith(cls.__name__)
+    assert cls.unsupported_reason(**SETUP) == reason
+    with pytest.raises(ValueError, match=re.escape(f"attention backend '{name}' cannot run this setup: {reason}")):
+        get_attention_backend(name, **SETUP)
+
+
+@pytest.mark.parametrize("cls, library", [(FlashAttnPagedAttention, "flash_attn"), (FlashInferPagedAttention, "flashinfer")])
+def test_library_backends_refuse_setups_by_name(cls, library, monkeypatch):
+    # With the library "installed" (its spec found), the checks before any import of it: device, dtype, head_dim.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == library else real(n, *a))
+    assert cls.unsupported_reason(**{**SETUP, "device": "cpu"}) == f"{library} runs on CUDA only"
+    assert "not float32" in cls.unsupported_reason(**{**SETUP, "dtype": torch.float32})
+    odd = 80 if cls is FlashInferPagedAttention else 260
+    assert cls.unsupported_reason(**{**SETUP, "head_dim": odd}).endswith(f"not {odd}")
+    if cls is FlashAttnPagedAttention:
+        assert "multiple of 256 (got 16" in cls.unsupported_reason(**{**SETUP, "block_size": 16})
+
+
+def test_library_backends_refuse_features_by_name():
+    cache = torch.zeros(2, 3, 4, 1, 8)
+    assert unsupported_features(cache, None, None) is None
+    assert unsupported_features(None, None, None).startswith("a step without a KV cache")
+    assert "int8" in unsupported_features(torch.zeros(2, 3, kv_quant.block_rows(4, 8, "int8"), 1, 8,
+                                                      dtype=torch.int8), None, None)
+    assert "one-plane" in unsupported_features(cache[:1], None, None)
+    assert "sinks" in unsupported_features(cache, torch.zeros(2), None)
+    assert "chunked" in unsupported_features(cache, None, 8)
+
+
+def test_flashinfer_page_list():
+    # 2 decodes (seq_lens 5, 8) and a prefill of 3 tokens over a 6-token prefix (seq_len 9), block size 4.
+    meta = AttentionMetadata.build(torch.zeros(5, dtype=torch.long), [[7, 2], [4, 0, 5], [1, 6, 3]], [5, 8, 9],
+                                   [1, 1, 3], 4, "cpu")
+    qo, kv_indptr, kv_indices, last = page_list(meta)
+    assert qo.tolist() == [0, 1, 2, 5]
+    assert kv_indptr.tolist() == [0, 2, 4, 7]
+    assert kv_indices.tolist() == [7, 2, 4, 0, 1, 6, 3]
+    assert last.tolist() == [1, 4, 1]
+    assert all(t.dtype == torch.int32 for t in (qo, kv_indptr, kv_indices, last))

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,7 +146,8 @@ PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proce
 
 
 def _llm(graphs: bool, **kw):
-    llm = LLM(attention_backend="torch", kv_cache_memory=4 << 20, max_num_seqs=16, max_model_len=128, **kw)
+    llm = LLM(attention_backend="torch", device="cpu", kv_cache_memory=4 << 20, max_num_seqs=16, max_model_len=128,
+              **kw)
     runner = llm.llm_engine.executor.runner
     steps = []
     inner = runner.execute_model
@@ -209,6 +214,23 @@ def test_steps_with_prefills_run_eagerly():
         torch.testing.assert_close(out, out_e, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or "triton" not in ATTENTION_BACKENDS,
+                    reason="needs CUDA and the triton attention backend (scripts/device_check.sh runs it)")
+def test_captured_graphs_equal_eager_on_cuda():
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(attention_backend="triton", device="cuda", dtype="float32", kv_cache_memory=64 << 20,
+                  max_num_seqs=16, max_model_len=128, enforce_eager=eager)
+        runs[eager] = _generate(llm, PROMPTS[:11], 8)
+        runner = llm.llm_engine.executor.runner
+        if eager:
+            assert runner.cuda_graphs is None and runner.graphs_off == "--enforce-eager"
+        else:
+            assert runner.cuda_graphs is not None and runner.cuda_graphs.replays[16] == 7
+        llm.llm_engine.shutdown()
+    assert runs[False] == runs[True]
+
+
 # ---- the optional library backends ------------------------------------------------------------------
 SETUP = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256)
 
@@ -260,3 +282,74 @@ def test_flashinfer_page_list():
     assert kv_indices.tolist() == [7, 2, 4, 0, 1, 6, 3]
     assert last.tolist() == [1, 4, 1]
     assert all(t.dtype == torch.int32 for t in (qo, kv_indptr, kv_indices, last))
+
+
+# ---- scripts/device_check.sh and its driver ---------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def driver():
+    spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "scripts", "device_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module  # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_check_sh_parses():
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "device_check.sh")], check=True)
+
+
+def test_driver_arguments(driver):
+    a = driver.parse_args([])
+    assert (a.shapes, a.backends, a.batches, a.device, a.dtype) == (["qwen2-0.5b", "llama-3-8b"], ["triton", "torch"],
+                                                                    [64, 256], "cuda", "bfloat16")
+    d = driver.parse_args(["--dry-run", "--batches", "3, 5", "--shapes", "llama-tiny"])
+    assert (d.shapes, d.backends, d.batches, d.device, d.prompt_len) == (["llama-tiny"], ["torch"], [3, 5], "cpu", 8)
+    with pytest.raises(SystemExit):
+        driver.parse_args(["--batches", "0"])
+
+
+def test_driver_floor_arithmetic(driver):
+    from pagedllm.benchmarks.model_shapes import SHAPES
+
+    s = SHAPES["llama-3-8b"]
+    h, inter, layers, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    kv_dim = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    params = 2 * v * h + layers * (2 * h * h + 2 * h * kv_dim + 3 * h * inter + 2 * h) + h
+    assert params == 8_030_261_248  # Meta-Llama-3-8B's parameter count
+    read = driver.step_weight_bytes(2 * params, v, h, tied=False, dtype_bytes=2)
+    assert read == 2 * params - 2 * v * h  # the input embedding is not read whole
+    assert driver.step_weight_bytes(1000, 10, 10, tied=True, dtype_bytes=2) == 1000
+    kv_per_token = layers * 2 * kv_dim * 2  # K and V, bf16: 128 KiB
+    assert kv_per_token == 128 * 1024
+    # 4.8 TB/s: 15.01 GB of weights and 128 tokens of K/V (16 MiB) -> 3.13 ms a token
+    floor = driver.hbm_floor_ms(read, kv_per_token, 128, 4.8e12)
+    assert floor == pytest.approx(1e3 * (read + 128 * kv_per_token) / 4.8e12) and 3.1 < floor < 3.2
+
+
+def test_driver_table_and_targets(driver):
+    rows = [driver.Row("llama-3-8b", "triton", "on", 3.9, 3.13, {64: 1800.0, 256: 5000.0}),
+            driver.Row("qwen2-0.5b", "triton", "off", 1.5, 0.22, {256: 12000.0}),
+            driver.Row("qwen2-0.5b", "torch", "-", error="ValueError: no such backend")]
+    table = driver.format_table(rows, [64, 256]).splitlines()
+    assert table[0].split() == ["shape", "backend", "graphs", "b1", "ms/tok", "floor", "ms", "x", "floor", "tok/s",
+                                "b64", "tok/s", "b256"]
+    assert table[2].split() == ["llama-3-8b", "triton", "on", "3.90", "3.130", "1.25", "1800", "5000"]
+    assert table[3].split()[-2:] == ["-", "12000"]
+    assert table[4].endswith("error: ValueError: no such backend")
+    assert len({len(line) for line in table[:4]}) == 1  # aligned
+    checks = driver.targets(rows, {"llama": "equal", "qwen2": "equal", "gemma2": "differ in 1 of 5 sequences"})
+    assert [ok for _, ok, _ in checks] == [True, True, False]
+    assert [ok for _, ok, _ in driver.targets([], {})] == [None, None, None]
+
+
+def test_driver_dry_run(driver, tmp_path):
+    lines = []
+    out = tmp_path / "check.json"
+    assert driver.main(["--dry-run", "--shapes", "llama-tiny", "--batches", "2", "--json", str(out)], lines.append) == 0
+    text = "\n".join(lines)
+    assert "llama-tiny  torch    off (not a CUDA device)" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["b1_ms"] > 0 and rows[0]["floor_ms"] > 0 and rows[0]["tok_s"]["2"] > 0

@@ -137,7 +137,7 @@ class ModelRunner:
                                      block_tables=buffers.block_tables[:b], seq_lens=buffers.seq_lens[:b],
                                      query_start_loc=buffers.query_start_loc[:b + 1], block_size=bs,
                                      max_decode_seq_len=max_len)
-            return self.compute_output(self.model(buffers.input_ids[:b], buffers.positions[:b], self.kv_caches, meta))
+            return self.model(buffers.input_ids[:b], buffers.positions[:b], self.kv_caches, meta)
 
         cuda = torch.device(self.device).type == "cuda"
         free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
@@ -172,10 +172,10 @@ class ModelRunner:
                 cache[:, dst] = cache[:, src]
         if self.cuda_graphs is not None:  # a decode-only step replays its graph; None: it runs eagerly
             meta = model_input.attn_metadata
-            out = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
-                                       meta.block_tables, meta.seq_lens, meta.num_decode_tokens,
-                                       model_input.logits_indices)
-            if out is not None:
-                return out
+            rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
+                                        meta.block_tables, meta.seq_lens, meta.num_decode_tokens,
+                                        model_input.logits_indices)
+            if rows is not None:  # the hidden states of the rows asked for
+                return self.compute_output(rows)
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
         return self.compute_output(hidden[model_input.logits_indices])

@@ -11,9 +11,11 @@ shapes from fixed addresses, so (vLLM's scheme, ``vllm/v1/worker/gpu_model_runne
   write their K/V into a scratch block no request owns (the block past the pool's last, which the
   model runner allocates for this) and attend only to that one slot (seq_len 1, block table row
   [scratch, 0, ...]), so they read and write nothing a real request reads;
-- the graph computes the output rows (logits) of every padded row into a fixed tensor; the step's
+- the graph ends at the model's last hidden states [b, hidden] (a fixed tensor per size; logits of
+  every padded row would hold sizes x vocab floats per graph, 2.6 GiB over Qwen2's ladder); the step's
   ``logits_indices`` rows are gathered from it after the replay (a new tensor, so the next replay
-  overwriting the buffer does not change what the caller holds);
+  overwriting it does not change what the caller holds) and the model runner computes their logits
+  eagerly, as an eager step does (one LM-head matmul: a few launches);
 - steps with a prefill, or with more sequences than the largest rung, run eagerly (``eager_reason``).
 
 The rules a graph-safe attention backend keeps (the model runner lets graphs run only with one, by
@@ -172,8 +174,8 @@ def torch_graph_factory() -> Callable[[], TorchCudaGraph]:
 class CudaGraphRunner:
     """Captures ``forward`` at each size of ``sizes`` and replays decode steps through the buffers.
 
-    ``forward(b)`` runs the model on the first b rows of ``buffers`` and returns the output rows of all
-    b ([b, V]: float32 logits, or pooled embeddings). ``new_graph()`` makes one graph object (``capture(fn)
+    ``forward(b)`` runs the model on the first b rows of ``buffers`` and returns one row per buffer row
+    ([b, hidden]: the last hidden states). ``new_graph()`` makes one graph object (``capture(fn)
     -> output``, ``replay()``). ``replays`` counts replays per captured size, ``eager_steps`` the steps
     that ran eagerly per reason (``PREFILL``, ``TOO_LARGE``, ``TOO_WIDE``).
     """
@@ -213,8 +215,9 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: Optional[torch.Tensor], seq_lens: Optional[torch.Tensor], num_decodes: int,
             logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """The step's output rows ``logits_indices`` ([M, V], a new tensor) by replaying the graph of the
-        next captured size, or None when the step must run eagerly (counted in ``eager_steps``)."""
+        """Rows ``logits_indices`` of the step's ``forward`` output ([M, hidden], a new tensor) by replaying
+        the graph of the next captured size, or None when the step must run eagerly (counted in
+        ``eager_steps``)."""
         n = input_ids.shape[0]
         reason = (PREFILL if block_tables is None or seq_lens is None
                   else self.eager_reason(n, num_decodes, block_tables.shape[1]))

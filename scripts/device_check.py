@@ -188,9 +188,10 @@ def run_shape(shape: str, path: str, backend: str, args: argparse.Namespace, ban
     as --enforce-eager runs), or one eager row where the engine has no graphs."""
     llm = None
     try:
-        llm = LLM(path, load_format="auto" if shape == "demo" else "dummy", dtype=args.dtype, device=args.device, attention_backend=backend,
-                  max_num_seqs=max(args.batches), max_model_len=args.prompt_len + max(args.output_len, args.b1_tokens) + 16,
-                  enable_prefix_caching=False, kv_cache_memory=(64 << 20) if args.device == "cpu" else (8 << 30))
+        llm = LLM(path, load_format="auto" if shape == "demo" else "dummy", dtype=args.dtype, device=args.device,
+                  attention_backend=backend, max_num_seqs=max(args.batches),
+                  max_model_len=args.prompt_len + max(args.output_len, args.b1_tokens) + 16, enable_prefix_caching=False,
+                  kv_cache_memory=(64 << 20) if args.device == "cpu" else (8 << 30))
     except Exception as e:  # noqa: BLE001 - a backend this checkout lacks or refuses is a row, not a crash
         _free(llm)
         return [Row(shape, backend, "-", error=f"{type(e).__name__}: {e}"[:200])]
@@ -261,9 +262,10 @@ def targets(rows: list[Row], equality: dict[str, str]) -> list[tuple[str, Option
                 _num(best, ".2f") + "x"))
     qwen = [r.tok_s.get(256) for r in rows if r.shape == "qwen2-0.5b" and r.backend == "triton" and r.tok_s.get(256)]
     top = max(qwen, default=None)
-    out.append((f"Qwen2-0.5B batch 256 >= 10x {BASELINE_TOK_S:.0f} tok/s", None if top is None else top >= 10 * BASELINE_TOK_S,
-                _num(top, ".0f") + " tok/s"))
-    out.append(("triton greedy ids equal torch's", None if not equality else all(v == "equal" for v in equality.values()),
+    out.append((f"Qwen2-0.5B batch 256 >= 10x {BASELINE_TOK_S:.0f} tok/s",
+                None if top is None else top >= 10 * BASELINE_TOK_S, _num(top, ".0f") + " tok/s"))
+    out.append(("triton greedy ids equal torch's",
+                None if not equality else all(v == "equal" for v in equality.values()),
                 ", ".join(f"{k}: {v}" for k, v in equality.items()) or "not run"))
     return out
 

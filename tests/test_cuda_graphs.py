@@ -237,7 +237,8 @@ SETUP = dict(device="cuda", dtype=torch.bfloat16, head_dim=128, block_size=256)
 
 @pytest.mark.parametrize("name, cls, library, reason", [
     ("flash-attn", FlashAttnPagedAttention, "flash_attn", "flash_attn is not installed (pip install flash-attn)"),
-    ("flashinfer", FlashInferPagedAttention, "flashinfer", "flashinfer is not installed (pip install flashinfer-python)"),
+    ("flashinfer", FlashInferPagedAttention, "flashinfer",
+     "flashinfer is not installed (pip install flashinfer-python)"),
 ])
 def test_library_backends_refuse_without_their_library(name, cls, library, reason):
     if importlib.util.find_spec(library) is not None:
@@ -248,7 +249,8 @@ def test_library_backends_refuse_without_their_library(name, cls, library, reaso
         get_attention_backend(name, **SETUP)
 
 
-@pytest.mark.parametrize("cls, library", [(FlashAttnPagedAttention, "flash_attn"), (FlashInferPagedAttention, "flashinfer")])
+@pytest.mark.parametrize("cls, library", [(FlashAttnPagedAttention, "flash_attn"),
+                                          (FlashInferPagedAttention, "flashinfer")])
 def test_library_backends_refuse_setups_by_name(cls, library, monkeypatch):
     # With the library "installed" (its spec found), the checks before any import of it: device, dtype, head_dim.
     real = importlib.util.find_spec

@@ -63,7 +63,8 @@ class ModelRunner:
             device=self.device, enforce_eager=config.model_config.enforce_eager,
             backend_name=self.attention_backend.name, world_size=config.parallel_config.world_size,
             pooling=self.pooling)
-        self.graph_factory: Callable[[], Callable[[], Any]] = torch_graph_factory  # tests: a fake graph's
+        # () -> a maker of graph objects (capture(fn), replay()); tests put a fake graph's here
+        self.graph_factory: Callable[[], Callable[[], Any]] = torch_graph_factory
         self.cuda_graphs: Optional[CudaGraphRunner] = None
 
     def platform(self) -> platforms.Platform:
@@ -116,8 +117,9 @@ class ModelRunner:
         # start); one that gathers padded slots needs finite values there (NaN * 0 is NaN).
         alloc = torch.zeros if self.attention_backend.needs_zeroed_cache else torch.empty
         scratch = int(self.graphs_off is None)  # block num_blocks: the graphs' padding rows write there
-        self.kv_caches = [alloc(self.kv_planes, num_blocks + scratch, self.kv_block_rows, self.num_kv_heads, self.head_dim, dtype=self.kv_cache_dtype,
-                                device=self.device) if self.start_layer <= i < self.end_layer else None
+        self.kv_caches = [alloc(self.kv_planes, num_blocks + scratch, self.kv_block_rows, self.num_kv_heads,
+                                self.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+                          if self.start_layer <= i < self.end_layer else None
                           for i in range(len(self.model.layers))]
         if scratch:
             self.capture_cuda_graphs(pad_block=num_blocks)
@@ -128,6 +130,8 @@ class ModelRunner:
         """Capture the decode graphs of ``capture_sizes(max_num_seqs)`` (``self.cuda_graphs``); logs one
         line with their sizes, capture time and memory. A capture that fails leaves graphs off (logged)."""
         sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
+        cuda = torch.device(self.device).type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         sizes = capture_sizes(sc.max_num_seqs)
         max_len = self.config.model_config.max_model_len
         buffers = DecodeBuffers(sizes[-1], -(-max_len // bs), bs, pad_block, self.device)
@@ -139,8 +143,6 @@ class ModelRunner:
                                      max_decode_seq_len=max_len)
             return self.model(buffers.input_ids[:b], buffers.positions[:b], self.kv_caches, meta)
 
-        cuda = torch.device(self.device).type == "cuda"
-        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         runner = CudaGraphRunner(sizes, buffers, forward, self.graph_factory())
         try:
             with torch.inference_mode():
@@ -154,7 +156,7 @@ class ModelRunner:
         used = free_before - torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         self.cuda_graphs = runner
         logger.info("CUDA graphs: %d decode batch sizes (%s) captured in %.2f s, %.1f MiB; prefills and "
-                    "batches over %d run eagerly (--enforce-eager: off)", len(sizes),
+                    "batches over %d run eagerly (--enforce-eager turns graphs off)", len(sizes),
                     ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}",
                     runner.capture_seconds, used / 2**20, sizes[-1])
 

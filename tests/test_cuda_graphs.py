@@ -2,7 +2,8 @@
 the capture ladder, padding to the next captured size, persistent buffers reused step after step, which
 steps run eagerly and why; the capture itself stubbed by a fake graph whose replay runs the model eagerly
 on the padded buffers (the real capture needs CUDA: scripts/device_check.sh). Also ``--enforce-eager``,
-and the optional flash-attn / flashinfer backends refusing where their library is missing."""
+and the optional flash-attn / flashinfer backends: refusing where their library is missing, and passing a step
+as each library reads it (a pure-torch stand-in of the library, against the torch reference)."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ from pagedllm.layers.attention import AttentionMetadata, kv_quant
 from pagedllm.layers.attention.flash_attn_backend import FlashAttnPagedAttention, unsupported_features
 from pagedllm.layers.attention.flashinfer_backend import FlashInferPagedAttention, page_list
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS, get_attention_backend
+from pagedllm.layers.attention.torch_backend import TorchPagedAttention
 from pagedllm.platforms.cuda import graph_runner as gr
 from pagedllm.platforms.cuda.graph_runner import CudaGraphRunner, DecodeBuffers, capture_sizes, padded_size
 
@@ -355,3 +357,98 @@ def test_driver_dry_run(driver, tmp_path):
     assert "llama-tiny  torch    off (not a CUDA device)" in text
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and rows[0]["b1_ms"] > 0 and rows[0]["floor_ms"] > 0 and rows[0]["tok_s"]["2"] > 0
+
+
+# ---- the library backends' plumbing, against a pure-torch stand-in of each library ------------------
+def _ref_attention(q, k, v, scale, left, cap):
+    """q [T, H, D] at the last T of L key positions, k/v [L, Hkv, D]; ``left`` keys to the left (-1: all)."""
+    t, h, _ = q.shape
+    length, hkv = k.shape[:2]
+    k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    s = torch.einsum("thd,lhd->htl", q.float(), k.float()) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    qpos = torch.arange(length - t, length).view(t, 1)
+    kpos = torch.arange(length).view(1, length)
+    mask = (kpos <= qpos) & ((kpos >= qpos - left) if left >= 0 else True)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("htl,lhd->thd", s.softmax(-1), v.float()).to(q.dtype)
+
+
+def _pages(cache, table, length):
+    """The first ``length`` tokens of a sequence whose pages are ``table``: [length, Hkv, D]."""
+    return cache[table.long()].flatten(0, 1)[:length]
+
+
+class FakeFlashAttn:
+    """flash_attn's two paged entries, as documented (bottom-right causal alignment, window (left, right))."""
+
+    @staticmethod
+    def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal,
+                                window_size, softcap):
+        assert causal and window_size[1] in (0, -1) and q.shape[1] == 1
+        return torch.stack([_ref_attention(q[b], _pages(k_cache, block_table[b], int(n)),
+                                           _pages(v_cache, block_table[b], int(n)), softmax_scale, window_size[0],
+                                           softcap) for b, n in enumerate(cache_seqlens)])
+
+    @staticmethod
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               causal, window_size, softcap, block_table):
+        assert causal and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        out = torch.empty_like(q)
+        for i in range(block_table.shape[0]):
+            qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+            n = int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
+            assert qe - qs <= max_seqlen_q and n <= max_seqlen_k
+            out[qs:qe] = _ref_attention(q[qs:qe], _pages(k, block_table[i], n), _pages(v, block_table[i], n),
+                                        softmax_scale, window_size[0], softcap)
+        return out
+
+
+class FakeFlashInfer:
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, workspace, layout):
+            assert layout == "NHD"
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, last_len, hq, hkv, d, page, *, causal, sm_scale,
+                 window_left, logits_soft_cap, q_data_type, kv_data_type):
+            assert causal
+            self.args = (qo_indptr, kv_indptr, kv_indices, last_len, page, sm_scale, window_left, logits_soft_cap)
+
+        def run(self, q, kv):
+            qo, kv_indptr, kv_indices, last_len, page, scale, left, cap = self.args
+            out = torch.empty_like(q)
+            for i in range(qo.shape[0] - 1):
+                pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+                n = (pages.shape[0] - 1) * page + int(last_len[i])
+                out[qo[i]:qo[i + 1]] = _ref_attention(q[qo[i]:qo[i + 1]], _pages(kv[0], pages, n),
+                                                      _pages(kv[1], pages, n), scale, left, cap)
+            return out
+
+
+@pytest.mark.parametrize("cls, fake", [(FlashAttnPagedAttention, FakeFlashAttn),
+                                       (FlashInferPagedAttention, FakeFlashInfer)])
+@pytest.mark.parametrize("window, cap", [(None, None), (5, None), (None, 30.0)])
+def test_library_backends_pass_the_step_as_the_libraries_read_it(cls, fake, window, cap, monkeypatch):
+    # 2 decodes and 2 prefills (one over a cached prefix), block size 4, GQA 2, shuffled blocks: the same
+    # attention as the torch reference when the library computes what its documentation says.
+    module = importlib.import_module(cls.__module__)
+    monkeypatch.setattr(module, "_library", lambda: fake)
+    g = torch.Generator().manual_seed(0)
+    bs, hkv, h, d = 4, 2, 4, 8
+    seq_lens, query_lens = [7, 3, 9, 5], [1, 1, 4, 5]
+    perm = torch.randperm(16, generator=g).tolist()
+    tables = [perm[0:2], perm[2:3], perm[3:6], perm[6:8]]
+    slots = [tables[i][p // bs] * bs + p % bs
+             for i in range(4) for p in range(seq_lens[i] - query_lens[i], seq_lens[i])]
+    meta = AttentionMetadata.build(torch.tensor(slots), tables, seq_lens, query_lens, bs, "cpu")
+    n = sum(query_lens)
+    q, k, v = (torch.randn(n, hh, d, generator=g) for hh in (h, hkv, hkv))
+    cache = torch.randn(2, 16, bs, hkv, d, generator=g)  # the prefixes' K/V, and garbage elsewhere
+    ref_cache = cache.clone()
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    out = cls().forward(q, k, v, cache, meta, 0.3, **kw)
+    ref_meta = AttentionMetadata.build(torch.tensor(slots), tables, seq_lens, query_lens, bs, "cpu")
+    expected = TorchPagedAttention().forward(q, k, v, ref_cache, ref_meta, 0.3, **kw)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache, ref_cache)  # the step's K/V written to the same slots

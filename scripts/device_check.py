@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 from pagedllm import LLM, SamplingParams  # noqa: E402  (after the path: run from a checkout)
 from pagedllm.benchmarks.model_shapes import write_model_shape  # noqa: E402
 from pagedllm.config import DEMO_MODEL_PATH  # noqa: E402
+from pagedllm.layers.attention.selector import get_attention_backend  # noqa: E402
 
 BASELINE_TOK_S = 902.0  # Qwen2-0.5B shape, batch 256, torch backend, on an H200 before issue 38
 FAMILIES = ("llama", "qwen2", "gemma2")
@@ -182,19 +183,42 @@ def measure(llm: LLM, args: argparse.Namespace, vocab: int, seed: int) -> tuple[
     return b1_ms, tok_s
 
 
-def run_shape(shape: str, path: str, backend: str, args: argparse.Namespace, bandwidth: float,
-              deadline: float) -> list[Row]:
-    """The rows of one shape and backend: graphs on, then off (the same engine with its graphs dropped,
-    as --enforce-eager runs), or one eager row where the engine has no graphs."""
-    llm = None
+def use_backend(llm: LLM, name: str) -> None:
+    """Point every attention layer of ``llm``'s model at backend ``name`` (the same weights, so a large
+    shape is loaded once for all backends), drop the graphs (captured with the old backend) and zero the
+    KV cache (a backend that gathers padded slots needs finite values there). For shapes without sliding
+    windows (a windowed layer's wrapper, ``SlidingWindowBackend``, would be replaced too)."""
+    engine = llm.llm_engine
+    mc, runner = engine.config.model_config, engine.executor.runner
+    backend = get_attention_backend(name, device=engine.config.device, dtype=mc.dtype, head_dim=mc.head_dim,
+                                    block_size=engine.config.cache_config.block_size)
+    for layer in runner.model.layers:
+        layer.self_attn.backend = backend
+    runner.attention_backend, runner.cuda_graphs = backend, None
+    runner.graphs_off = f"attention backend {name!r} swapped in"
+    for cache in runner.kv_caches:
+        if cache is not None:
+            cache.zero_()
+
+
+def run_shape(shape: str, path: str, args: argparse.Namespace, bandwidth: float, deadline: float) -> list[Row]:
+    """The rows of one shape, one engine: the first backend of ``args.backends`` with CUDA graphs on, then
+    off (the same engine with its graphs dropped, as --enforce-eager runs), then each other backend
+    swapped in (``use_backend``), eagerly. An engine without graphs gives one row per backend."""
+    llm, rows = None, []
+    first, *others = args.backends
     try:
         llm = LLM(path, load_format="auto" if shape == "demo" else "dummy", dtype=args.dtype, device=args.device,
-                  attention_backend=backend, max_num_seqs=max(args.batches),
+                  attention_backend=first, max_num_seqs=max(args.batches),
                   max_model_len=args.prompt_len + max(args.output_len, args.b1_tokens) + 16, enable_prefix_caching=False,
                   kv_cache_memory=(64 << 20) if args.device == "cpu" else (8 << 30))
     except Exception as e:  # noqa: BLE001 - a backend this checkout lacks or refuses is a row, not a crash
         _free(llm)
-        return [Row(shape, backend, "-", error=f"{type(e).__name__}: {e}"[:200])]
+        rows.append(Row(shape, first, "-", error=f"{type(e).__name__}: {e}"[:160]))
+        if not others:
+            return rows
+        args = argparse.Namespace(**{**vars(args), "backends": others})
+        return rows + run_shape(shape, path, args, bandwidth, deadline)
     try:
         engine = llm.llm_engine
         runner = engine.executor.runner
@@ -205,17 +229,27 @@ def run_shape(shape: str, path: str, backend: str, args: argparse.Namespace, ban
         kv_per_token = runner.bytes_per_block() // engine.config.cache_config.block_size
         # the mean context over the timed batch-1 tokens
         floor = hbm_floor_ms(weights, kv_per_token, args.prompt_len + args.b1_tokens // 2, bandwidth)
-        _timed(llm, _prompts(min(8, max(args.batches)), args.prompt_len, hf.vocab_size, 0), 4)  # compile, warm up
         graphs = runner.cuda_graphs
-        modes = [("on", graphs), ("off", None)] if graphs is not None else [(f"off ({runner.graphs_off})", None)]
-        rows = []
-        for label, g in modes:
+        modes = [(first, "on", graphs), (first, "off", None)] if graphs is not None else \
+            [(first, f"off ({runner.graphs_off})", None)]
+        modes += [(b, "off", None) for b in others]
+        warm = None
+        for backend, label, g in modes:
+            label = label if len(label) < 40 else label[:37] + "..."
             if time.perf_counter() > deadline:
                 rows.append(Row(shape, backend, label, error="skipped: over the time budget"))
                 continue
-            runner.cuda_graphs = g
-            b1, tok_s = measure(llm, args, hf.vocab_size, 1)
-            rows.append(Row(shape, backend, label if len(label) < 40 else label[:37] + "...", b1, floor, tok_s))
+            try:
+                if backend != first:
+                    use_backend(llm, backend)
+                runner.cuda_graphs = g
+                if warm != backend:  # Triton compiles and autotunes on first use
+                    _timed(llm, _prompts(min(8, max(args.batches)), args.prompt_len, hf.vocab_size, 0), 4)
+                    warm = backend
+                b1, tok_s = measure(llm, args, hf.vocab_size, 1)
+                rows.append(Row(shape, backend, label, b1, floor, tok_s))
+            except Exception as e:  # noqa: BLE001 - one failing configuration is a row, not a crash
+                rows.append(Row(shape, backend, label, error=f"{type(e).__name__}: {e}"[:160]))
         return rows
     finally:
         _free(llm)
@@ -288,13 +322,12 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], Any] = print) ->
     with tempfile.TemporaryDirectory() as tmp:
         paths = {s: DEMO_MODEL_PATH if s == "demo" else write_model_shape(os.path.join(tmp, s), s) for s in args.shapes}
         for shape in args.shapes:
-            for backend in args.backends:
-                if time.perf_counter() > deadline:
-                    rows.append(Row(shape, backend, "-", error="skipped: over the time budget"))
-                    continue
-                t = time.perf_counter()
-                rows.extend(run_shape(shape, paths[shape], backend, args, bandwidth, deadline))
-                log(f"{shape} / {backend}: {time.perf_counter() - t:.0f} s")
+            if time.perf_counter() > deadline:
+                rows.extend(Row(shape, b, "-", error="skipped: over the time budget") for b in args.backends)
+                continue
+            t = time.perf_counter()
+            rows.extend(run_shape(shape, paths[shape], args, bandwidth, deadline))
+            log(f"{shape}: {time.perf_counter() - t:.0f} s")
     log("")
     log(f"{args.dtype}, dummy weights, prompts of {args.prompt_len} tokens; batch 1: {args.b1_tokens} tokens timed; "
         f"tok/s: {args.output_len} output tokens a request, prefill included")

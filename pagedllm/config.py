@@ -65,6 +65,7 @@ class ModelConfig:
     dtype_reason: str = ""  # why ``dtype`` was chosen (start-up log)
     quantization: Optional[str] = None  # a name in layers.quantization.QUANTIZATION_METHODS
     attention_backend: str = "auto"  # see layers/attention/selector.py
+    enforce_eager: bool = False  # no CUDA graphs of decode steps (platforms/cuda/graph_runner.py)
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     # "generate" (sample tokens) or "pooling" (embeddings: each prompt's last hidden state, normalized;
     # vLLM's --runner pooling); see layers/pooler.py

@@ -258,6 +258,10 @@ class EngineArgs(CliArgs):
     num_threads: Optional[int] = setting(
         None, "CPU threads for the model (default: OMP_NUM_THREADS if set, else the physical cores)")
     max_num_seqs: int = setting(256, "maximum sequences in the running batch")
+    enforce_eager: bool = setting(
+        False, "run every step eagerly: no CUDA graphs of decode steps (on CUDA with a graph-safe attention "
+               "backend, triton or flash-attn, decode batches up to max_num_seqs (at most 512) are captured at "
+               "sizes 1, 2, 4, 8, 16, 24, ... and replayed; a CPU never uses graphs)")
     max_num_batched_tokens: Optional[int] = setting(
         None, "token budget of one engine step (default: 2048 on a CPU, else max(2048, min(max_model_len, 8192)))")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
@@ -360,6 +364,7 @@ class EngineArgs(CliArgs):
             seed=self.seed,
             quantization=None if self.quantization == "none" else self.quantization,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
             runner=self.runner,
         )

@@ -8,11 +8,15 @@ with the block's scales in a few more token rows, for ``--kv-cache-dtype int8``:
 Once the model is loaded, the platform of its device may supply a fused stack of its decoder layers
 (the CPU layer runner: ``CpuPlatform.layer_stack``), set as ``model.layer_stack`` on a model that
 has that hook; the model's forward calls it in place of its layer loop.
+
+On CUDA, with a graph-safe attention backend and without ``--enforce-eager``, decode-only steps replay
+CUDA graphs captured once the KV cache is allocated (``platforms/cuda/graph_runner.py``); the cache
+then has one block more than the pool hands out, the scratch block that padding rows write.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,6 +26,8 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
 from pagedllm.layers.pooler import last_token_embeddings
 from pagedllm.models.loader import load_model
+from pagedllm.platforms.cuda.graph_runner import (CudaGraphRunner, DecodeBuffers, capture_sizes, graphs_off_reason,
+                                                  torch_graph_factory)
 from pagedllm.worker.model_input import ModelInput
 
 logger = logging.getLogger("pagedllm")
@@ -52,6 +58,14 @@ class ModelRunner:
                                                  config.cache_config.cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.pooling = config.model_config.runner == "pooling"
+        # CUDA graphs of decode steps: None = capture them once the KV cache is allocated, else why not.
+        self.graphs_off: Optional[str] = graphs_off_reason(
+            device=self.device, enforce_eager=config.model_config.enforce_eager,
+            backend_name=self.attention_backend.name, world_size=config.parallel_config.world_size,
+            pooling=self.pooling)
+        # () -> a maker of graph objects (capture(fn), replay()); tests put a fake graph's here
+        self.graph_factory: Callable[[], Callable[[], Any]] = torch_graph_factory
+        self.cuda_graphs: Optional[CudaGraphRunner] = None
 
     def platform(self) -> platforms.Platform:
         """The platform whose kernels run on this runner's device: ``current_platform``, or the CPU
@@ -102,9 +116,49 @@ class ModelRunner:
         # A backend that never reads unwritten slots needs no zero-fill (saves touching every page at
         # start); one that gathers padded slots needs finite values there (NaN * 0 is NaN).
         alloc = torch.zeros if self.attention_backend.needs_zeroed_cache else torch.empty
-        self.kv_caches = [alloc(self.kv_planes, num_blocks, self.kv_block_rows, self.num_kv_heads, self.head_dim, dtype=self.kv_cache_dtype,
-                                device=self.device) if self.start_layer <= i < self.end_layer else None
+        scratch = int(self.graphs_off is None)  # block num_blocks: the graphs' padding rows write there
+        self.kv_caches = [alloc(self.kv_planes, num_blocks + scratch, self.kv_block_rows, self.num_kv_heads,
+                                self.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+                          if self.start_layer <= i < self.end_layer else None
                           for i in range(len(self.model.layers))]
+        if scratch:
+            self.capture_cuda_graphs(pad_block=num_blocks)
+        elif torch.device(self.device).type == "cuda":
+            logger.info("CUDA graphs off: %s", self.graphs_off)
+
+    def capture_cuda_graphs(self, pad_block: int) -> None:
+        """Capture the decode graphs of ``capture_sizes(max_num_seqs)`` (``self.cuda_graphs``); logs one
+        line with their sizes, capture time and memory. A capture that fails leaves graphs off (logged)."""
+        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
+        cuda = torch.device(self.device).type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        sizes = capture_sizes(sc.max_num_seqs)
+        max_len = self.config.model_config.max_model_len
+        buffers = DecodeBuffers(sizes[-1], -(-max_len // bs), bs, pad_block, self.device)
+
+        def forward(b: int) -> torch.Tensor:  # the model on the first b rows of the buffers
+            meta = AttentionMetadata(slot_mapping=buffers.slot_mapping[:b], num_decode_tokens=b,
+                                     block_tables=buffers.block_tables[:b], seq_lens=buffers.seq_lens[:b],
+                                     query_start_loc=buffers.query_start_loc[:b + 1], block_size=bs,
+                                     max_decode_seq_len=max_len)
+            return self.model(buffers.input_ids[:b], buffers.positions[:b], self.kv_caches, meta)
+
+        runner = CudaGraphRunner(sizes, buffers, forward, self.graph_factory())
+        try:
+            with torch.inference_mode():
+                runner.capture()
+        except Exception as e:  # noqa: BLE001 - a model or backend that cannot be captured runs eagerly
+            self.graphs_off = f"capture failed ({type(e).__name__}: {e})"
+            logger.warning("CUDA graphs off: %s", self.graphs_off)
+            return
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        self.cuda_graphs = runner
+        logger.info("CUDA graphs: %d decode batch sizes (%s) captured in %.2f s, %.1f MiB; prefills and "
+                    "batches over %d run eagerly (--enforce-eager turns graphs off)", len(sizes),
+                    ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}",
+                    runner.capture_seconds, used / 2**20, sizes[-1])
 
     def compute_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """The rows the engine asked for (``logits_indices``) -> float32 logits [M, vocab_size], or
@@ -118,5 +172,12 @@ class ModelRunner:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
                 cache[:, dst] = cache[:, src]
+        if self.cuda_graphs is not None:  # a decode-only step replays its graph; None: it runs eagerly
+            meta = model_input.attn_metadata
+            rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
+                                        meta.block_tables, meta.seq_lens, meta.num_decode_tokens,
+                                        model_input.logits_indices)
+            if rows is not None:  # the hidden states of the rows asked for
+                return self.compute_output(rows)
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
         return self.compute_output(hidden[model_input.logits_indices])

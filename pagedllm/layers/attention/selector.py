@@ -16,6 +16,8 @@ logger = logging.getLogger("pagedllm")
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "pagedllm.layers.attention.torch_backend:TorchPagedAttention",
     "cpu": "pagedllm.layers.attention.cpu_backend:CpuPagedAttention",
+    "flash-attn": "pagedllm.layers.attention.flash_attn_backend:FlashAttnPagedAttention",
+    "flashinfer": "pagedllm.layers.attention.flashinfer_backend:FlashInferPagedAttention",
 }
 AUTO_ORDER: list[str] = ["cpu", "torch"]
 CHOICES = ["auto", *ATTENTION_BACKENDS]

@@ -26,14 +26,22 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels():
-    """The kernel module, or the import error's text."""
+def _triton_error():
+    """None when triton imports, else the error's text (the kernels themselves are imported at first use:
+    Triton fixes interpreted or compiled when they are defined)."""
     try:
         # lazily: triton is an optional dependency (the [cuda]/[test] extras), ~1 s to import
-        from pagedllm.platforms.cuda import triton_attention
+        import triton  # noqa: F401
     except Exception as e:  # ImportError, or a triton that fails to initialize
-        return None, f"{type(e).__name__}: {e}"
-    return triton_attention, None
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _kernels():
+    """The kernel module (platforms/cuda/triton_attention.py)."""
+    # lazily: it imports triton, an optional dependency (the [cuda]/[test] extras)
+    from pagedllm.platforms.cuda import triton_attention
+    return triton_attention
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -63,7 +71,7 @@ class TritonPagedAttention(AttentionBackend):
             return f"head_dim {head_dim} is outside 1..{MAX_HEAD_DIM}"
         if block_size < 1:
             return f"block_size {block_size} is not positive"
-        _, err = _kernels()
+        err = _triton_error()
         return None if err is None else f"triton does not import ({err})"
 
     def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None,
@@ -72,9 +80,7 @@ class TritonPagedAttention(AttentionBackend):
             return self._reference.forward(q, k, v, kv_cache, meta, scale, sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap, sinks=sinks,
                                            attention_chunk=attention_chunk)
-        kernels, err = _kernels()
-        if kernels is None:
-            raise RuntimeError(f"triton attention backend: the kernels do not import ({err})")
+        kernels = _kernels()
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size)
         return kernels.paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window,
                                        logits_soft_cap=logits_soft_cap, sinks=sinks,

@@ -58,7 +58,8 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _quantize_row(x):
     """x [BLOCK_D] float32 (masked lanes 0) -> (values [BLOCK_D] int8, scale): kv_quant.quantize."""
     amax = tl.max(tl.abs(x), 0)
-    inv = tl.where(amax > 0, tl.math.div_rn(127.0, amax), 0.0)  # a true division, as the torch code
+    # a true division, as the torch code (of 127 by 1 for an all-zero row, whose values are then 0)
+    inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
     y = x * inv
     y = (y + 12582912.0) - 12582912.0  # round half to even (|y| <= 127 < 2**22), as torch.round
     y = tl.minimum(tl.maximum(y, -127.0), 127.0)
@@ -312,6 +313,12 @@ def _is_int8(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.int8
 
 
+def _check_device(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"triton kernels: {x.device} tensors run only through Triton's interpreter, and "
+                         f"TRITON_INTERPRET=1 was not set when {__name__} was imported")
+
+
 def _cache_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(K plane, V plane) [num_blocks, rows, Hkv, D]: a one-plane cache (MLA's latent) has V = K."""
     if kv_cache.shape[0] not in (1, 2) or kv_cache.dim() != 5 or not kv_cache.is_contiguous():
@@ -338,6 +345,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     Raises:
         ValueError: shapes or layouts that do not fit."""
     n, hkv, d = k.shape
+    _check_device(k)
     kc, vc = _cache_planes(kv_cache)
     _check_rows(kv_cache, block_size)
     if kc.shape[-2:] != (hkv, d) or v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
@@ -387,6 +395,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit."""
     n, h, d = q.shape
+    _check_device(q)
     kc, vc = _cache_planes(kv_cache)
     hkv = kc.shape[2]
     int8 = _is_int8(kv_cache)

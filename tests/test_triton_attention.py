@@ -76,10 +76,9 @@ MIXED = [(0, 1), (8, 1), (130, 1), (299, 1), (0, 37), (45, 19), (200, 64), (7, 2
 SMALL = [(0, 1), (50, 1), (120, 1), (0, 21), (60, 18)]  # (the features' batch: the interpreter is slow)
 
 
-@pytest.mark.parametrize("block_size,hkv,group,dtype", [
-    (8, 2, 1, torch.float32), (16, 1, 8, torch.float32), (32, 2, 3, torch.float32),
-    (16, 2, 4, torch.bfloat16), (8, 1, 2, torch.float16)])
-@pytest.mark.parametrize("decode_split", [True, False])
+@pytest.mark.parametrize("block_size,hkv,group,dtype,decode_split", [
+    (8, 2, 1, torch.float32, True), (16, 1, 8, torch.float32, False), (32, 2, 3, torch.float32, True),
+    (16, 2, 4, torch.bfloat16, False), (8, 1, 2, torch.float16, True), (32, 1, 5, torch.bfloat16, True)])
 def test_mixed_batch_matches_reference(block_size, hkv, group, dtype, decode_split):
     out, ref, cache, ref_cache = run_both(MIXED, block_size, hkv, group, 32, dtype, seed=block_size + group,
                                           decode_split=decode_split)
@@ -121,12 +120,18 @@ def test_quantize_rounds_half_to_even_as_torch():
     assert torch.equal(cache, ref)
 
 
-def test_one_plane_cache_and_long_context():
-    """MLA's one-plane cache (the keys are the values); a 1.5k-token decode split over programs, and a
-    chunk over a 1k prefix."""
-    out, ref, cache, ref_cache = run_both([(40, 1), (0, 9), (20, 5)], 8, 1, 4, 32, torch.float32, seed=7, planes=1)
-    assert torch.equal(cache, ref_cache)
-    assert_close(out, ref)
+@pytest.mark.parametrize("d,group,dtype", [(32, 4, torch.float32), (576, 16, torch.float32), (576, 8, torch.bfloat16)])
+def test_one_plane_cache(d, group, dtype):
+    """MLA's one-plane cache (the keys are the values), at MLA's width (576 = 512 + 64) too."""
+    for split in (True, False):
+        out, ref, cache, ref_cache = run_both([(40, 1), (0, 9), (20, 5)], 8, 1, group, d, dtype, seed=7, planes=1,
+                                              decode_split=split)
+        assert torch.equal(cache, ref_cache)
+        assert_close(out, ref)
+
+
+def test_long_context():
+    """A 1.5k-token decode split over programs, and a chunk over a 1k prefix."""
     seqs = [(1500, 1), (1000, 20)]
     assert kernels.num_splits(1501) == 6
     out, ref, _, _ = run_both(seqs, 32, 1, 2, 16, torch.float32, seed=8)
@@ -138,8 +143,8 @@ def test_selector_and_refusals(monkeypatch):
     assert get_attention_backend("auto", device="cpu", **setup).name == "cpu"  # interpreter or not
     assert get_attention_backend("triton", device="cpu", **setup).name == "triton"  # TRITON_INTERPRET=1
     assert get_attention_backend("auto", device="cuda", **setup).name == "triton"
-    with pytest.raises(ValueError, match="head_dim 512 is outside 1..256"):
-        get_attention_backend("triton", device="cuda", dtype=torch.float32, head_dim=512, block_size=16)
+    with pytest.raises(ValueError, match="head_dim 640 is outside 1..576"):
+        get_attention_backend("triton", device="cuda", dtype=torch.float32, head_dim=640, block_size=16)
     with pytest.raises(ValueError, match="dtype torch.float64 is not"):
         get_attention_backend("triton", device="cuda", dtype=torch.float64, head_dim=64, block_size=16)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -166,3 +171,22 @@ def test_engine_greedy_matches_transformers(tmp_path):
     outs = llm.generate(prompts, greedy(6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [toks for toks, _ in ref]
     assert_pool_empty(llm)
+
+
+def test_engine_int8_cache_matches_reference_backend(tmp_path):
+    """--kv-cache-dtype int8 through the engine: the Triton backend's greedy tokens are the torch reference's."""
+    import transformers
+    from conftest import assert_pool_empty, build_checkpoint
+    from test_correctness import greedy, make_prompts
+
+    from pagedllm import LLM
+
+    model_dir = build_checkpoint(str(tmp_path / "llama"), "llama", num_hidden_layers=1)
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(model_dir).vocab_size, lens=[1, 5, 40, 70])
+    tokens = {}
+    for backend in ("triton", "torch"):
+        llm = LLM(model_dir, kv_cache_memory=2 << 20, block_size=16, attention_backend=backend,
+                  max_num_batched_tokens=32, kv_cache_dtype="int8")
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+        assert_pool_empty(llm)
+    assert tokens["triton"] == tokens["torch"]

@@ -17,7 +17,7 @@ from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.torch_backend import TorchPagedAttention
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # (= the kernels' SUPPORTED_DTYPES)
-MAX_HEAD_DIM = 256  # (= the kernels' MAX_HEAD_DIM)
+MAX_HEAD_DIM = 576  # (= the kernels' MAX_HEAD_DIM: MLA's 512 + 64)
 
 
 def interpreting() -> bool:
@@ -46,7 +46,7 @@ def _kernels():
 
 class TritonPagedAttention(AttentionBackend):
     """Our Triton kernels for CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``) in fp16/bf16/fp32,
-    caches in that dtype or int8, head_dim 1..256, any block size; sliding window, soft-cap, sinks and
+    caches in that dtype or int8, head_dim 1..576, any block size; sliding window, soft-cap, sinks and
     Llama 4's attention_chunk, a one-plane cache (MLA's latent). The KV-cache-less profiling pass runs
     on the torch reference.
 

@@ -10,7 +10,7 @@ reference ``layers/attention/torch_backend.py`` is what they are tested equal to
 - ``_attention_kernel``: one program per (tile of BLOCK_Q query tokens of one sequence x the G query
   heads of one KV head, KV head): the M = BLOCK_Q * G rows share each K/V tile read through the block
   table (grouped-query attention without expanding K/V), with FlashAttention-2's online softmax over
-  tiles of BLOCK_N keys. Queries of many sequences run in one launch (varlen, through a per-program
+  tiles of BLOCK_N keys (16 x 16 query rows x keys past head_dim 256, as MLA's 576). Queries of many sequences run in one launch (varlen, through a per-program
   table of (sequence, first query) built on the host from the step's metadata), causal over a cached
   prefix (chunked prefill); it takes decodes too (one query each) when ``decode_split`` is off.
 - ``_decode_split_kernel`` + ``_decode_reduce_kernel``: decodes by flash-decoding: the visible context
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-BLOCK_N = 32  # keys per tile
+MAX_HEAD_DIM = 576  # up to MLA's latent + rope (DeepSeek: 512 + 64), in smaller tiles past 256
+WIDE_HEAD_DIM = 256  # past this head_dim: tiles of 16 queries x 16 keys, 8 warps (registers)
 MAX_SPLITS = 16  # flash-decoding: at most this many programs per (decode, KV head)
 SPLIT_MIN_KEYS = 256  # ... each with at least about this many keys of context
 # Triton decides at each kernel's definition whether it is interpreted (its TRITON_INTERPRET, parsed as it does).
@@ -420,7 +420,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
     block_d = _block_d(d)
     common = dict(scale=float(scale), soft_cap=float(logits_soft_cap or 1.0), window=int(sliding_window or 0),
                   chunk=int(attention_chunk or 1))
-    flags = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_SIZE=bs, NUM_KV_HEADS=hkv, INT8=int8,
+    wide = d > WIDE_HEAD_DIM
+    warps = 8 if wide else 4
+    flags = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=16 if wide else 32, BLOCK_SIZE=bs, NUM_KV_HEADS=hkv, INT8=int8,
                  SOFT_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
                  USE_CHUNK=attention_chunk is not None,
                  DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32)
@@ -436,7 +438,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
         _decode_split_kernel[(nd, hkv, ns)](
             mid_o, mid_ml, q, kc, vc, tables, meta.seq_lens, q.stride(0), q.stride(1), *cache_strides,
             **common, NUM_SPLITS=ns, NUM_HEADS=h, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-            **flags)
+            **flags, num_warps=warps)
         _decode_reduce_kernel[(nd, h)](
             out, mid_o, mid_ml, sinks_arg, out.stride(0), out.stride(1), NUM_SPLITS=ns,
             SPLITS_P2=triton.next_power_of_2(ns), NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d,
@@ -445,11 +447,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
     if first < meta.num_seqs:
         longest = max([p.query_end - p.query_start for p in meta.prefills] + [1])
         # Rows per program: the G heads of a KV head x BLOCK_Q queries; small tiles when all are decodes.
-        block_m = max(16 if longest == 1 else 64, triton.next_power_of_2(group))
+        block_m = max(16 if longest == 1 or wide else 64, triton.next_power_of_2(group))
         block_q = block_m // group
         prog_seq, prog_q = _programs(meta, block_q, first, q.device)
         _attention_kernel[(prog_seq.shape[0], hkv)](
             out, q, kc, vc, sinks_arg, tables, meta.seq_lens, meta.query_start_loc, prog_seq, prog_q,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, **common,
-            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_SINKS=sinks is not None, **flags)
+            GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HAS_SINKS=sinks is not None, **flags, num_warps=warps)
     return out

@@ -120,6 +120,19 @@ def test_quantize_rounds_half_to_even_as_torch():
     assert torch.equal(cache, ref)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_write_skips_negative_slots(int8):
+    """A slot of -1 (a padding token) is written nowhere; the other tokens as the torch write puts them."""
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(2))
+    rows = kv_quant.block_rows(8, 16, "int8" if int8 else "auto")
+    cache = torch.zeros(2, 3, rows, 2, 16, dtype=torch.int8 if int8 else torch.float32)
+    ref = cache.clone()
+    kernels.write_kv(x, -x, cache, torch.tensor([5, -1, 23, 0]), 8)
+    keep = torch.tensor([0, 2, 3])
+    torch_write_kv(x[keep], -x[keep], ref, torch.tensor([5, 23, 0]))
+    assert torch.equal(cache, ref)
+
+
 @pytest.mark.parametrize("d,group,dtype", [(32, 4, torch.float32), (576, 16, torch.float32), (576, 8, torch.bfloat16)])
 def test_one_plane_cache(d, group, dtype):
     """MLA's one-plane cache (the keys are the values), at MLA's width (576 = 512 + 64) too."""
@@ -135,6 +148,15 @@ def test_long_context():
     seqs = [(1500, 1), (1000, 20)]
     assert kernels.num_splits(1501) == 6
     out, ref, _, _ = run_both(seqs, 32, 1, 2, 16, torch.float32, seed=8)
+    assert_close(out, ref)
+
+
+def test_more_splits_than_keys():
+    """Flash-decoding with 16 splits of contexts of 1-121 keys (in a window of 50): empty splits weigh nothing."""
+    q, k, v, cache, meta = make_batch(SMALL[:3], 8, 2, 2, 16, torch.float32, seed=9)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(1))
+    ref = TorchPagedAttention().forward(q, k, v, cache, meta, 0.25, sliding_window=50, sinks=sinks)  # (writes K/V)
+    out = kernels.paged_attention(q, cache, meta, 0.25, sliding_window=50, sinks=sinks, splits=16)
     assert_close(out, ref)
 
 

@@ -6,12 +6,14 @@ reference ``layers/attention/torch_backend.py`` is what they are tested equal to
 - ``write_kv``: the step's new K/V [N, Hkv, D] into their slots (``meta.slot_mapping``) of the paged
   cache (vLLM's ``reshape_and_cache``), copied in the model's dtype or quantized into the int8 cache of
   ``layers/attention/kv_quant.py`` with the same bytes as its torch code (a true float32 division, and
-  round-half-even by the 1.5 * 2**23 trick: Triton's interpreter has no libdevice ``rint``).
+  round-half-even by the 1.5 * 2**23 trick, with fused multiply-adds off: Triton's interpreter has no
+  libdevice ``rint``).
 - ``_attention_kernel``: one program per (tile of BLOCK_Q query tokens of one sequence x the G query
   heads of one KV head, KV head): the M = BLOCK_Q * G rows share each K/V tile read through the block
   table (grouped-query attention without expanding K/V), with FlashAttention-2's online softmax over
-  tiles of BLOCK_N keys (16 x 16 query rows x keys past head_dim 256, as MLA's 576). Queries of many sequences run in one launch (varlen, through a per-program
-  table of (sequence, first query) built on the host from the step's metadata), causal over a cached
+  tiles of BLOCK_N keys (16 x 16 query rows x keys past head_dim 256, as MLA's 576). Queries of many
+  sequences run in one launch (varlen, through a per-program table of (sequence, first query) built on
+  the host from the step's metadata, kept in ``meta.derived`` for the step's other layers), causal over a cached
   prefix (chunked prefill); it takes decodes too (one query each) when ``decode_split`` is off.
 - ``_decode_split_kernel`` + ``_decode_reduce_kernel``: decodes by flash-decoding: the visible context
   of each (decode, KV head) is split over ``num_splits`` programs that each keep a partial
@@ -67,7 +69,7 @@ def _quantize_row(x):
 
 
 @triton.jit
-def _write_row(x_ptr, cache_ptr, blk, off, h, d, mask, stride_cb, stride_cr, stride_ch,
+def _write_row(x_ptr, cache_ptr, blk, off, h, d, mask, valid, stride_cb, stride_cr, stride_ch,
                BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INT8: tl.constexpr):
     x = tl.load(x_ptr + d, mask=mask, other=0.0)
     dst = cache_ptr + blk * stride_cb + off * stride_cr + h * stride_ch + d
@@ -76,7 +78,7 @@ def _write_row(x_ptr, cache_ptr, blk, off, h, d, mask, stride_cb, stride_cr, str
         tl.store(dst, values, mask=mask)
         # The block's scales: float32 [block_size, Hkv] in the rows after its values (kv_quant.py).
         s_ptr = cache_ptr + blk * stride_cb + BLOCK_SIZE * stride_cr + (off * NUM_KV_HEADS + h) * 4
-        tl.store(s_ptr.to(tl.pointer_type(tl.float32), bitcast=True), scale, mask=off >= 0)
+        tl.store(s_ptr.to(tl.pointer_type(tl.float32), bitcast=True), scale, mask=valid)
     else:
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -92,13 +94,14 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
-    mask = (d < HEAD_DIM) & ((d * 0 + slot) >= 0)  # a negative slot: a padding token, written nowhere
+    valid = slot >= 0  # a negative slot: a padding token, written nowhere
+    mask = (d < HEAD_DIM) & ((d * 0 + slot) >= 0)
     t64 = t.to(tl.int64)
-    _write_row(k_ptr + t64 * stride_kt + h * stride_kh, kc_ptr, blk, off, h, d, mask, stride_cb, stride_cr,
+    _write_row(k_ptr + t64 * stride_kt + h * stride_kh, kc_ptr, blk, off, h, d, mask, valid, stride_cb, stride_cr,
                stride_ch, BLOCK_SIZE, NUM_KV_HEADS, INT8)
     if HAS_V:
-        _write_row(v_ptr + t64 * stride_vt + h * stride_vh, vc_ptr, blk, off, h, d, mask, stride_cb, stride_cr,
-                   stride_ch, BLOCK_SIZE, NUM_KV_HEADS, INT8)
+        _write_row(v_ptr + t64 * stride_vt + h * stride_vh, vc_ptr, blk, off, h, d, mask, valid, stride_cb,
+                   stride_cr, stride_ch, BLOCK_SIZE, NUM_KV_HEADS, INT8)
 
 
 @triton.jit
@@ -305,6 +308,11 @@ def _decode_reduce_kernel(out_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr, stride_ot, 
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+# The int8 write must round x * inv before rounding to an integer, as torch does: no fused multiply-add
+# (Triton fuses by default; a fused x * inv + 1.5 * 2**23 would round the exact product instead).
+_NO_FMA = {"enable_fp_fusion": False}
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot takes dimensions of 16 and more
 
@@ -358,7 +366,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v, kc, vc, slot_mapping.contiguous(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size, NUM_KV_HEADS=hkv,
-        INT8=_is_int8(kv_cache), HAS_V=two)
+        INT8=_is_int8(kv_cache), HAS_V=two, **_NO_FMA)
 
 
 def _programs(meta, block_q: int, first_seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:

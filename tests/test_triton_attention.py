@@ -161,6 +161,10 @@ def test_more_splits_than_keys():
 
 
 def test_selector_and_refusals(monkeypatch):
+    from pagedllm.layers.attention import triton_backend
+
+    assert (triton_backend.MAX_HEAD_DIM, triton_backend.SUPPORTED_DTYPES) == (kernels.MAX_HEAD_DIM,
+                                                                             kernels.SUPPORTED_DTYPES)
     setup = dict(dtype=torch.float32, head_dim=64, block_size=16)
     assert get_attention_backend("auto", device="cpu", **setup).name == "cpu"  # interpreter or not
     assert get_attention_backend("triton", device="cpu", **setup).name == "triton"  # TRITON_INTERPRET=1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+
 import torch
 
 from pagedllm.layers.attention.backend import AttentionBackend
@@ -30,7 +31,7 @@ def _triton_error():
     """None when triton imports, else the error's text (the kernels themselves are imported at first use:
     Triton fixes interpreted or compiled when they are defined)."""
     try:
-        # lazily: triton is an optional dependency (the [cuda]/[test] extras), ~1 s to import
+        # lazily: triton is an optional dependency (the [cuda]/[test] extras)
         import triton  # noqa: F401
     except Exception as e:  # ImportError, or a triton that fails to initialize
         return f"{type(e).__name__}: {e}"

@@ -433,7 +433,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
     flags = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=16 if wide else 32, BLOCK_SIZE=bs, NUM_KV_HEADS=hkv, INT8=int8,
                  SOFT_CAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
                  USE_CHUNK=attention_chunk is not None,
-                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32)
+                 DOT_PREC="ieee" if q.dtype == torch.float32 else None,  # fp32 stays fp32 (no TF32)
                  UPCAST=INTERPRETED and q.dtype == torch.bfloat16)
     nd = meta.num_decode_tokens
     sinks_arg = sinks if sinks is not None else q  # (unread without HAS_SINKS)

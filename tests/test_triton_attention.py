@@ -98,6 +98,22 @@ def test_features_match_reference(kw):
         assert_close(out, ref)
 
 
+def test_keys_behind_the_window_are_not_read():
+    """Slots behind every query's window (or chunk) hold NaN, as a freed block in a cache that is not
+    zeroed may: the output is the reference's on the clean cache."""
+    for kw in (dict(sliding_window=5), dict(attention_chunk=24)):
+        for split in (True, False):
+            q, k, v, cache, meta = make_batch(SMALL, 8, 2, 2, 16, torch.float32, seed=6)
+            ref = TorchPagedAttention().forward(q, k, v, cache, meta, 0.25, **kw)
+            for b, (c, n) in enumerate(SMALL):  # the first query of b sits at position c
+                lo = c - kw["sliding_window"] + 1 if "sliding_window" in kw else c // 24 * 24
+                for p in range(max(lo, 0)):
+                    cache[:, meta.block_tables[b, p // 8], p % 8] = float("nan")
+            backend = TritonPagedAttention()
+            backend.decode_split = split
+            assert_close(backend.forward(q, k, v, cache, meta, 0.25, **kw), ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_cache_matches_reference(dtype):
     """The write quantizes to the reference's bytes (values and scales); attention dequantizes in place."""

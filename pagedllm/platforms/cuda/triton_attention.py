@@ -216,7 +216,9 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, sinks_ptr, tables_ptr, seq
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         kp = n0 + tl.arange(0, BLOCK_N)
-        kvalid = kp < hi
+        # Keys before lo are not read: behind a window their blocks may be freed (the null block, or another
+        # sequence's), and the cache is not zeroed (needs_zeroed_cache = False), so they may hold NaN.
+        kvalid = (kp < hi) & (kp >= lo)
         k = _load_tile(kc_ptr, table, kp, kvalid, kvh, d, dmask, stride_cb, stride_cr, stride_ch,
                        BLOCK_SIZE, NUM_KV_HEADS, INT8, q_ptr.dtype.element_ty)
         s = _scores(q, k, kp, pos, kvalid, scale, soft_cap, window, chunk, SOFT_CAP, USE_WINDOW, USE_CHUNK,

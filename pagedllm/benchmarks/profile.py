@@ -35,6 +35,7 @@ from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
 from pagedllm.benchmarks.matmul import engine_linear
 from pagedllm.benchmarks.model_shapes import resolve_model
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.layers.attention.selector import CHOICES
 from pagedllm.layers.linear import LinearBase
 from pagedllm.llm import LLM
 from pagedllm.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=256, help="prompt tokens of each sequence")
     p.add_argument("--steps", type=int, default=5, help="decode steps measured (per method)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    p.add_argument("--attention-backend", default="auto", choices=CHOICES)
     p.add_argument("--no-torch-profiler", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench_results")

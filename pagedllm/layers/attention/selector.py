@@ -1,6 +1,6 @@
 """Attention backends by name (``--attention-backend``), vLLM-style: ``auto`` takes the first
-backend in ``AUTO_ORDER`` that supports the setup and logs one line saying which and why; a
-backend named explicitly must support it, else ValueError with its reason."""
+backend in the device type's ``AUTO_ORDER`` that supports the setup and logs one line saying which and
+why; a backend named explicitly must support it, else ValueError with its reason."""
 from __future__ import annotations
 
 import importlib
@@ -16,10 +16,14 @@ logger = logging.getLogger("pagedllm")
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "pagedllm.layers.attention.torch_backend:TorchPagedAttention",
     "cpu": "pagedllm.layers.attention.cpu_backend:CpuPagedAttention",
+    "triton": "pagedllm.layers.attention.triton_backend:TritonPagedAttention",
     "flash-attn": "pagedllm.layers.attention.flash_attn_backend:FlashAttnPagedAttention",
     "flashinfer": "pagedllm.layers.attention.flashinfer_backend:FlashInferPagedAttention",
 }
-AUTO_ORDER: list[str] = ["cpu", "torch"]
+# device type -> the order ``auto`` tries (others: DEFAULT_AUTO_ORDER). Triton only on CUDA: on a CPU its
+# interpreter (TRITON_INTERPRET=1) is for tests, and a CPU's log line names only the backends it tries.
+AUTO_ORDER: dict[str, list[str]] = {"cuda": ["triton", "torch"]}
+DEFAULT_AUTO_ORDER: list[str] = ["cpu", "torch"]
 CHOICES = ["auto", *ATTENTION_BACKENDS]
 
 
@@ -38,7 +42,7 @@ def get_attention_backend(name: str, *, device: str, dtype: torch.dtype, head_di
     setup = dict(device=device, dtype=dtype, head_dim=head_dim, block_size=block_size)
     if name == "auto":
         refused = []
-        for cand in AUTO_ORDER:
+        for cand in AUTO_ORDER.get(torch.device(device).type, DEFAULT_AUTO_ORDER):
             reason = backend_class(cand).unsupported_reason(**setup)
             if reason is None:
                 why = f" ({'; '.join(refused)})" if refused else ""

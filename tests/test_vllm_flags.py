@@ -4,6 +4,7 @@ quickstart / Docker / Kubernetes docs start a real server."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -34,6 +35,7 @@ SAMPLES = {
     "--structured-outputs-config": '{"backend": "xgrammar"}', "--compilation-config": '{"level": 3}',
     "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 4}', "--scheduling-policy": "fcfs",
     "--download-dir": "/tmp/models", "--swap-space": "4", "--uvicorn-log-level": "info",
+    "--runner": "pooling", "--kv-cache-memory-bytes": "2G", "--convert": "auto",
     "--config": os.path.join(ROOT, "tests", "data", "vllm_config.yaml"),
 }
 # vLLM flags pagedllm must refuse, with a value that would change results (the rest are accepted).
@@ -114,11 +116,13 @@ def test_value_flags_consume_their_value_and_booleans_do_not():
 
 
 def test_short_aliases():
-    args = parse(f"serve {DEMO_MODEL_PATH} -O3 -asc 2 -dpl 1 -dpa 10.0.0.1 -dpp 13345 -dpr 0 -dpn 0 -ep -dp 2")
+    args = parse(f"serve {DEMO_MODEL_PATH} -O3 -asc 2 -dpl 1 -dpa 10.0.0.1 -dpp 13345 -dpr 0 -dpn 0 -dpb mp -dcp 1 "
+                 "-dp 2")
     given = vllm_compat.given(args)
     assert given["--compilation-config"] == ["3"] and given["--api-server-count"] == ["2"]
     assert given["--data-parallel-size-local"] == ["1"] and given["--data-parallel-address"] == ["10.0.0.1"]
-    assert given["--enable-expert-parallel"] is True and args.data_parallel_size == 2  # -dpl is not -dp l
+    assert given["--data-parallel-backend"] == ["mp"] and given["--decode-context-parallel-size"] == ["1"]
+    assert args.data_parallel_size == 2  # and -dpl 1 is not -dp "l"
     assert "--compilation-config" in vllm_compat.check(args)
 
 
@@ -155,6 +159,19 @@ def test_flags_that_would_change_results_are_refused(flag):
         vllm_compat.check(args)
 
 
+def test_trust_remote_code(tmp_path):
+    """No effect for a model pagedllm implements; refused, naming the architecture, for one needing remote code."""
+    warning = vllm_compat.check(parse(f"serve {DEMO_MODEL_PATH} --trust-remote-code"))
+    assert "--trust-remote-code (pagedllm runs only its own model implementations" in warning
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MyCustomForCausalLM"], "model_type": "my_custom",
+        "auto_map": {"AutoModelForCausalLM": "modeling_my.MyCustomForCausalLM"}}))
+    with pytest.raises(ValueError, match="--trust-remote-code: .* needs its own model code \\(auto_map\\) for "
+                                         "MyCustomForCausalLM, and pagedllm runs only its own implementations"):
+        vllm_compat.check(parse(f"serve {tmp_path} --trust-remote-code"))
+    assert vllm_compat.check(parse(f"serve {tmp_path} --no-trust-remote-code")) is not None  # off: no refusal
+
+
 def test_applied_aliases():
     args = parse("serve --model /x/y --task embed --disable-uvicorn-access-log --no-enable-auto-tool-choice "
                  "--dtype float")
@@ -163,6 +180,14 @@ def test_applied_aliases():
         "/x/y", "pooling", True, False, "float")
     with pytest.raises(ValueError, match="given twice"):
         vllm_compat.check(parse("serve /a --model /b"))
+
+
+def test_kv_cache_memory_bytes_is_kv_cache_memory():
+    args = parse(f"serve {DEMO_MODEL_PATH} --kv-cache-memory-bytes 2G")
+    assert vllm_compat.check(args) is None and args.kv_cache_memory == 2 << 30
+    assert vllm_compat.vllm_int("25.6k") == 25600 and vllm_compat.vllm_int("3M") == 3 << 20
+    with pytest.raises(ValueError, match="disagree"):
+        vllm_compat.check(parse(f"serve {DEMO_MODEL_PATH} --kv-cache-memory-bytes 2G --kv-cache-memory 1GiB"))
 
 
 def test_config_file(tmp_path):
@@ -186,13 +211,18 @@ def test_refused_flag_stops_start_up_with_a_message():
 # Launch lines from vLLM's docs (the model replaced by MODEL): quickstart, Docker, Kubernetes (its container args),
 # and a production-stack style line.
 DOC_LAUNCH_LINES = [
-    "vllm serve MODEL --dtype auto --api-key token-abc123",  # quickstart, "OpenAI-Compatible Server"
-    "vllm serve MODEL --trust-remote-code --max-model-len 4096 --gpu-memory-utilization 0.9 "
-    "--disable-log-requests --enforce-eager",  # Kubernetes deployment's container command
-    "vllm serve --model MODEL --host 0.0.0.0 --port 8000 --swap-space 16 --disable-log-stats "
-    "--uvicorn-log-level warning --generation-config vllm",  # Docker `vllm/vllm-openai --model ...` args
-    "vllm serve MODEL --enable-auto-tool-choice --tool-call-parser hermes --chat-template-content-format string "
-    "--guided-decoding-backend xgrammar --max-num-seqs 64 --enable-prefix-caching --download-dir /data",
+    # "OpenAI-Compatible Server" page
+    "vllm serve MODEL --dtype auto --api-key token-abc123",
+    # "Using Docker": `docker run ... vllm/vllm-openai:latest --model MODEL` (the image's entrypoint is vllm serve)
+    "vllm serve --model MODEL",
+    # "Using Kubernetes": the container's args
+    "vllm serve MODEL --trust-remote-code --enable-chunked-prefill --max_num_batched_tokens 1024",
+    # not from one page: the flags issue 43 found stopping start-up, as launch lines combine them
+    "vllm serve MODEL --host 0.0.0.0 --port 8000 --swap-space 16 --disable-log-requests --disable-log-stats "
+    "--uvicorn-log-level warning --generation-config vllm --enable-auto-tool-choice --tool-call-parser hermes "
+    "--chat-template-content-format string --guided-decoding-backend xgrammar --max-log-len 100 "
+    "--structured-outputs-config.backend xgrammar --tool-parser-plugin p.py --download-dir /data "
+    "--enable-prompt-tokens-details --enable-tokenizer-info-endpoint --enforce-eager",
 ]
 
 
@@ -210,6 +240,8 @@ def test_doc_launch_lines_parse(line):
     args = cli.build_parser().parse_args(vllm_compat.normalize_argv(argv))
     vllm_compat.check(args)
     assert args.model == DEMO_MODEL_PATH
+    if "--max_num_batched_tokens" in line:
+        assert args.max_num_batched_tokens == 1024
 
 
 def test_quickstart_launch_line_starts_and_serves_vllm_metrics():

@@ -9,11 +9,13 @@ Every ``vllm serve`` flag (tests/data/vllm_serve_flags.txt lists vLLM's) is one 
   returns: logging, GPU-only tuning, schedulers, LoRA sizes) or, with ``refuse``, the values that would
   change results (``--rope-scaling``, ``--lora-modules``, ``--ssl-keyfile``): those stop start-up with a
   message naming the flag. A few are applied through ``apply`` (``--model X`` is the MODEL argument,
-  ``--task embed`` is ``--runner pooling``, ``--disable-uvicorn-access-log`` is ``--disable-access-log``).
+  ``--task embed`` is ``--runner pooling``, ``--disable-uvicorn-access-log`` is ``--disable-access-log``,
+  ``--kv-cache-memory-bytes 2G`` is ``--kv-cache-memory``).
 
-``--trust-remote-code`` is accepted with no effect: pagedllm runs only its own model implementations, so a
-model whose config needs remote code (an ``auto_map`` architecture pagedllm lacks) fails at start-up as an
-unsupported architecture whether or not the flag is given; a model pagedllm implements needs no remote code.
+``--trust-remote-code`` is accepted with no effect: pagedllm runs only its own model implementations. A model
+pagedllm implements needs no remote code (its own code runs, flag or not); a local model whose config.json
+needs remote code (``auto_map``) for an architecture pagedllm lacks is refused at once with that reason
+(a hub id: the config load says so later), as it would be without the flag.
 
 ``add_vllm_args`` adds the table's flags to a parser (skipping any the parser already has, e.g. a field
 added later under vLLM's name), plus ``--no-X`` for pagedllm's own store-true flags, as vLLM's booleans
@@ -27,8 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
+
+from pagedllm.models.registry import supported_architectures
 
 DEST_PREFIX = "vllm_compat__"  # the namespace attribute of a table flag: only present when the flag was given
 KINDS = ("bool", "flag", "value", "optvalue", "values")  # --x/--no-x, store_true, one value, optional, 1+
@@ -42,7 +47,8 @@ class VllmFlag:
     ``refuse``) why it would change results. refuse: the given value -> True when pagedllm must refuse it
     (a bool flag's value is True/False; a value flag's is the list of its values as given, str).
     apply: sets the pagedllm option it stands for (then no warning). json: a JSON config (takes dotted forms).
-    aliases: vLLM's short forms (``-O3`` for ``--compilation-config 3``).
+    aliases: vLLM's short forms (``-O3`` for ``--compilation-config 3``). validate: (args, value) -> None or
+    ValueError, for a refusal that depends on more than the value (``--trust-remote-code``: the model).
     """
     kind: str
     why: str
@@ -50,6 +56,7 @@ class VllmFlag:
     apply: Optional[Callable[[argparse.Namespace, Any], None]] = None
     json: bool = False
     aliases: tuple[str, ...] = ()
+    validate: Optional[Callable[[argparse.Namespace, Any], None]] = None  # raises ValueError (a no-effect flag)
 
 
 def _always(value: Any) -> bool:
@@ -80,6 +87,24 @@ def _json_keys_true(*keys: str) -> Callable[[Any], bool]:
     return refuse
 
 
+def _remote_code_model(args: argparse.Namespace, value: bool) -> None:
+    """--trust-remote-code for a local model that needs remote code pagedllm does not run: ValueError."""
+    path = os.path.join(args.model or "", "config.json")
+    if not value or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # the config load at start-up reports it
+    archs = config.get("architectures") or []
+    missing = [a for a in archs if a not in supported_architectures()]
+    if config.get("auto_map") and missing:
+        raise ValueError(f"--trust-remote-code: {args.model} needs its own model code (auto_map) for "
+                         f"{', '.join(missing)}, and pagedllm runs only its own implementations, which do not "
+                         f"include it (supported: {', '.join(supported_architectures())})")
+
+
 def _apply_model(args: argparse.Namespace, values: Sequence[str]) -> None:
     if args.model is not None and args.model != values[-1]:
         raise ValueError(f"the model is given twice: MODEL {args.model!r} and --model {values[-1]!r}")
@@ -93,6 +118,28 @@ def _apply_task(args: argparse.Namespace, values: Sequence[str]) -> None:
 
 def _apply_access_log(args: argparse.Namespace, value: bool) -> None:
     args.disable_access_log = args.disable_access_log or value
+
+
+def vllm_int(value: str) -> int:
+    """vLLM's human-readable integer: '25.6k' = 25600 (k, m, g, t: powers of 1000), '2G' = 2 GiB (K, M, G, T:
+    powers of 1024), '1073741824'.
+
+    Raises:
+        ValueError: not such a number.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)\s*", value)
+    if not m:
+        raise ValueError(f"--kv-cache-memory-bytes: not a number of bytes: {value!r} (e.g. 2G, 512M, 1073741824)")
+    unit = m.group(2)
+    scale = 1 if not unit else (1000 if unit.islower() else 1024) ** ("kmgt".index(unit.lower()) + 1)
+    return int(float(m.group(1)) * scale)
+
+
+def _apply_kv_cache_bytes(args: argparse.Namespace, values: Sequence[str]) -> None:
+    n = vllm_int(values[-1])
+    if args.kv_cache_memory is not None and args.kv_cache_memory != n:
+        raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} and --kv-cache-memory-bytes {values[-1]} disagree")
+    args.kv_cache_memory = n
 
 
 def _apply_hf_token(args: argparse.Namespace, values: Sequence[str]) -> None:
@@ -147,6 +194,26 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--enable-log-outputs": VllmFlag("bool", _LOG),
     "--aggregate-engine-logging": VllmFlag("flag", _LOG),
     "--fail-on-environ-validation": VllmFlag("bool", "vLLM's environment variables are not read here"),
+    "--grpc": VllmFlag("flag", "pagedllm serves HTTP only", refuse=_set),
+    "--trust-request-chat-template": VllmFlag("bool", "a request's chat_template is still refused (400)"),
+    "--default-chat-template-kwargs": VllmFlag("value", "no server-side chat-template defaults (a request's "
+                                                        "chat_template_kwargs are applied)", refuse=_always),
+    "--exclude-tools-when-tool-choice-none": VllmFlag("bool", "tools stay in the prompt with tool_choice none",
+                                                      refuse=_set),
+    "--tool-server": VllmFlag("value", "no built-in tool servers", refuse=_always),
+    "--enable-per-request-metrics": VllmFlag("bool", "no per-request timings in responses (see /metrics)"),
+    "--enable-log-deltas": VllmFlag("bool", _LOG),
+    "--log-error-stack": VllmFlag("bool", _LOG),
+    "--cohere-is-reasoning-model": VllmFlag("bool", "no Cohere API routes"),
+    "--cohere-format": VllmFlag("value", "no Cohere API routes"),
+    "--tokens-only": VllmFlag("bool", "the OpenAI routes are always served", refuse=_set),
+    "--fingerprint-mode": VllmFlag("value", "system_fingerprint is pagedllm's own"),
+    "--fingerprint-value": VllmFlag("value", "system_fingerprint is pagedllm's own"),
+    "--disable-access-log-for-endpoints": VllmFlag("value", _LOG + " (--disable-access-log turns it all off)"),
+    "--ssl-ciphers": VllmFlag("value", _HTTPS, refuse=_always),
+    "--h11-max-header-count": VllmFlag("value", "h11's own header-count limit applies"),
+    "--enable-offline-docs": VllmFlag("bool", "docs routes only"),
+    "--enable-flash-late-interaction": VllmFlag("bool", _GPU),
     # --- model ---
     "--model": VllmFlag("value", "", apply=_apply_model),
     "--task": VllmFlag("value", "generate and embed only (embed = --runner pooling)",
@@ -154,8 +221,8 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--tokenizer-mode": VllmFlag("value", "the Hugging Face tokenizer (fast where it has one) only",
                                  refuse=_unless("auto", "slow", "hf")),
     "--trust-remote-code": VllmFlag(
-        "bool", "pagedllm runs only its own model code: a model that needs remote code fails at start-up as "
-                "an unsupported architecture with or without this flag"),
+        "bool", "pagedllm runs only its own model implementations; a model needing remote code for an "
+                "architecture pagedllm lacks is refused", validate=_remote_code_model),
     "--hf-config-path": VllmFlag("value", "the config is the model folder's config.json", refuse=_always),
     "--allowed-local-media-path": VllmFlag("value", _MM),
     "--revision": VllmFlag("value", "a hub model is fetched at its default branch (download the revision and "
@@ -193,6 +260,11 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
                                              json=True),
     "--enable-sleep-mode": VllmFlag("bool", "no /sleep route"),
     "--model-impl": VllmFlag("value", "pagedllm's own model implementations"),
+    "--convert": VllmFlag("value", "models run as they are (an embedding model: --runner pooling)",
+                          refuse=_unless("auto", "none")),
+    "--logits-processors": VllmFlag("values", "no custom logits processors", refuse=_always),
+    "--io-processor-plugin": VllmFlag("value", "no IO processor plugins", refuse=_always),
+    "--safetensors-load-strategy": VllmFlag("value", _LOAD),
     "--override-attention-dtype": VllmFlag("value", "attention runs in the model's dtype", refuse=_always),
     "--load-format-extra": VllmFlag("value", _LOAD),
     "--download-dir": VllmFlag("value", "hub models go to the Hugging Face cache (HF_HOME)"),
@@ -215,9 +287,20 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--data-parallel-size-local": VllmFlag("value", _DP, aliases=("-dpl",)),
     "--data-parallel-address": VllmFlag("value", _DP, aliases=("-dpa",)),
     "--data-parallel-rpc-port": VllmFlag("value", _DP, aliases=("-dpp",)),
-    "--data-parallel-backend": VllmFlag("value", _DP),
+    "--data-parallel-backend": VllmFlag("value", _DP, aliases=("-dpb",)),
     "--data-parallel-hybrid-lb": VllmFlag("bool", _DP),
-    "--enable-expert-parallel": VllmFlag("bool", _EP, aliases=("-ep",)),
+    "--enable-expert-parallel": VllmFlag("bool", _EP),
+    "--decode-context-parallel-size": VllmFlag("value", _EP.replace("expert", "KV-cache"), aliases=("-dcp",)),
+    "--all2all-backend": VllmFlag("value", _EP),
+    "--enable-dbo": VllmFlag("bool", _GPU),
+    "--dbo-decode-token-threshold": VllmFlag("value", _GPU),
+    "--dbo-prefill-token-threshold": VllmFlag("value", _GPU),
+    "--disable-nccl-for-dp-synchronization": VllmFlag("bool", _DP),
+    "--expert-placement-strategy": VllmFlag("value", _EP),
+    "--data-parallel-supervisor-port": VllmFlag("value", _DP),
+    "--dp-supervisor-probe-interval-s": VllmFlag("value", _DP),
+    "--dp-supervisor-probe-timeout-s": VllmFlag("value", _DP),
+    "--dp-supervisor-probe-failure-threshold": VllmFlag("value", _DP),
     "--enable-eplb": VllmFlag("bool", _EP),
     "--eplb-config": VllmFlag("value", _EP, json=True),
     "--num-redundant-experts": VllmFlag("value", _EP),
@@ -236,6 +319,11 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
                                                    "--gpu-memory-utilization"),
     "--prefix-caching-hash-algo": VllmFlag("value", "prefix-cache keys are pagedllm's own"),
     "--cpu-offload-gb": VllmFlag("value", "no weight offloading"),
+    "--kv-cache-memory-bytes": VllmFlag("value", "", apply=_apply_kv_cache_bytes),
+    "--kv-sharing-fast-prefill": VllmFlag("bool", "no models with cross-layer KV sharing here"),
+    "--mamba-cache-dtype": VllmFlag("value", "no Mamba models here"),
+    "--mamba-ssm-cache-dtype": VllmFlag("value", "no Mamba models here"),
+    "--mamba-block-size": VllmFlag("value", "no Mamba models here"),
     "--calculate-kv-scales": VllmFlag("bool", "no fp8 KV cache"),
     # --- multimodal ---
     "--limit-mm-per-prompt": VllmFlag("value", _MM, json=True),
@@ -243,6 +331,15 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--mm-processor-kwargs": VllmFlag("value", _MM, json=True),
     "--disable-mm-preprocessor-cache": VllmFlag("bool", _MM),
     "--interleave-mm-strings": VllmFlag("bool", _MM),
+    "--allowed-media-domains": VllmFlag("values", _MM),
+    "--enable-mm-embeds": VllmFlag("bool", _MM),
+    "--mm-processor-cache-gb": VllmFlag("value", _MM),
+    "--mm-processor-cache-type": VllmFlag("value", _MM),
+    "--mm-shm-cache-max-object-size-mb": VllmFlag("value", _MM),
+    "--mm-encoder-tp-mode": VllmFlag("value", _MM),
+    "--mm-encoder-attn-backend": VllmFlag("value", _MM),
+    "--skip-mm-profiling": VllmFlag("bool", _MM),
+    "--video-pruning-rate": VllmFlag("value", _MM),
     # --- LoRA / prompt adapters ---
     "--enable-lora": VllmFlag("bool", "pagedllm has no LoRA adapters", refuse=_set),
     "--enable-lora-bias": VllmFlag("bool", _LORA),
@@ -263,6 +360,8 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--max-num-partial-prefills": VllmFlag("value", _SCHED),
     "--max-long-partial-prefills": VllmFlag("value", _SCHED),
     "--cuda-graph-sizes": VllmFlag("values", _GPU),
+    "--cudagraph-capture-sizes": VllmFlag("values", _GPU),
+    "--max-cudagraph-capture-size": VllmFlag("value", _GPU),
     "--long-prefill-token-threshold": VllmFlag("value", _SCHED),
     "--num-lookahead-slots": VllmFlag("value", _SCHED),
     "--scheduler-delay-factor": VllmFlag("value", _SCHED),
@@ -288,6 +387,8 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--weight-transfer-config": VllmFlag("value", "no weight updates over the network", json=True),
     "--gdn-prefill-backend": VllmFlag("value", _GPU),
     "--linear-backend": VllmFlag("value", _GPU),
+    "--kda-prefill-backend": VllmFlag("value", _GPU),
+    "--spec-method": VllmFlag("value", "no speculative decoding (it is exact: speed only)"),
 }
 
 
@@ -357,7 +458,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
     ``--config FILE``: the YAML file's options go in right after the subcommand (the command line's own,
     after them, win). ``--x.key v`` / ``--x.key=v`` / ``--x.key+ v`` of a JSON-config flag in ``VLLM_FLAGS``:
-    ``--x key=v`` (a dotted form with no value: ``key=true``).
+    ``--x key=v`` (a dotted form with no value: ``key=true``). ``--max_num_seqs``: ``--max-num-seqs``, as vLLM
+    reads it (its docs' Kubernetes example writes ``--max_num_batched_tokens``).
 
     Raises:
         ValueError: an unreadable --config file.
@@ -381,6 +483,9 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             continue
         name, eq, value = tok.partition("=")
         base, dot, key = name.partition(".")
+        if tok.startswith("--") and "_" in base:  # vLLM reads --max_num_seqs as --max-num-seqs
+            base = "--" + base[2:].replace("_", "-")
+            tok = base + (dot + key if dot else "") + eq + value
         if dot and tok.startswith("--") and base in VLLM_FLAGS and VLLM_FLAGS[base].json:
             if not eq:
                 if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
@@ -413,6 +518,8 @@ def check(args: argparse.Namespace) -> Optional[str]:
             shown = " ".join(map(str, value)) if isinstance(value, list) else ("" if value is True else value)
             raise ValueError(f"vLLM's {flag} {shown}".rstrip() + f" is not supported here and would change results: "
                              f"{spec.why}")
+        if spec.validate is not None:
+            spec.validate(args, value)
         if spec.apply is not None:
             spec.apply(args, value)
         else:

@@ -255,6 +255,8 @@ def test_quickstart_launch_line_starts_and_serves_vllm_metrics():
                                                        "temperature": 0})
                 assert r.status_code == 200, r.text
             text = wait_idle(http)
+        no_key = httpx.post(srv.url + "/v1/completions", json={"model": DEMO_MODEL_PATH, "prompt": "a"}, timeout=30)
+        assert no_key.status_code == 401  # --api-key applied
         log = srv.log()
     warnings = [ln for ln in log.splitlines() if "vLLM flags with no effect" in ln]
     assert len(warnings) == 1 and "--disable-log-requests" in warnings[0] and "--swap-space" in warnings[0]

@@ -35,7 +35,9 @@ def test_one_argument_per_field(cls):
 def test_serve_parser_has_each_field_once():
     sub = build_parser()._subparsers._group_actions[0].choices
     for command, extra in (("serve", set()), ("run-batch", {"input_file", "output_file"})):
-        dests = [a.dest for a in sub[command]._actions if a.dest != "help"]
+        # (the "vLLM compatibility" group: vLLM's other flags and --no-X forms, tests/test_vllm_flags.py)
+        vllm = {id(a) for g in sub[command]._action_groups if g.title == "vLLM compatibility" for a in g._group_actions}
+        dests = [a.dest for a in sub[command]._actions if a.dest != "help" and id(a) not in vllm]
         assert len(dests) == len(set(dests))
         assert set(dests) == set(EngineArgs.field_names()) | set(ServerArgs.field_names()) | extra
 

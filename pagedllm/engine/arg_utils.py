@@ -208,7 +208,7 @@ class EngineArgs(CliArgs):
     dtype: str = setting(
         "auto", "weight/activation/KV-cache dtype; auto = the checkpoint's on GPU; on a CPU bfloat16 where "
                 "it has native bf16 matmuls (avx512_bf16/amx_bf16), else float32 (default: auto)",
-        choices=("auto", "float32", "bfloat16", "float16"))
+        choices=("auto", "float32", "bfloat16", "float16", "half", "float"))  # half, float: vLLM's names
     attention_backend: str = setting(
         "auto", "paged-attention backend; auto = the compiled CPU kernel on a CPU when it builds, "
                 "else the pure-PyTorch reference (torch)", choices=ATTENTION_BACKENDS)

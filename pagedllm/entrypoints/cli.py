@@ -9,7 +9,9 @@ from typing import Optional
 
 from pagedllm import __version__
 from pagedllm.benchmarks import cli as bench_cli
+from pagedllm.engine import vllm_compat
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs
+from pagedllm.logger import init_logger
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -64,6 +66,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     of ``EngineArgs`` and ``ServerArgs`` (``pagedllm/engine/arg_utils.py``): a new option is a field there."""
     EngineArgs.add_cli_args(p.add_argument_group("model and engine (the settings of LLM(...))"))
     ServerArgs.add_cli_args(p.add_argument_group("server"))
+    vllm_compat.add_vllm_args(p)  # vLLM's other `vllm serve` flags: applied, ignored with a warning, or refused
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,11 +81,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _vllm_flags(args: argparse.Namespace) -> int:
+    """Start-up check of the vLLM flags given (``vllm_compat.check``): 0, or 2 after the error line."""
+    try:
+        warning = vllm_compat.check(args)
+    except ValueError as e:
+        print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if warning:
+        init_logger(args.log_level.upper()).warning(warning)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
+    try:
+        argv = vllm_compat.normalize_argv(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
+        return 2
+    if args.command in ("serve", "run-batch") and _vllm_flags(args):
         return 2
     rc = args.func(args)
     return rc if isinstance(rc, int) else 0

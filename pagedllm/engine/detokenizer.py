@@ -37,13 +37,20 @@ class IncrementalDetokenizer:
         """Add tokens; returns the stop string matched (the text is then cut before it), else None.
         With ``check_stop`` False (still under ``min_tokens``) no stop string is matched; later
         checks start at the text added from then on (as vLLM's detokenizer does)."""
-        self.ids.extend(new_token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        ids = self.ids
+        ids.extend(new_token_ids)
+        po = self.prefix_offset
+        fast = self._fast
+        if fast is not None:  # _decode, inlined: this runs for every sequence every step
+            prefix = fast.decode(ids[po:self.read_offset], skip_special_tokens=self.skip_special_tokens)
+            full = fast.decode(ids[po:], skip_special_tokens=self.skip_special_tokens)
+        else:
+            prefix = self._decode(ids[po:self.read_offset])
+            full = self._decode(ids[po:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self.output_text += delta
         if not self.stop or not check_stop:
             return None

@@ -61,23 +61,26 @@ class OutputProcessor:
         """Detokenize the new tokens of ``updated`` sequences; returns ids of sequences that
         matched a stop string (the engine finishes them)."""
         stopped = []
+        states = self.states
         for req in updated:
-            state = self.states.get(req.parent_id)
+            state = states.get(req.parent_id)
             if state is None:
                 continue
             i = req.index
-            new = req.output_token_ids[state.num_detokenized[i]:]
-            state.num_detokenized[i] = req.num_output_tokens
-            if req.is_finished and req.status.finish_reason == "stop" and req.stop_reason is None \
-                    or isinstance(req.stop_reason, int):
+            out = req.output_token_ids
+            num_out = len(out)
+            new = out[state.num_detokenized[i]:]
+            state.num_detokenized[i] = num_out
+            stop_reason = req.stop_reason
+            if req.status.finish_reason == "stop" and stop_reason is None or isinstance(stop_reason, int):
                 new = new[:-1]  # EOS / stop token ids are not part of the text
             if not new:
                 continue
             # min_tokens holds back stop strings too: only text ending past it can match one.
-            matched = state.detokenizers[i].update(new, req.num_output_tokens > req.sampling_params.min_tokens)
+            matched = state.detokenizers[i].update(new, num_out > req.sampling_params.min_tokens)
             if matched is not None:
                 req.stop_reason = matched
-                if not req.is_finished:
+                if not req.status.finished:
                     stopped.append(req.request_id)
         return stopped
 

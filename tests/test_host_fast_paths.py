@@ -10,10 +10,12 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from conftest import assert_pool_empty
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import llm_engine
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_batch import _decode_only_metadata, _tensor
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
@@ -280,3 +282,40 @@ def test_status_attributes():
     assert not r.is_finished
     r.status = RequestStatus.FINISHED_ABORTED
     assert r.is_finished and r.status.finish_reason == "abort"
+
+
+# ---- the detokenizer's one-token texts ---------------------------------------------------------
+class _NeverKept(dict):
+    """A one_token_texts dict that keeps nothing: every window is decoded."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_shared_one_token_texts_give_the_same_text(llama_dir, skip_special):
+    """Many streams (multi-byte characters split over tokens, special tokens, several tokens at
+    once, stop strings) through detokenizers sharing one dict give the text of detokenizers that
+    decode every window."""
+    tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    text_ids = tok.encode("caf\u00e9 \u65e5\u672c\U0001f600 na\u00efve, the end. \u00fcber", add_special_tokens=False)
+    rng = random.Random(0)
+    shared: dict[int, str] = {}
+    specials = [t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None]
+    for stream in range(40):
+        ids = [rng.choice(text_ids + specials) if rng.random() < 0.7 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 8))]
+        stop = ["the", "\u00e9"] if stream % 3 == 0 else []
+        a = IncrementalDetokenizer(tok, prompt, skip_special, stop, False, shared)
+        b = IncrementalDetokenizer(tok, prompt, skip_special, stop, False, _NeverKept())
+        i = 0
+        while i < len(ids):
+            k = 1 if rng.random() < 0.8 else rng.randrange(2, 4)
+            ra, rb = a.update(ids[i:i + k]), b.update(ids[i:i + k])
+            assert ra == rb and a.output_text == b.output_text
+            assert (a.prefix_offset, a.read_offset) == (b.prefix_offset, b.read_offset)
+            if ra is not None:
+                break
+            i += k
+    assert shared

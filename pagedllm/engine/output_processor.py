@@ -26,11 +26,14 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self._token_text_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
+        # Each token's text alone, for the detokenizers (skip_special_tokens False, True).
+        self._one_token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: list[Request]) -> None:
         dets = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params.skip_special_tokens,
-                                       c.sampling_params.stop, c.sampling_params.include_stop_str_in_output)
+                                       c.sampling_params.stop, c.sampling_params.include_stop_str_in_output,
+                                       self._one_token_texts[bool(c.sampling_params.skip_special_tokens)])
                 for c in children]
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children, dets,
                                                [0] * len(children))

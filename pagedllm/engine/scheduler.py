@@ -171,9 +171,11 @@ class Scheduler:
             batch_seqs = 0
 
         # 1. Running requests, oldest first; preempt from the newest end when out of blocks.
+        running = self.running  # (preemption pops from this same list)
+        allocate_slots = self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             if pipelined:
                 if batch_seqs >= seq_cap:
                     break
@@ -181,9 +183,11 @@ class Scheduler:
                     i += 1
                     continue
                 batch_seqs += 1 + len(self.forks.get(req.request_id, ()))
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             ok = True
-            while not self.kv.allocate_slots(req, num_new):
+            while not allocate_slots(req, num_new):
                 victim = self._pop_victim(i)
                 self._preempt(victim)
                 preempted.append(victim)

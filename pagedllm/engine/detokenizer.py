@@ -13,8 +13,13 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
+    """``one_token_texts``: a dict shared by the detokenizers of one tokenizer (the output
+    processor's), token id -> its text decoded alone with this ``skip_special_tokens``: with one
+    token a step the window decoded first is the previous step's one new token, so it is looked
+    up instead (half the decode calls; the same text, decoding is a function of the ids)."""
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
-                 include_stop_str_in_output: bool) -> None:
+                 include_stop_str_in_output: bool, one_token_texts: Optional[dict[int, str]] = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -27,6 +32,7 @@ class IncrementalDetokenizer:
         # The Rust tokenizer directly (5x less overhead per call) when transformers adds nothing.
         fast = getattr(tokenizer, "_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
+        self._one_token_texts = one_token_texts if one_token_texts is not None else {}
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast is not None:
@@ -37,13 +43,26 @@ class IncrementalDetokenizer:
         """Add tokens; returns the stop string matched (the text is then cut before it), else None.
         With ``check_stop`` False (still under ``min_tokens``) no stop string is matched; later
         checks start at the text added from then on (as vLLM's detokenizer does)."""
-        self.ids.extend(new_token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        ids = self.ids
+        ids.extend(new_token_ids)
+        po, ro = self.prefix_offset, self.read_offset
+        fast = self._fast
+        if fast is not None:  # _decode, inlined: this runs for every sequence every step
+            if ro - po == 1:
+                prefix = self._one_token_texts.get(ids[po])
+                if prefix is None:
+                    prefix = self._one_token_texts[ids[po]] = fast.decode(
+                        ids[po:ro], skip_special_tokens=self.skip_special_tokens)
+            else:
+                prefix = fast.decode(ids[po:ro], skip_special_tokens=self.skip_special_tokens)
+            full = fast.decode(ids[po:], skip_special_tokens=self.skip_special_tokens)
+        else:
+            prefix = self._decode(ids[po:ro])
+            full = self._decode(ids[po:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self.output_text += delta
         if not self.stop or not check_stop:
             return None

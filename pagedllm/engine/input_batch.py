@@ -6,6 +6,7 @@ Batch order: one-token sequences (decodes) first, then multi-token chunks (prefi
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -27,12 +28,40 @@ class StepPlan:
     prompt_logprob_spans: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
+def _tensor(values: list[int], typecode: str, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)``, 3-4x faster for a long list: the ints
+    are packed by ``array`` (typecode "q": int64, "i": int32) and the tensor made over its buffer."""
+    if not values:  # (frombuffer refuses an empty buffer)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.frombuffer(array(typecode, values), dtype=dtype).to(device)
+
+
+def _decode_only_metadata(slot_mapping: torch.Tensor, tables: list[list[int]], seq_lens: list[int],
+                          block_size: int, device: str) -> AttentionMetadata:
+    """``AttentionMetadata.build`` for a batch of one-token sequences only (every decode step),
+    the same tensors made without its per-sequence list work."""
+    num_seqs = len(tables)
+    max_blocks = max(map(len, tables))
+    pad = [0] * max_blocks
+    flat = array("i")
+    for t in tables:
+        flat.extend(t)
+        if len(t) < max_blocks:
+            flat.extend(pad[len(t):])
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, num_decode_tokens=num_seqs, prefills=[],
+        block_tables=torch.frombuffer(flat, dtype=torch.int32).view(num_seqs, max_blocks).to(device),
+        seq_lens=_tensor(seq_lens, "i", torch.int32, device),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        block_size=block_size, max_decode_seq_len=max(seq_lens))
+
+
 def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
                    forks: dict[str, list[Request]] | None = None) -> StepPlan:
     """``forks``: leader id -> samples that fork from it once its prompt is done; they sample
     from the leader's logits row in the same step."""
     bs = kv.block_size
-    decodes = [(r, n) for r, n in out.scheduled if n == 1]
+    decodes = [r for r, n in out.scheduled if n == 1]
     prefills = [(r, n) for r, n in out.scheduled if n > 1]
     input_ids: list[int] = []
     positions: list[int] = []
@@ -57,8 +86,26 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
 
     tables: list[list[int]] = []  # per sequence, in batch order
     seq_lens: list[int] = []
-    query_lens: list[int] = []
-    for r, n in decodes + prefills:
+    get_block_ids = kv.get_block_ids
+    # One-token sequences, the whole batch in a decode step: the loop below for n = 1, inlined
+    # (a third of the per-sequence Python), the general note_outputs only where it has more to do.
+    for r in decodes:
+        start = r.num_computed_tokens
+        table = get_block_ids(r.request_id)
+        toks = r.all_token_ids
+        if start + 1 == len(toks) and r.sampling_params.prompt_logprobs is None \
+                and not (forks and r.request_id in forks):
+            sample_idx.append(len(input_ids))
+            sampling_requests.append(r)
+        else:
+            note_outputs(r, start, 1, len(input_ids))
+        input_ids.append(toks[start])
+        positions.append(start)
+        slot_mapping.append(table[start // bs] * bs + start % bs)
+        tables.append(table)
+        seq_lens.append(start + 1)
+    query_lens: list[int] = [1] * len(decodes)
+    for r, n in prefills:
         start = r.num_computed_tokens
         offset = len(input_ids)
         table = kv.get_block_ids(r.request_id)
@@ -69,13 +116,16 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
         tables.append(table)
         seq_lens.append(start + n)
         query_lens.append(n)
-    meta = AttentionMetadata.build(torch.tensor(slot_mapping, dtype=torch.long, device=device), tables, seq_lens,
-                                   query_lens, bs, device)
+    slots = _tensor(slot_mapping, "q", torch.long, device)
+    if prefills or not decodes or max(map(len, tables)) == 0:
+        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, bs, device)
+    else:
+        meta = _decode_only_metadata(slots, tables, seq_lens, bs, device)
     model_input = ModelInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=_tensor(input_ids, "q", torch.long, device),
+        positions=_tensor(positions, "q", torch.long, device),
         attn_metadata=meta,
-        logits_indices=torch.tensor(sample_idx + plp_idx, dtype=torch.long, device=device),
+        logits_indices=_tensor(sample_idx + plp_idx, "q", torch.long, device),
         block_copies=kv.take_pending_copies(),
     )
     return StepPlan(model_input, sampling_requests, plp_spans)

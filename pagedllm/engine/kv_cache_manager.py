@@ -49,6 +49,9 @@ class KVCacheManager:
         self.null_block = self.block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed + cached
+        # get_block_ids' answers, kept until the request's blocks change (the input batch reads every
+        # running request's table every step; most steps change none of them).
+        self._block_ids: dict[str, list[int]] = {}
         # Copy-on-write copies (src block id, dst block id) the runner must do before the next forward.
         self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache statistics in tokens, counted by the scheduler on admission.
@@ -61,8 +64,15 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of a request: logical block i -> physical block id (the null block's id
-        where a sliding window left block i behind)."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        where a sliding window left block i behind). The list is shared until the table changes
+        (a new list then): do not modify it."""
+        ids = self._block_ids.get(request_id)
+        if ids is None:
+            blocks = self.req_to_blocks.get(request_id)
+            if blocks is None:
+                return []
+            ids = self._block_ids[request_id] = [b.block_id for b in blocks]
+        return ids
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
@@ -122,7 +132,27 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool has too few free blocks.
         """
+        if not new_computed_blocks and self.sliding_window is None:
+            # The common decode: the new tokens fit the blocks the request holds and the block
+            # written is not shared (no copy-on-write): nothing to allocate, and only a block
+            # the new tokens fill has to be hashed and cached. What the general path below does
+            # in that case, without its bookkeeping.
+            blocks = self.req_to_blocks.get(request.request_id)
+            bs = self.block_size
+            num_computed = request.num_computed_tokens
+            end = num_computed + num_new_tokens
+            if blocks and end <= len(blocks) * bs and (
+                    num_new_tokens <= 0 or num_computed % bs == 0 or blocks[num_computed // bs].ref_cnt <= 1):
+                if self.enable_caching and end // bs > self.num_cached_blocks.get(request.request_id, 0):
+                    self._cache_full_blocks(request, blocks, end)
+                return True
+        return self._allocate_slots(request, num_new_tokens, new_computed_blocks)
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks: list[KVCacheBlock] | None) -> bool:
+        """allocate_slots' general path (any case; the fast path above is the same for its cases)."""
         new_computed_blocks = new_computed_blocks or []
+        self._block_ids.pop(request.request_id, None)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         if self.sliding_window is not None:
@@ -183,6 +213,7 @@ class KVCacheManager:
             if b is not self.null_block:
                 b.ref_cnt += 1
         self.req_to_blocks[child.request_id] = blocks
+        self._block_ids.pop(child.request_id, None)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -193,6 +224,7 @@ class KVCacheManager:
         """Return every block of ``request`` to the pool (cached ones stay reusable)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
 

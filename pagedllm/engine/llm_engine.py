@@ -327,7 +327,8 @@ class LLMEngine:
                 r.pooled = rows[i]
         elif num_sample:
             rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
-                                self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
+                                None if len(r.output_token_ids) >= r.sampling_params.min_tokens
+                                else self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
             for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
                 sampled[r.request_id] = tok
@@ -350,7 +351,11 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = []
-        for parent_id in dict.fromkeys(r.parent_id for r in updated):
+        # Only requests with a sequence that finished this step can be finished (so only those are
+        # looked at when only final outputs are wanted).
+        parents = (dict.fromkeys(r.parent_id for r in updated if r.status.finished) if self.final_outputs_only
+                   else dict.fromkeys(r.parent_id for r in updated))
+        for parent_id in parents:
             if self.final_outputs_only and not self.output_processor.is_finished(parent_id):
                 continue
             out_ = self.output_processor.make_output(parent_id)

@@ -26,11 +26,14 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self._token_text_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
+        # Each token's text alone, for the detokenizers (skip_special_tokens False, True).
+        self._one_token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: list[Request]) -> None:
         dets = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params.skip_special_tokens,
-                                       c.sampling_params.stop, c.sampling_params.include_stop_str_in_output)
+                                       c.sampling_params.stop, c.sampling_params.include_stop_str_in_output,
+                                       self._one_token_texts[bool(c.sampling_params.skip_special_tokens)])
                 for c in children]
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children, dets,
                                                [0] * len(children))
@@ -61,23 +64,26 @@ class OutputProcessor:
         """Detokenize the new tokens of ``updated`` sequences; returns ids of sequences that
         matched a stop string (the engine finishes them)."""
         stopped = []
+        states = self.states
         for req in updated:
-            state = self.states.get(req.parent_id)
+            state = states.get(req.parent_id)
             if state is None:
                 continue
             i = req.index
-            new = req.output_token_ids[state.num_detokenized[i]:]
-            state.num_detokenized[i] = req.num_output_tokens
-            if req.is_finished and req.status.finish_reason == "stop" and req.stop_reason is None \
-                    or isinstance(req.stop_reason, int):
+            out = req.output_token_ids
+            num_out = len(out)
+            new = out[state.num_detokenized[i]:]
+            state.num_detokenized[i] = num_out
+            stop_reason = req.stop_reason
+            if req.status.finish_reason == "stop" and stop_reason is None or isinstance(stop_reason, int):
                 new = new[:-1]  # EOS / stop token ids are not part of the text
             if not new:
                 continue
             # min_tokens holds back stop strings too: only text ending past it can match one.
-            matched = state.detokenizers[i].update(new, req.num_output_tokens > req.sampling_params.min_tokens)
+            matched = state.detokenizers[i].update(new, num_out > req.sampling_params.min_tokens)
             if matched is not None:
                 req.stop_reason = matched
-                if not req.is_finished:
+                if not req.status.finished:
                     stopped.append(req.request_id)
         return stopped
 

@@ -19,15 +19,19 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
-    @property
-    def finished(self) -> bool:
-        return self.value >= RequestStatus.FINISHED_STOPPED.value
+    # Each member also has ``finished`` (bool) and ``finish_reason`` ("stop", "length", "abort" or
+    # None) as plain attributes, set below: they are read for every sequence every step, and an
+    # enum property costs a descriptor call plus ``.value`` (itself a descriptor) each time.
+    finished: bool
+    finish_reason: Optional[str]
 
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return {RequestStatus.FINISHED_STOPPED: "stop",
-                RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
+for _status in RequestStatus:
+    _status.finished = _status.value >= RequestStatus.FINISHED_STOPPED.value
+    _status.finish_reason = _FINISH_REASONS.get(_status)
+del _status
 
 
 class Request:

@@ -171,9 +171,11 @@ class Scheduler:
             batch_seqs = 0
 
         # 1. Running requests, oldest first; preempt from the newest end when out of blocks.
+        running = self.running  # (preemption pops from this same list)
+        allocate_slots = self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             if pipelined:
                 if batch_seqs >= seq_cap:
                     break
@@ -181,9 +183,11 @@ class Scheduler:
                     i += 1
                     continue
                 batch_seqs += 1 + len(self.forks.get(req.request_id, ()))
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             ok = True
-            while not self.kv.allocate_slots(req, num_new):
+            while not allocate_slots(req, num_new):
                 victim = self._pop_victim(i)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -242,6 +246,8 @@ class Scheduler:
         ``sampled`` token: those whose prompt is done, now finished).
         """
         updated = []
+        forks = self.forks
+        now = time.time()  # one timestamp for the step's tokens (they come from one forward)
         for req, n in out.scheduled:
             if self.inflight:
                 self.inflight.discard(req.request_id)
@@ -252,13 +258,28 @@ class Scheduler:
                         self._finish(sibling, status)
                     self._finish(req, status)
                     continue
-            if req.is_finished:
+            if req.status.finished:
                 continue
             req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # a prefill chunk that does not reach the end: nothing sampled
+            if not forks or req.request_id not in forks:  # the common case: one sequence, one token
+                token = sampled.get(req.request_id)
+                if token is not None:
+                    req.output_token_ids.append(token)
+                    req.all_token_ids.append(token)
+                    metrics = req.metrics
+                    if metrics.first_token_time is None:
+                        metrics.first_token_time = now
+                    metrics.last_token_time = now
+                    status = self._check_stop(req, token)
+                    if status is not None:
+                        self.running.remove(req)
+                        self._finish(req, status)
+                    updated.append(req)
+                    continue
             new_reqs = [req]
-            for sibling in self.forks.pop(req.request_id, ()):
+            for sibling in forks.pop(req.request_id, ()):
                 self.kv.fork(req, sibling)
                 sibling.num_computed_tokens = req.num_computed_tokens
                 sibling.status = RequestStatus.RUNNING
@@ -266,7 +287,6 @@ class Scheduler:
                 sibling.num_cached_tokens = req.num_cached_tokens
                 self._enqueue(self.running, sibling)
                 new_reqs.append(sibling)
-            now = time.time()
             for r in new_reqs:
                 token = sampled.get(r.request_id)
                 if token is None:  # the pooling runner: done once the prompt is, with no token
@@ -291,15 +311,16 @@ class Scheduler:
         if req.grammar is not None and req.grammar.failed:  # its output can no longer be constrained
             req.stop_reason = GRAMMAR_FAILED
             return RequestStatus.FINISHED_ABORTED
-        if req.num_output_tokens >= sp.min_tokens:
+        num_out = len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
             if token == req.eos_token_id and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.all_stop_token_ids and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

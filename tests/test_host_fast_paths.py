@@ -1,0 +1,321 @@
+"""The decode step's fast paths (issue 37) give what the general code gives: ``allocate_slots``'
+no-allocation path against its general path on random workloads (prefix hits, n > 1 forks with
+copy-on-write, preemption), the input batch of every step of a real engine run against the
+original list-built batch (requests joining and leaving at every position of the batch,
+preemption and resume, forks, prefix hits, chunked prefill, prompt logprobs), and the outputs of
+that run against transformers' greedy tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from conftest import assert_pool_empty
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine import llm_engine
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.input_batch import _decode_only_metadata, _tensor
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.layers.attention import AttentionMetadata
+from test_correctness import make_prompts, reference
+
+
+# ---- the tensors of a decode batch -------------------------------------------------------------
+def assert_meta_equal(a: AttentionMetadata, b: AttentionMetadata) -> None:
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+    assert (a.num_decode_tokens, a.prefills, a.block_size, a.max_decode_seq_len) == \
+        (b.num_decode_tokens, b.prefills, b.block_size, b.max_decode_seq_len)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_decode_only_metadata_equals_build(seed):
+    rng = random.Random(seed)
+    num_seqs = rng.choice([1, 2, 7, 64])
+    tables = [[rng.randrange(1000) for _ in range(rng.randrange(1, 9))] for _ in range(num_seqs)]
+    if seed == 0:
+        tables = [[3, 4]] * num_seqs  # all rows one length (no padding)
+    seq_lens = [16 * (len(t) - 1) + rng.randrange(1, 17) for t in tables]
+    slots = torch.tensor([rng.randrange(16000) for _ in tables], dtype=torch.long)
+    assert_meta_equal(_decode_only_metadata(slots, tables, seq_lens, 16, "cpu"),
+                      AttentionMetadata.build(slots, tables, seq_lens, [1] * num_seqs, 16, "cpu"))
+
+
+@pytest.mark.parametrize("values", [[], [0], [5, 2**40, 7], list(range(1000))])
+def test_tensor_equals_torch_tensor(values):
+    for code, dtype in (("q", torch.long), ("i", torch.int32)):
+        if code == "i" and any(v >= 2**31 for v in values):
+            continue
+        t = _tensor(values, code, dtype, "cpu")
+        assert t.dtype == dtype and torch.equal(t, torch.tensor(values, dtype=dtype))
+
+
+# ---- allocate_slots: fast path against the general path ----------------------------------------
+class GeneralOnly(KVCacheManager):
+    """allocate_slots without its fast path."""
+
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
+        return self._allocate_slots(request, num_new_tokens, new_computed_blocks)
+
+
+def kv_state(kv: KVCacheManager, rids) -> tuple:
+    pool = kv.block_pool
+    for rid in rids:  # the kept block-id lists are those of the blocks
+        assert kv.get_block_ids(rid) == [b.block_id for b in kv.req_to_blocks.get(rid, ())], rid
+    return ({rid: kv.get_block_ids(rid) for rid in rids},
+            {rid: [b.block_id for b in kv.req_to_blocks.get(rid, ())] for rid in rids},
+            {rid: kv.num_cached_blocks.get(rid, 0) for rid in rids},
+            [b.ref_cnt for b in pool.blocks], list(pool.free_block_queue),
+            sorted((h, b.block_id) for h, b in pool.cached_block_hash_to_block.items()),
+            pool.num_cached_free_blocks, list(kv.pending_copies))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocate_slots_fast_path_matches_general(seed):
+    """The same random workload (admissions with prefix hits, prefill chunks, decodes that fill
+    blocks, forks that copy on write, preemptions, finishes) on two managers, one without the fast
+    path: every answer and the whole pool state equal after every operation."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 4, 16])
+    kvs = [KVCacheManager(48, bs), GeneralOnly(48, bs)]
+    reqs: list[dict[str, Request]] = [{}, {}]
+    running: list[str] = []
+    shared = [rng.randrange(100) for _ in range(3 * bs + 2)]
+    sp = SamplingParams(max_tokens=1000)
+    for step in range(300):
+        op = rng.random()
+        if op < 0.2 or not running:  # admit a new request, maybe with a cached prefix
+            rid = f"r{step}"
+            prompt = (shared[:rng.randrange(1, len(shared))] if rng.random() < 0.5 else []) + \
+                [rng.randrange(100) for _ in range(rng.randrange(1, 3 * bs))]
+            results = []
+            for kv, rs in zip(kvs, reqs):
+                r = rs[rid] = Request(rid, prompt, sp, None)
+                hits, n = kv.get_computed_blocks(r)
+                ok = kv.allocate_slots(r, r.num_tokens - n, hits)
+                if ok:
+                    r.num_computed_tokens = n + (r.num_tokens - n)
+                results.append((ok, n))
+            assert results[0] == results[1]
+            if results[0][0]:
+                running.append(rid)
+            else:
+                for kv, rs in zip(kvs, reqs):
+                    del rs[rid]
+        elif op < 0.3 and len(running) < 12:  # fork a running request (n > 1)
+            parent = rng.choice(running)
+            child = f"{parent}+{step}"
+            for kv, rs in zip(kvs, reqs):
+                p = rs[parent]
+                c = rs[child] = Request(child, p.prompt_token_ids, sp, None)
+                c.all_token_ids = list(p.all_token_ids)
+                c.output_token_ids = list(p.output_token_ids)
+                c.num_computed_tokens = p.num_computed_tokens
+                kv.fork(p, c)
+            running.append(child)
+        elif op < 0.38:  # finish or preempt one
+            rid = running.pop(rng.randrange(len(running)))
+            preempt = rng.random() < 0.5
+            for kv, rs in zip(kvs, reqs):
+                kv.free(rs[rid])
+                if preempt:  # recompute later as a new admission of the same tokens
+                    rs[rid].num_computed_tokens = 0
+            if preempt:
+                results = []
+                for kv, rs in zip(kvs, reqs):
+                    r = rs[rid]
+                    hits, n = kv.get_computed_blocks(r)
+                    ok = kv.allocate_slots(r, r.num_tokens - n, hits)
+                    if ok:
+                        r.num_computed_tokens = r.num_tokens
+                    results.append((ok, n))
+                assert results[0] == results[1]
+                if results[0][0]:
+                    running.append(rid)
+        else:  # a decode step of one running request: one new token
+            rid = rng.choice(running)
+            tok = rng.randrange(100)
+            results = []
+            for kv, rs in zip(kvs, reqs):
+                r = rs[rid]
+                r.append_output_token(tok)
+                results.append(kv.allocate_slots(r, 1))
+                if results[-1]:
+                    r.num_computed_tokens += 1
+                else:
+                    r.all_token_ids.pop()
+                    r.output_token_ids.pop()
+            assert results[0] == results[1]
+        assert kv_state(kvs[0], reqs[0]) == kv_state(kvs[1], reqs[1]), step
+        assert kvs[0].take_pending_copies() == kvs[1].take_pending_copies()
+
+
+def test_decode_inside_a_block_allocates_nothing():
+    kv = KVCacheManager(8, 4)
+    r = Request("a", [1, 2, 3], SamplingParams(), None)
+    assert kv.allocate_slots(r, 3)
+    r.num_computed_tokens = 3
+    table = kv.get_block_ids("a")
+    r.append_output_token(9)
+    assert kv.allocate_slots(r, 1) and kv.get_block_ids("a") is table  # the same list: nothing changed
+    r.num_computed_tokens = 4
+    assert kv.block_pool.get_cached_block(r.block_hashes[0]) is not None  # the block filled
+    r.append_output_token(9)
+    assert kv.allocate_slots(r, 1) and kv.get_block_ids("a") == table + [kv.req_to_blocks["a"][1].block_id]
+    assert kv.get_block_ids("a") is not table  # a new block: a new list (the old one left as it was)
+    assert len(table) == 1
+
+
+# ---- a real engine: every step's batch against the original list-built batch ---------------------
+def reference_prepare_inputs(out, kv, device, forks=None):
+    """The input batch as pagedllm built it before issue 37's fast paths (block tables read from
+    the blocks themselves, every sequence through one loop, AttentionMetadata.build)."""
+    bs = kv.block_size
+    decodes = [(r, n) for r, n in out.scheduled if n == 1]
+    prefills = [(r, n) for r, n in out.scheduled if n > 1]
+    input_ids, positions, slot_mapping, sample_idx, sampling_requests, plp_idx, plp_spans = [], [], [], [], [], [], []
+    tables, seq_lens, query_lens = [], [], []
+    for r, n in decodes + prefills:
+        start = r.num_computed_tokens
+        offset = len(input_ids)
+        table = [b.block_id for b in kv.req_to_blocks.get(r.request_id, ())]
+        if start + n == r.num_tokens:
+            for s in [r, *(forks or {}).get(r.request_id, ())]:
+                sample_idx.append(offset + n - 1)
+                sampling_requests.append(s)
+        if r.sampling_params.prompt_logprobs is not None:
+            first = max(start, len(r.prompt_logprobs) - 1)
+            last = min(start + n, r.num_prompt_tokens - 1)
+            if last > first:
+                plp_idx.extend(range(offset + first - start, offset + last - start))
+                plp_spans.append((r, first + 1, last - first))
+        input_ids.extend(r.all_token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        tables.append(table)
+        seq_lens.append(start + n)
+        query_lens.append(n)
+    meta = AttentionMetadata.build(torch.tensor(slot_mapping, dtype=torch.long), tables, seq_lens, query_lens, bs,
+                                   device)
+    return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+            torch.tensor(sample_idx + plp_idx, dtype=torch.long), sampling_requests, plp_spans)
+
+
+def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
+    """Requests arrive over the run and stop after 1 to 30 tokens (so they join and leave at every
+    position of the batch), the cache holds 17 blocks (preemption and resume), with prefix hits
+    (prompts sharing a 64-token prefix), n = 2 forks (greedy: both samples equal transformers;
+    seeded: run twice, equal), prompt logprobs and chunked prefill. Every step's batch equals
+    reference_prepare_inputs', and the greedy outputs transformers' tokens."""
+    prompts = make_prompts(256, [1, 2, 5, 17, 40, 96, 150, 231], seed=5)
+    prompts += [prompts[6][:64] + p for p in make_prompts(256, [3, 20, 70], seed=6)]
+    ref = reference(llama_dir, prompts, n=30)
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # as test_correctness: 17 blocks of 16 tokens
+    checked = {"steps": 0, "decode_only": 0}
+    real = llm_engine.prepare_inputs
+
+    def checking(out, kv, device, forks=None):
+        plan = real(out, kv, device, forks)
+        ids, pos, meta, logits_idx, sreqs, spans = reference_prepare_inputs(out, kv, device, forks)
+        mi = plan.model_input
+        assert torch.equal(mi.input_ids, ids) and torch.equal(mi.positions, pos)
+        assert torch.equal(mi.logits_indices, logits_idx) and mi.logits_indices.dtype == torch.long
+        assert_meta_equal(mi.attn_metadata, meta)
+        assert plan.sampling_requests == sreqs and plan.prompt_logprob_spans == spans
+        checked["steps"] += 1
+        checked["decode_only"] += not meta.prefills
+        return plan
+
+    monkeypatch.setattr(llm_engine, "prepare_inputs", checking)
+
+    def run():
+        llm = LLM(llama_dir, kv_cache_memory=17 * bytes_per_block, max_model_len=272, max_num_batched_tokens=64,
+                  max_num_seqs=6)
+        engine = llm.llm_engine
+        order = list(range(len(prompts)))
+        random.Random(1).shuffle(order)
+        finals = {}
+        step = 0
+        while order or engine.has_unfinished_requests():
+            for _ in range(step % 3):  # 0, 1 or 2 arrivals a step
+                if order:
+                    i = order.pop()
+                    n_tok = 1 + (7 * i) % 30
+                    kw = dict(prompt_logprobs=1) if i == 3 else {}
+                    engine.add_request(f"g{i}", {"prompt_token_ids": prompts[i]},
+                                       SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True,
+                                                      n=2 if i % 4 == 1 else 1, **kw))
+                    if i % 3 == 0:
+                        engine.add_request(f"s{i}", {"prompt_token_ids": prompts[i]},
+                                           SamplingParams(temperature=1.0, seed=i, max_tokens=n_tok, n=2,
+                                                          ignore_eos=True))
+            for o in engine.step():
+                if o.finished:
+                    finals[o.request_id] = o
+            step += 1
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv_cache_manager.prefix_cache_hits > 0
+        assert_pool_empty(llm)
+        return finals
+
+    finals = run()
+    for i, p in enumerate(prompts):
+        n_tok = 1 + (7 * i) % 30
+        outs = finals[f"g{i}"].outputs
+        assert len(outs) == (2 if i % 4 == 1 else 1)
+        for c in outs:
+            assert c.token_ids == ref[i][0][:n_tok] and c.finish_reason == "length"
+    again = run()
+    for rid, o in finals.items():
+        assert [(c.token_ids, c.text) for c in o.outputs] == [(c.token_ids, c.text) for c in again[rid].outputs]
+    assert checked["decode_only"] > 10 and checked["steps"] > checked["decode_only"]
+
+
+def test_status_attributes():
+    assert [s.finished for s in RequestStatus] == [False, False, False, True, True, True]
+    assert [s.finish_reason for s in RequestStatus] == [None, None, None, "stop", "length", "abort"]
+    r = Request("a", [1], SamplingParams(), None)
+    assert not r.is_finished
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert r.is_finished and r.status.finish_reason == "abort"
+
+
+# ---- the detokenizer's one-token texts ---------------------------------------------------------
+class _NeverKept(dict):
+    """A one_token_texts dict that keeps nothing: every window is decoded."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_shared_one_token_texts_give_the_same_text(llama_dir, skip_special):
+    """Many streams (multi-byte characters split over tokens, special tokens, several tokens at
+    once, stop strings) through detokenizers sharing one dict give the text of detokenizers that
+    decode every window."""
+    tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    text_ids = tok.encode("caf\u00e9 \u65e5\u672c\U0001f600 na\u00efve, the end. \u00fcber", add_special_tokens=False)
+    rng = random.Random(0)
+    shared: dict[int, str] = {}
+    specials = [t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None]
+    for stream in range(40):
+        ids = [rng.choice(text_ids + specials) if rng.random() < 0.7 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 8))]
+        stop = ["the", "\u00e9"] if stream % 3 == 0 else []
+        a = IncrementalDetokenizer(tok, prompt, skip_special, stop, False, shared)
+        b = IncrementalDetokenizer(tok, prompt, skip_special, stop, False, _NeverKept())
+        i = 0
+        while i < len(ids):
+            k = 1 if rng.random() < 0.8 else rng.randrange(2, 4)
+            ra, rb = a.update(ids[i:i + k]), b.update(ids[i:i + k])
+            assert ra == rb and a.output_text == b.output_text
+            assert (a.prefix_offset, a.read_offset) == (b.prefix_offset, b.read_offset)
+            if ra is not None:
+                break
+            i += k
+    assert shared

@@ -7,8 +7,15 @@ import logging
 import os
 import random
 
-import pytest
-import torch
+# Triton's interpreter runs the CUDA wing's Triton kernels on the CPU (tests/test_triton_*.py). Triton
+# reads TRITON_INTERPRET when triton.language is imported, and transformers imports triton through torch
+# long before those test modules load: so it is set here, before anything imports torch, on a host with
+# no NVIDIA GPU (where the kernels compile for real instead).
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -31,7 +31,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
@@ -263,42 +263,31 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # a prefill chunk that does not reach the end: nothing sampled
-            if not forks or req.request_id not in forks:  # the common case: one sequence, one token
-                token = sampled.get(req.request_id)
-                if token is not None:
-                    req.output_token_ids.append(token)
-                    req.all_token_ids.append(token)
-                    metrics = req.metrics
-                    if metrics.first_token_time is None:
-                        metrics.first_token_time = now
-                    metrics.last_token_time = now
-                    status = self._check_stop(req, token)
-                    if status is not None:
-                        self.running.remove(req)
-                        self._finish(req, status)
-                    updated.append(req)
-                    continue
-            new_reqs = [req]
-            for sibling in forks.pop(req.request_id, ()):
-                self.kv.fork(req, sibling)
-                sibling.num_computed_tokens = req.num_computed_tokens
-                sibling.status = RequestStatus.RUNNING
-                sibling.metrics.first_scheduled_time = req.metrics.first_scheduled_time
-                sibling.num_cached_tokens = req.num_cached_tokens
-                self._enqueue(self.running, sibling)
-                new_reqs.append(sibling)
+            new_reqs: Sequence[Request] = (req,)  # the common case: one sequence
+            if forks and req.request_id in forks:  # n > 1: the samples fork from it now its prompt is done
+                new_reqs = [req]
+                for sibling in forks.pop(req.request_id):
+                    self.kv.fork(req, sibling)
+                    sibling.num_computed_tokens = req.num_computed_tokens
+                    sibling.status = RequestStatus.RUNNING
+                    sibling.metrics.first_scheduled_time = req.metrics.first_scheduled_time
+                    sibling.num_cached_tokens = req.num_cached_tokens
+                    self._enqueue(self.running, sibling)
+                    new_reqs.append(sibling)
             for r in new_reqs:
                 token = sampled.get(r.request_id)
+                metrics = r.metrics
                 if token is None:  # the pooling runner: done once the prompt is, with no token
-                    r.metrics.first_token_time = r.metrics.last_token_time = now
+                    metrics.first_token_time = metrics.last_token_time = now
                     self.running.remove(r)
                     self._finish(r, RequestStatus.FINISHED_STOPPED)
                     updated.append(r)
                     continue
-                r.append_output_token(token)
-                if r.metrics.first_token_time is None:
-                    r.metrics.first_token_time = now
-                r.metrics.last_token_time = now
+                r.output_token_ids.append(token)  # (Request.append_output_token, inlined: once a token)
+                r.all_token_ids.append(token)
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
                 status = self._check_stop(r, token)
                 if status is not None:
                     self.running.remove(r)

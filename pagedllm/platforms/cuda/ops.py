@@ -55,48 +55,28 @@ def _capability(index: Optional[int]) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _triton_else_cpu(name: str) -> staticmethod:
+    """The body of op ``name`` for ``CudaOps``: the Triton kernel for the device of its first tensor
+    argument (each kernel tests its own preconditions), else ``CpuOps``' C kernel (CPU tensors; None
+    for CUDA ones, and the seam runs its native body). Signatures: ``PlatformOps.<name>``."""
+
+    def body(x: torch.Tensor, *args):
+        tk = _triton_for(x)
+        return getattr(CpuOps if tk is None else tk, name)(x, *args)
+    body.__name__ = body.__qualname__ = name
+    return staticmethod(body)
+
+
 class CudaOps(CpuOps):
-    # -- norms, activations, RoPE: the Triton kernels (each tests its own preconditions), else
-    # CpuOps' C kernels for CPU tensors (None for CUDA ones: the native bodies)
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        tk = _triton_for(x)
-        return CpuOps.rms_norm(x, weight, eps, residual) if tk is None else tk.rms_norm(x, weight, eps, residual)
-
-    @staticmethod
-    def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> bool:
-        tk = _triton_for(x)
-        fn = CpuOps.rms_norm_heads_ if tk is None else tk.rms_norm_heads_
-        return fn(x, weight, eps, gemma)
-
-    @staticmethod
-    def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
-        tk = _triton_for(x)
-        return CpuOps.gemma_rms_norm(x, weight, eps) if tk is None else tk.gemma_rms_norm(x, weight, eps)
-
-    @staticmethod
-    def gemma_add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                            next_weight: Optional[torch.Tensor] = None,
-                            next_eps: float = 0.0) -> Optional[torch.Tensor]:
-        tk = _triton_for(x)
-        fn = CpuOps.gemma_add_rms_norm_ if tk is None else tk.gemma_add_rms_norm_
-        return fn(residual, x, weight, eps, next_weight, next_eps)
-
-    @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
-        tk = _triton_for(x)
-        return CpuOps.silu_and_mul(x) if tk is None else tk.silu_and_mul(x)
-
-    @staticmethod
-    def gelu_tanh_and_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
-        tk = _triton_for(x)
-        return CpuOps.gelu_tanh_and_mul(x) if tk is None else tk.gelu_tanh_and_mul(x)
-
-    @staticmethod
-    def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-        tk = _triton_for(x)
-        return CpuOps.rotary_(x, cos_sin) if tk is None else tk.rotary_(x, cos_sin)
+    # -- norms, activations, RoPE: the Triton kernels, else CpuOps' (gemma_add_rms_norm_'s first
+    # tensor is the residual, on x's device)
+    rms_norm = _triton_else_cpu("rms_norm")
+    rms_norm_heads_ = _triton_else_cpu("rms_norm_heads_")
+    gemma_rms_norm = _triton_else_cpu("gemma_rms_norm")
+    gemma_add_rms_norm_ = _triton_else_cpu("gemma_add_rms_norm_")
+    silu_and_mul = _triton_else_cpu("silu_and_mul")
+    gelu_tanh_and_mul = _triton_else_cpu("gelu_tanh_and_mul")
+    rotary_ = _triton_else_cpu("rotary_")
 
     @staticmethod
     def int8_mm(a: torch.Tensor, b: torch.Tensor, b_row_sums: Optional[torch.Tensor] = None

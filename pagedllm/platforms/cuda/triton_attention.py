@@ -29,7 +29,6 @@ Triton's interpreter (the tests do so).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -41,8 +40,7 @@ MAX_HEAD_DIM = 576  # up to MLA's latent + rope (DeepSeek: 512 + 64), in smaller
 WIDE_HEAD_DIM = 256  # past this head_dim: tiles of 16 queries x 16 keys, 8 warps (registers)
 MAX_SPLITS = 16  # flash-decoding: at most this many programs per (decode, KV head)
 SPLIT_MIN_KEYS = 256  # ... each with at least about this many keys of context
-# Triton decides at each kernel's definition whether it is interpreted (its TRITON_INTERPRET, parsed as it does).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # what the @triton.jit decorators below saw (TRITON_INTERPRET)
 
 
 @triton.jit

@@ -60,7 +60,7 @@ import torch
 
 import pagedllm.engine.llm_engine as le
 from pagedllm.benchmarks import serve as serve_bench
-from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
+from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, wrap_engine_parts, write_result
 from pagedllm.benchmarks.datasets import BenchRequest
 from pagedllm.benchmarks.model_shapes import build_tokenizer
 from pagedllm.engine.arg_utils import cli_flag
@@ -167,14 +167,7 @@ class StepClock:
 
 def instrument(engine, clock: StepClock) -> None:
     """Wrap the engine's parts (instance attributes, and the engine module's ``prepare_inputs``)."""
-    sched, op = engine.scheduler, engine.output_processor
-    sched.schedule = clock.wrap("schedule", sched.schedule)
-    sched.update_from_output = clock.wrap("update_requests", sched.update_from_output)
-    le.prepare_inputs = clock.wrap("prepare_inputs", le.prepare_inputs)
-    engine.sampler = clock.wrap("sample", engine.sampler)
-    op.process = clock.wrap("detokenize", op.process)
-    op.make_output = clock.wrap("make_outputs", op.make_output)
-    engine.executor.execute_model = clock.wrap("forward", engine.executor.execute_model)
+    wrap_engine_parts(engine, clock.wrap)
 
 
 def measure(llm: LLM, clock: StepClock, batch: int, steps: int, prompt_len: int, vocab: int, use_tqdm: bool,

@@ -30,8 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import pagedllm.engine.llm_engine as le
-from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, write_result
+from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, wrap_engine_parts, write_result
 from pagedllm.benchmarks.matmul import engine_linear
 from pagedllm.benchmarks.model_shapes import resolve_model
 from pagedllm.engine.arg_utils import EngineArgs
@@ -111,15 +110,10 @@ _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def instrument(engine, timers: Timers) -> None:
     """Wrap the engine's parts and hook the model's modules (no core file is changed)."""
-
-    sched, op = engine.scheduler, engine.output_processor
-    sched.schedule = timers.wrap("engine: schedule", sched.schedule)
-    sched.update_from_output = timers.wrap("engine: update requests", sched.update_from_output)
-    le.prepare_inputs = timers.wrap("engine: prepare_inputs", le.prepare_inputs)
-    engine.sampler = timers.wrap("sampler", engine.sampler)
-    op.process = timers.wrap("engine: detokenize + outputs", op.process)
-    op.make_output = timers.wrap("engine: detokenize + outputs", op.make_output)
-    engine.executor.execute_model = timers.wrap("forward total", engine.executor.execute_model)
+    wrap_engine_parts(engine, timers.wrap, {
+        "schedule": "engine: schedule", "update_requests": "engine: update requests",
+        "prepare_inputs": "engine: prepare_inputs", "sample": "sampler", "detokenize": "engine: detokenize + outputs",
+        "make_outputs": "engine: detokenize + outputs", "forward": "forward total"})
     model = engine.executor.runner.model
     model.compute_logits = timers.wrap("lm_head (logits)", model.compute_logits)
     timers.hook_module("model body", model)

@@ -70,6 +70,9 @@ class ModelConfig:
     # "generate" (sample tokens) or "pooling" (embeddings: each prompt's last hidden state, normalized;
     # vLLM's --runner pooling); see layers/pooler.py
     runner: str = "generate"
+    # LoRA adapters are served (--enable-lora): the loader then leaves SmoothQuant out, whose factors,
+    # folded into the norms and weights, would change the inputs the adapters' A matrices were trained on.
+    lora_enabled: bool = False
 
     @property
     def architecture(self) -> str:
@@ -131,6 +134,7 @@ class SchedulerConfig:
     # "fcfs" (arrival order) or "priority" (each request's priority, lower first, then arrival: vLLM's
     # --scheduling-policy); see engine/scheduler.py
     policy: str = "fcfs"
+    max_loras: int = 0  # adapters one step may use (--max-loras under --enable-lora); 0: LoRA off
 
 
 @dataclass
@@ -152,9 +156,20 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """--enable-lora (pagedllm/lora/): adapters in one step (slots), their largest rank, adapters cached
+    in CPU memory, and the batched op's grouping (lora/ops.py: grouped, bmm or auto)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    op_mode: str = "auto"
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device: str
+    lora_config: Optional[LoRAConfig] = None  # None: LoRA off

@@ -46,6 +46,19 @@ def _kvcache_space(raw: Optional[str]) -> Optional[float]:
     return gib
 
 
+def _lora_op(raw: Optional[str]) -> str:
+    mode = (raw or "auto").strip().lower()
+    if mode not in ("auto", "grouped", "bmm"):
+        raise ValueError(f"PAGEDLLM_LORA_OP must be auto, grouped or bmm; got {raw!r}")
+    return mode
+
+
+def _runtime_lora_updating(raw: Optional[str]) -> bool:
+    if raw is None:  # vLLM's variable, as an alias
+        raw = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    return (raw or "").strip().lower() in ("1", "true")
+
+
 # The dtype names --dtype accepts (config.DTYPE_NAMES's keys; tests/test_envs.py checks they agree): the message
 # names the two that make sense on a CPU, but every one of them has always been accepted.
 AUTO_DTYPE_NAMES = ("float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
@@ -130,11 +143,21 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "(layers/quantization/smoothquant.py): unset or empty, the config's alpha (0.65 by default); 0, no "
         "smoothing (plain per-token int8); a value in (0, 1), that alpha. Anything else raises ValueError "
         "when the model is loaded."),
+    # --- LoRA ---
+    "PAGEDLLM_LORA_OP": EnvVar(
+        "str: auto, grouped or bmm", "auto", _lora_op,
+        "How the batched LoRA op groups a step's tokens (pagedllm/lora/ops.py): grouped = one shrink and one "
+        "expand matmul per adapter; bmm = groups padded, two batched matmuls; auto = bmm where padding adds "
+        "at most half the rows. Read when the engine starts."),
     # --- paths and serving ---
     "PAGEDLLM_CACHE_DIR": EnvVar(
         "path", None, lambda raw: Path(raw) if raw else Path.home() / ".cache" / "pagedllm",
         "Where the C++ CPU kernels built at first use are cached (in its ``kernels/`` folder, one .so per "
         "source, compiler, flags and CPU; platforms/cpu/build.py). Unset or empty: ~/.cache/pagedllm."),
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(
+        "bool (1/true)", None, _runtime_lora_updating,
+        "Turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as --allow-runtime-lora-updating "
+        "does (with --enable-lora). Unset: vLLM's name, VLLM_ALLOW_RUNTIME_LORA_UPDATING, is read instead."),
     "PAGEDLLM_API_KEY": EnvVar(
         "str", None, lambda raw: raw or None,
         "The API key ``pagedllm serve`` requires as 'Authorization: Bearer KEY' on /v1/* when --api-key is "

@@ -19,6 +19,7 @@ from pagedllm.engine.arg_utils import EngineArgs, cli_flag
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import init_logger
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -60,9 +61,12 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion.
         ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``).
+        ``lora_request``: the LoRA adapter of every prompt, or a list with one (or None) per prompt
+        (needs ``enable_lora=True``).
 
         Returns one RequestOutput per prompt, in prompt order. Raises ValueError (before anything
         runs) for an invalid prompt, e.g. one longer than max_model_len.
@@ -82,11 +86,17 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, sp, prio in zip(prompts, params, priorities):
-                ids.append(engine.add_request(None, prompt, sp, priority=prio))
+            for prompt, sp, prio, lora in zip(prompts, params, priorities, loras):
+                ids.append(engine.add_request(None, prompt, sp, priority=prio, lora_request=lora))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -19,6 +19,7 @@ EXPECTED_DEFAULTS = {
     "PAGEDLLM_CPU_FUSED_OPS": True, "PAGEDLLM_CPU_FLOAT_GEMM": True, "PAGEDLLM_CPU_PACKED_LINEAR": True,
     "PAGEDLLM_CPU_LAYER_RUNNER": True, "PAGEDLLM_SMOOTHQUANT_ALPHA": None,
     "PAGEDLLM_CACHE_DIR": Path.home() / ".cache" / "pagedllm", "PAGEDLLM_API_KEY": None,
+    "PAGEDLLM_LORA_OP": "auto", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": False,
 }
 
 
@@ -45,6 +46,18 @@ def test_defaults_parse(clean_env):
     for name, var in envs.environment_variables():
         assert var.parse(var.default) == EXPECTED_DEFAULTS[name], name
         assert getattr(envs, name) == EXPECTED_DEFAULTS[name], name
+
+
+def test_runtime_lora_updating_reads_vllms_name(clean_env):
+    clean_env.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING is False
+    clean_env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING is True
+    clean_env.setenv("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")  # ours, when set, wins
+    assert envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING is False
+    clean_env.setenv("PAGEDLLM_LORA_OP", "fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_LORA_OP"):
+        envs.PAGEDLLM_LORA_OP
 
 
 def test_read_on_access(clean_env):

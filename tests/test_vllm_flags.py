@@ -40,7 +40,7 @@ SAMPLES = {
 }
 # vLLM flags pagedllm must refuse, with a value that would change results (the rest are accepted).
 REFUSED = {
-    "--lora-modules": ["a=/x"], "--enable-lora": [], "--rope-scaling": ['{"rope_type": "yarn"}'],
+    "--rope-scaling": ['{"rope_type": "yarn"}'],
     "--rope-theta": ["1e6"], "--hf-overrides": ['{"a": 1}'], "--ssl-keyfile": ["k.pem"], "--uds": ["/tmp/s"],
     "--task": ["classify"], "--tokenizer-mode": ["mistral"], "--generation-config": ["/some/folder"],
     "--override-generation-config": ['{"temperature": 0.5}'], "--disable-sliding-window": [],

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pagedllm import envs
-from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEMO_MODEL_PATH, DTYPE_NAMES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig)
+from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEMO_MODEL_PATH, DTYPE_NAMES, CacheConfig, EngineConfig, LoRAConfig,
+                             ModelConfig, ParallelConfig, SchedulerConfig)
 from pagedllm.layers.attention.kv_quant import CHOICES as KV_CACHE_DTYPES
 from pagedllm.layers.attention.selector import CHOICES as ATTENTION_BACKENDS
 from pagedllm.layers.quantization import get_quantization_config
@@ -60,7 +60,8 @@ def parse_size(value: str) -> int:
 
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), type: Optional[Callable[[str], Any]] = None,
-            choices: Optional[Sequence[str]] = None, auto_is_none: bool = False, positional: bool = False) -> Any:
+            choices: Optional[Sequence[str]] = None, auto_is_none: bool = False, positional: bool = False,
+            nargs: Optional[str] = None) -> Any:
     """A dataclass field that is also a CLI flag.
 
     Args:
@@ -71,10 +72,11 @@ def setting(default: Any, help: str, *, aliases: Sequence[str] = (), type: Optio
         choices: the values the flag accepts.
         auto_is_none: the flag's default is "auto", which means the field's None.
         positional: an optional positional argument (``pagedllm serve MODEL``) instead of a flag.
+        nargs: argparse's nargs ("+": a flag taking one or more values, a list field).
     """
     return field(default=default, metadata={"help": help, "aliases": tuple(aliases), "type": type,
                                             "choices": choices, "auto_is_none": auto_is_none,
-                                            "positional": positional})
+                                            "positional": positional, "nargs": nargs})
 
 
 def cli_flag(name: str) -> str:
@@ -106,6 +108,8 @@ class CliArgs:
                 kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
             elif m["type"] is not None or base in (int, float):
                 kwargs["type"] = m["type"] or base
+            if m.get("nargs"):
+                kwargs["nargs"] = m["nargs"]
             if m["positional"]:
                 parser.add_argument(f.name, nargs="?", **kwargs)
             else:
@@ -266,6 +270,13 @@ class EngineArgs(CliArgs):
         None, "token budget of one engine step (default: 2048 on a CPU, else max(2048, min(max_model_len, 8192)))")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = setting(0, "random seed (weights of --load-format dummy, sampling)")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT folders) beside the base model: --lora-modules, LoRARequest offline, "
+               "/v1/load_lora_adapter; a request picks one by its model name")
+    max_loras: int = setting(1, "LoRA: most adapters one step serves at once (GPU/CPU slots)")
+    max_lora_rank: int = setting(16, "LoRA: largest adapter rank accepted (a larger one is refused)")
+    max_cpu_loras: Optional[int] = setting(
+        None, "LoRA: adapters kept loaded in CPU memory, least recently used evicted (default: max_loras)")
     max_logprobs: int = setting(
         20, "the most logprobs (top_logprobs on chat) or prompt_logprobs a request may ask for; more "
             "is refused (400). The default, 20, is OpenAI's cap (default: 20)")
@@ -330,6 +341,7 @@ class EngineArgs(CliArgs):
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {self.load_format!r}")
+        lora_config = self.lora_config()
         get_quantization_config(self.quantization)  # raises ValueError for an unknown name
         get_model_class(hf_config, max_model_len)  # an unsupported architecture fails here, before any loading
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -367,6 +379,7 @@ class EngineArgs(CliArgs):
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
             runner=self.runner,
+            lora_enabled=lora_config is not None,
         )
         return EngineConfig(
             model_config=model_config,
@@ -384,6 +397,7 @@ class EngineArgs(CliArgs):
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
+                max_loras=lora_config.max_loras if lora_config else 0,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            pipeline_parallel_size=self.pipeline_parallel_size,
@@ -392,7 +406,24 @@ class EngineArgs(CliArgs):
                                            distributed_executor_backend=self.distributed_executor_backend,
                                            num_threads=threads, num_threads_reason=threads_reason),
             device=device,
+            lora_config=lora_config,
         )
+
+    def lora_config(self) -> Optional[LoRAConfig]:
+        """The LoRA settings under enable_lora (None without). Raises ValueError on a bad size."""
+        if not self.enable_lora:
+            return None
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu!r}) must be an integer >= max_loras ({self.max_loras})")
+        if self.runner != "generate":
+            raise ValueError("LoRA adapters serve the generate runner only")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=cpu,
+                          op_mode=envs.PAGEDLLM_LORA_OP)
 
 
 # ---- the server's settings -----------------------------------------------------------------------
@@ -454,6 +485,12 @@ class ServerArgs(CliArgs):
     # vLLM's response details and ops routes (their flags)
     enable_prompt_tokens_details: bool = setting(
         False, "report usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache")
+    lora_modules: Optional[list] = setting(
+        None, "LoRA adapters served under their own model names (with --enable-lora): name=path, or JSON "
+              '{"name": ..., "path": ..., "base_model_name": ...}; one or more', nargs="+")
+    allow_runtime_lora_updating: bool = setting(
+        False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also env "
+               "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING or VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     enable_server_load_tracking: bool = setting(
         False, "count in-flight inference requests for GET /load ({\"server_load\": N}; 0 without this flag)")
     enable_tokenizer_info_endpoint: bool = setting(

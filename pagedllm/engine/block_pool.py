@@ -25,6 +25,13 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
+def lora_root_hash(lora_int_id: int) -> bytes:
+    """The chain's root for a request run with LoRA adapter ``lora_int_id``: its blocks' K/V differ from
+    the base model's (and another adapter's) for the same tokens, so their hashes must too (vLLM
+    puts the adapter in the block hash's extra keys). -1 is no token id."""
+    return hash_block_tokens(ROOT_HASH, (-1, lora_int_id))
+
+
 class KVCacheBlock:
     """Metadata of one physical block (its K/V live in the model runner's cache tensors)."""
 

@@ -15,6 +15,7 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.lora.slots import LoRASlotTable
 from pagedllm.worker.model_input import ModelInput
 
 
@@ -57,9 +58,11 @@ def _decode_only_metadata(slot_mapping: torch.Tensor, tables: list[list[int]], s
 
 
 def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
-                   forks: dict[str, list[Request]] | None = None) -> StepPlan:
+                   forks: dict[str, list[Request]] | None = None,
+                   lora_slots: LoRASlotTable | None = None) -> StepPlan:
     """``forks``: leader id -> samples that fork from it once its prompt is done; they sample
-    from the leader's logits row in the same step."""
+    from the leader's logits row in the same step. ``lora_slots``: under --enable-lora, the slot
+    table that gives each token of the batch its adapter's slot (``ModelInput.lora``)."""
     bs = kv.block_size
     decodes = [r for r, n in out.scheduled if n == 1]
     prefills = [(r, n) for r, n in out.scheduled if n > 1]
@@ -128,4 +131,6 @@ def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
         logits_indices=_tensor(sample_idx + plp_idx, "q", torch.long, device),
         block_copies=kv.take_pending_copies(),
     )
+    if lora_slots is not None:  # the adapter slot of each token, in the batch's order
+        model_input.lora = lora_slots.batch([(r, 1) for r in decodes] + prefills, device)
     return StepPlan(model_input, sampling_requests, plp_spans)

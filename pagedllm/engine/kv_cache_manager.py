@@ -9,7 +9,7 @@ window + chunk tokens of K/V however long it grows.
 """
 from __future__ import annotations
 
-from pagedllm.engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedllm.engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens, lora_root_hash
 from pagedllm.engine.request import Request
 
 
@@ -77,7 +77,8 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else (ROOT_HASH if request.lora_request is None
+                                            else lora_root_hash(request.lora_request.lora_int_id))
         toks = request.all_token_ids
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, toks[i * self.block_size:(i + 1) * self.block_size])

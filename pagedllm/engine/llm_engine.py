@@ -26,6 +26,9 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler, SchedulerStats
 from pagedllm.layers.sampler import Sampler, SamplingRow, topk_logprobs
+from pagedllm.lora.peft import load_peft_adapter
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.slots import LoRASlotTable
 from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -87,6 +90,12 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         # The pooling runner: a request ends with its prompt, its output is the embedding (``pooled``).
         self.pooling = mc.runner == "pooling"
+        # LoRA (--enable-lora): the slot table of the batch builder, and the adapters checked so far
+        # (id -> the request that named it first): an adapter is read and checked once, here, so a bad
+        # one fails its request (400) instead of a step.
+        lc = config.lora_config
+        self.lora_slots = LoRASlotTable(lc.max_loras) if lc is not None else None
+        self.checked_loras: dict[int, LoRARequest] = {}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
@@ -168,11 +177,16 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+                    arrival_time: Optional[float] = None, priority: int = 0,
+                    lora_request: Optional[LoRARequest] = None) -> str:
         """Queue a request. Returns its id. ``priority``: under the priority scheduling policy, lower
-        runs first (vLLM's convention). Raises ValueError when the prompt is empty, longer than
-        max_model_len, or has ids outside the vocabulary, or for a priority under the FCFS policy."""
+        runs first (vLLM's convention). ``lora_request``: the LoRA adapter it runs with (``add_lora``
+        checks it on first use). Raises ValueError when the prompt is empty, longer than
+        max_model_len, or has ids outside the vocabulary, or for a priority under the FCFS policy,
+        or for an adapter that cannot be served."""
         self.check_priority(priority)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         priority = int(priority)  # (a NumPy integer too)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._counter))
@@ -203,13 +217,50 @@ class LLMEngine:
             sp.all_stop_token_ids = set(self.generation_eos_ids)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
-                            parent_id=request_id, index=i, device=self.config.device, priority=priority)
+                            parent_id=request_id, index=i, device=self.config.device, priority=priority,
+                            lora_request=lora_request)
             if sp.structured_outputs is not None:  # each sample follows its own grammar state
                 child.grammar = self.grammar_compiler.matcher(sp.structured_outputs)
             children.append(child)
         self.output_processor.add_request(request_id, text, ids, children)
         self.scheduler.add_request(children[0], forks=children[1:])
         return request_id
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter (rank, targets, shapes against the model) once per id; True.
+
+        Raises:
+            ValueError: LoRA is off, the id is taken by another adapter, or the adapter cannot be
+                served (``LoRAFormatError`` naming why).
+        """
+        lc = self.config.lora_config
+        if lc is None:
+            raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        seen = self.checked_loras.get(lora_request.lora_int_id)
+        if seen is not None:
+            if seen.lora_name != lora_request.lora_name or seen.lora_path != lora_request.lora_path:
+                raise ValueError(f"LoRA id {lora_request.lora_int_id} is already adapter {seen.lora_name!r} "
+                                 f"({seen.lora_path}); give each adapter its own id")
+            return True
+        load_peft_adapter(lora_request.lora_path, lc.max_lora_rank, self.model_config.hf_config)
+        self.checked_loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests in flight with it finish with it: their slot is only reused
+        once no running request names it). Returns whether it was known."""
+        known = self.checked_loras.pop(lora_int_id, None) is not None
+        if known and self.lora_slots is not None and not any(
+                r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+                for r in self.scheduler.requests.values()):
+            self.lora_slots.forget(lora_int_id)
+        return known
+
+    def list_loras(self) -> set[int]:
+        return set(self.checked_loras)
 
     def check_priority(self, priority: int) -> None:
         """ValueError for a non-integer priority (booleans included), or a non-zero one under FCFS."""
@@ -298,9 +349,14 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+        plan = self._prepare_inputs(sched_out)
         logits = self.executor.execute_model(plan.model_input)
         return self._process_output(sched_out, plan, logits)
+
+    def _prepare_inputs(self, sched_out):
+        """The step's flat batch (engine/input_batch.py), with each token's LoRA slot under --enable-lora."""
+        lora = () if self.lora_slots is None else (self.lora_slots,)
+        return prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks, *lora)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Submit batches until ``pipeline_depth`` are in flight (or none is left to schedule),
@@ -309,7 +365,7 @@ class LLMEngine:
             sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 break
-            plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+            plan = self._prepare_inputs(sched_out)
             self._inflight.append((sched_out, plan, self.executor.execute_model_async(plan.model_input)))
             self.max_inflight_batches = max(self.max_inflight_batches, len(self._inflight))
         if not self._inflight:

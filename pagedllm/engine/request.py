@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,7 +46,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: Optional[int], arrival_time: Optional[float] = None,
                  max_tokens: int = 16, parent_id: Optional[str] = None, index: int = 0,
-                 device: str = "cpu", priority: int = 0) -> None:
+                 device: str = "cpu", priority: int = 0, lora_request: Optional[LoRARequest] = None) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         # The sample that prefills the prompt for all ``n`` samples (itself for sample 0).
@@ -78,6 +79,7 @@ class Request:
         self.grammar = None  # structured outputs: GrammarMatcher over output_token_ids
         self.pooled: Optional[torch.Tensor] = None  # the pooling runner's embedding [hidden_size], float32
         self.priority = priority  # under the priority policy, lower runs first (then earlier arrival)
+        self.lora_request = lora_request  # the LoRA adapter its tokens run with (None: the base model)
 
     @property
     def priority_key(self) -> tuple[int, float]:

@@ -31,7 +31,7 @@ import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
@@ -203,6 +203,7 @@ class Scheduler:
         # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
         # max_num_seqs counts sequences, so a running leader's siblings waiting to fork count too.
         num_seqs = self.num_running_seqs()
+        loras: Optional[set[int]] = None  # adapters of the running requests, once one is needed
         while not preempted and self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
             req = self.waiting[0]
             width = 1 + len(self.forks.get(req.request_id, ()))
@@ -210,6 +211,12 @@ class Scheduler:
                 break
             if pipelined and batch_seqs >= seq_cap:
                 break
+            if self.config.max_loras and req.lora_request is not None:  # at most max_loras adapters a step
+                if loras is None:
+                    loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                if req.lora_request.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                    break
+                loras.add(req.lora_request.lora_int_id)
             if req.sampling_params.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
                 cached_blocks, num_cached = [], 0  # cached positions would have no logits to report
             else:

@@ -6,8 +6,8 @@ Every ``vllm serve`` flag (tests/data/vllm_serve_flags.txt lists vLLM's) is one 
   ``ServerArgs`` field, applied; it is not in this module;
 - in ``VLLM_FLAGS`` below, the one table of the rest. Each entry says how the flag parses (its kind) and
   either why it has no effect here (a feature pagedllm lacks whose absence does not change what a request
-  returns: logging, GPU-only tuning, schedulers, LoRA sizes) or, with ``refuse``, the values that would
-  change results (``--rope-scaling``, ``--lora-modules``, ``--ssl-keyfile``): those stop start-up with a
+  returns: logging, GPU-only tuning, schedulers, LoRA tuning) or, with ``refuse``, the values that would
+  change results (``--rope-scaling``, ``--ssl-keyfile``): those stop start-up with a
   message naming the flag. A few are applied through ``apply`` (``--model X`` is the MODEL argument,
   ``--task embed`` is ``--runner pooling``, ``--disable-uvicorn-access-log`` is ``--disable-access-log``,
   ``--kv-cache-memory-bytes 2G`` is ``--kv-cache-memory``).
@@ -150,7 +150,7 @@ def _apply_hf_token(args: argparse.Namespace, values: Sequence[str]) -> None:
 _LOG = "logging only"
 _GPU = "GPU-only tuning (CUDA graphs, kernels, compilation); no effect on outputs"
 _MM = "no multimodal models here"
-_LORA = "LoRA setting; pagedllm has no LoRA (--enable-lora / --lora-modules are refused)"
+_LORA = "LoRA tuning pagedllm does not need (adapters are served with --enable-lora / --lora-modules)"
 _DP = "multi-node data parallelism is not supported; --data-parallel-size replicas are local processes"
 _EP = "expert placement across GPUs; no effect on outputs"
 _SCHED = "scheduler tuning; pagedllm's scheduler always chunks prefills and recomputes preempted requests"
@@ -167,7 +167,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--uvicorn-log-level": VllmFlag("value", "uvicorn logs at --log-level here"),
     "--disable-uvicorn-access-log": VllmFlag("bool", "", apply=_apply_access_log),
     "--uds": VllmFlag("value", "pagedllm listens on TCP only (--host/--port)", refuse=_always),
-    "--lora-modules": VllmFlag("values", "pagedllm has no LoRA adapters", refuse=_always),
     "--chat-template-content-format": VllmFlag(
         "value", "text-only messages: the template gets the content pagedllm renders for it"),
     "--response-role": VllmFlag("value", "the assistant message's role is always 'assistant' here",
@@ -341,13 +340,9 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--skip-mm-profiling": VllmFlag("bool", _MM),
     "--video-pruning-rate": VllmFlag("value", _MM),
     # --- LoRA / prompt adapters ---
-    "--enable-lora": VllmFlag("bool", "pagedllm has no LoRA adapters", refuse=_set),
     "--enable-lora-bias": VllmFlag("bool", _LORA),
-    "--max-loras": VllmFlag("value", _LORA),
-    "--max-lora-rank": VllmFlag("value", _LORA),
     "--lora-extra-vocab-size": VllmFlag("value", _LORA),
     "--lora-dtype": VllmFlag("value", _LORA),
-    "--max-cpu-loras": VllmFlag("value", _LORA),
     "--fully-sharded-loras": VllmFlag("bool", _LORA),
     "--default-mm-loras": VllmFlag("value", _LORA, json=True),
     "--enable-prompt-adapter": VllmFlag("flag", "no prompt adapters (requests naming one are refused)"),

@@ -170,7 +170,9 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
         except SafetensorError as e:  # a lazy slice fails when its bytes are cut off
             raise ValueError(f"cannot load {path}: weight {weights.name}: {one_line(e)}") from None
     quant_config = get_quantization_config(model_config.quantization)
-    smoothing = smooth_for_quantization(model, quant_config, model_config.tokenizer)
+    # (no SmoothQuant under LoRA: the adapters' A see the unsmoothed activations; config.ModelConfig)
+    smoothing = None if model_config.lora_enabled else smooth_for_quantization(model, quant_config,
+                                                                                model_config.tokenizer)
     report = process_weights_after_loading(model, quant_config)
     report.smoothing = smoothing.describe() if smoothing else ""
     model.quantization_report = report

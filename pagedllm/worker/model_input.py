@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.lora.slots import LoRABatch
 
 
 @dataclass
@@ -22,3 +24,5 @@ class ModelInput:
     logits_indices: torch.Tensor
     # Copy-on-write block copies (src, dst) to do before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Under --enable-lora: each token's adapter slot and the adapters the slots must hold (None: base only).
+    lora: Optional[LoRABatch] = None

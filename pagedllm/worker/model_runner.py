@@ -25,6 +25,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
 from pagedllm.layers.pooler import last_token_embeddings
+from pagedllm.lora.runtime import LoRARuntime
 from pagedllm.models.loader import load_model
 from pagedllm.platforms.cuda.graph_runner import (CudaGraphRunner, DecodeBuffers, capture_sizes, graphs_off_reason,
                                                   torch_graph_factory)
@@ -40,6 +41,11 @@ class ModelRunner:
         self.platform().prepare_process()
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, config.cache_config.block_size)
+        self.lora: Optional[LoRARuntime] = None  # --enable-lora: the adapters' slots and hooks (pagedllm/lora/)
+        if config.lora_config is not None:
+            lc = config.lora_config
+            self.lora = LoRARuntime(self.model, config.model_config.hf_config, lc.max_loras, lc.max_lora_rank,
+                                    lc.max_cpu_loras, config.model_config.dtype, self.device, lc.op_mode)
         self.attach_layer_stack()
         # A pipeline stage holds only its own layers (the others are parameter-less placeholders).
         self.start_layer = getattr(self.model, "start_layer", 0)
@@ -63,6 +69,8 @@ class ModelRunner:
             device=self.device, enforce_eager=config.model_config.enforce_eager,
             backend_name=self.attention_backend.name, world_size=config.parallel_config.world_size,
             pooling=self.pooling)
+        if self.graphs_off is None and self.lora is not None:
+            self.graphs_off = "LoRA adapters (the batched op's grouping changes every step)"
         # () -> a maker of graph objects (capture(fn), replay()); tests put a fake graph's here
         self.graph_factory: Callable[[], Callable[[], Any]] = torch_graph_factory
         self.cuda_graphs: Optional[CudaGraphRunner] = None
@@ -79,6 +87,11 @@ class ModelRunner:
         fused stack of its decoder layers, where the platform has one (``layer_stack(model)``: the CPU
         layer runner, which decides on its first call whether it covers the model)."""
         if hasattr(self.model, "layer_stack"):
+            if self.lora is not None:  # the fused stack calls no Python linear, so no LoRA hook would run
+                if torch.device(self.device).type == "cpu":
+                    logger.info("cpu layer runner: off (LoRA adapters are added by hooks on the Python linears)")
+                self.model.layer_stack = None
+                return
             self.model.layer_stack = self.platform().layer_stack(self.model)
 
     @property
@@ -172,6 +185,8 @@ class ModelRunner:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
                 cache[:, dst] = cache[:, src]
+        if self.lora is not None:
+            self.lora.prepare(model_input.lora)
         if self.cuda_graphs is not None:  # a decode-only step replays its graph; None: it runs eagerly
             meta = model_input.attn_metadata
             rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,

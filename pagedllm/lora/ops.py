@@ -1,0 +1,109 @@
+"""The batched LoRA op: one step's tokens of many adapters (and of the base model) at once.
+
+For a target linear with base output y [N, out] and input x [N, in], every token t whose adapter sits
+in slot s gets y[t] += B_s (A_s x[t]) (the scale folded into B_s at load), never merged into the base
+weight. Tokens are grouped by slot once a step (``make_step``); then per linear either
+
+- ``grouped``: x gathered in group order, per adapter one shrink (x_g A_s^T) and one expand
+  (h_g B_s^T) matmul over its tokens, one scatter-add back (S-LoRA's per-adapter GEMMs), or
+- ``bmm``: the groups padded to the longest, the step's A and B gathered, two batched matmuls over
+  all groups at once (Punica's BGMV as one bmm), one scatter-add.
+
+Fused targets (qkv, gate_up) hold S slices: A_s stacks the slices' A (S r rows), B_s is block
+diagonal [out, S r], so shrink and expand stay one matmul each. Row-parallel targets pass
+``reduce``: the shrink of this rank's input shard is summed over the ranks before the expand.
+Which of the two is faster is measured by ``pagedllm bench lora`` (benchmarks/README.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+MODES = ("grouped", "bmm")
+
+
+@dataclass
+class LoRAStep:
+    """One step's grouping of the flat batch's tokens by slot (shared by every target linear).
+
+    slots: the step's slots in group order; order [T] int64: the LoRA tokens' rows in group order;
+    bounds: (start, end) of each group in ``order``; pad_rows [G * L]: the row of x each padded group
+    position reads (a group shorter than L repeats its first row); pad_valid [T]: the padded position
+    of each token in ``order``."""
+    slots: list[int]
+    slots_t: torch.Tensor
+    order: torch.Tensor
+    bounds: list[tuple[int, int]]
+    max_len: int
+    pad_rows: Optional[torch.Tensor]
+    pad_valid: Optional[torch.Tensor]
+    mode: str
+
+
+def make_step(token_slots: torch.Tensor, mode: str = "auto") -> Optional[LoRAStep]:
+    """Group ``token_slots`` [N] (slot per token, -1 for the base model). None when no token has an
+    adapter. ``mode``: grouped, bmm, or auto (bmm when padding adds at most half the rows, else grouped)."""
+    sorted_slots, order = torch.sort(token_slots, stable=True)
+    keep = sorted_slots >= 0
+    order, sorted_slots = order[keep], sorted_slots[keep]
+    if order.numel() == 0:
+        return None
+    uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+    slots, counts_l = uniq.tolist(), counts.tolist()
+    bounds, start = [], 0
+    for c in counts_l:
+        bounds.append((start, start + c))
+        start += c
+    max_len = max(counts_l)
+    if mode == "auto":
+        mode = "bmm" if len(slots) * max_len <= 1.5 * start else "grouped"
+    pad_rows = pad_valid = None
+    if mode == "bmm":
+        rows, valid = [], []
+        order_l = order.tolist()
+        for g, (a, b) in enumerate(bounds):
+            rows.extend(order_l[a:b])
+            rows.extend([order_l[a]] * (max_len - (b - a)))
+            valid.extend(range(g * max_len, g * max_len + b - a))
+        pad_rows = torch.tensor(rows, dtype=torch.long, device=token_slots.device)
+        pad_valid = torch.tensor(valid, dtype=torch.long, device=token_slots.device)
+    return LoRAStep(slots, uniq, order, bounds, max_len, pad_rows, pad_valid, mode)
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
+              step: LoRAStep, reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+    """y [N, out] += the LoRA term of each token (in place).
+
+    x [N, in]; a [slots, W, in] (slot s's first widths[s] rows used, the rest zero); b [slots, out, W]
+    (scale folded in, columns past widths[s] zero); ``reduce``: sums a shrink result over the
+    tensor-parallel ranks (row-parallel targets), None: nothing to sum."""
+    if step.mode == "bmm":
+        w = max(widths[s] for s in step.slots)
+        g, length = len(step.slots), step.max_len
+        xp = x.index_select(0, step.pad_rows).view(g, length, x.shape[1])
+        h = torch.bmm(xp, a[step.slots_t, :w].transpose(1, 2))  # [G, L, w]
+        if reduce is not None:
+            h = reduce(h)
+        yp = torch.bmm(h, b[step.slots_t, :, :w].transpose(1, 2)).view(g * length, -1)
+        y.index_add_(0, step.order, yp.index_select(0, step.pad_valid))
+        return
+    xs = x.index_select(0, step.order)
+    ys = y.new_empty(xs.shape[0], y.shape[1])
+    for s, (lo, hi) in zip(step.slots, step.bounds):
+        w = widths[s]
+        h = torch.mm(xs[lo:hi], a[s, :w].t())
+        if reduce is not None:
+            h = reduce(h)
+        torch.mm(h, b[s, :, :w].t(), out=ys[lo:hi])
+    y.index_add_(0, step.order, ys)
+
+
+def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
+                       token_slots: torch.Tensor) -> None:
+    """The per-token definition ``lora_add_`` must equal (tests): y[t] += b[s] (a[s] x[t]), s = slot of t."""
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            w = widths[s]
+            y[t] += b[s, :, :w] @ (a[s, :w] @ x[t])

@@ -1,0 +1,172 @@
+"""LoRA adapters (pagedllm/lora/): PEFT's format, the batched op, mixed batches against transformers + PEFT.
+
+Three adapters with different ranks and targets are built with PEFT on tiny random Llama, Qwen2 and
+Gemma 2 bases (random A and B, so every adapter changes the output); one batch mixes requests of each
+adapter with base-model requests; fp32 greedy ids must equal transformers + PEFT's token for token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import assert_pool_empty, build_checkpoint
+from test_correctness import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.lora.ops import lora_add_, lora_add_reference, make_step
+from pagedllm.lora.peft import LoRAFormatError, load_peft_adapter
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.slots import LoRASlotTable
+
+peft = pytest.importorskip("peft")
+
+MAX_TOKENS = 8
+# (name, rank, alpha, rsLoRA, targets)
+ADAPTERS = [
+    ("sql", 4, 8, False, ["q_proj", "v_proj"]),
+    ("chat", 8, 16, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("law", 16, 24, False, ["k_proj", "o_proj", "gate_proj", "down_proj"]),
+]
+BASES = {"llama": {}, "qwen2": {}, "gemma2": {"num_hidden_layers": 3}}
+
+
+def make_adapter(base_dir: str, out_dir: str, rank: int, alpha: int, rslora: bool, targets: list[str],
+                 seed: int, **extra) -> str:
+    """A PEFT LoRA adapter of ``base_dir`` with random A and B (PEFT's B starts at zero: no effect)."""
+    import transformers  # noqa: F401  (peft needs it)
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, lora_dropout=0.0,
+                          init_lora_weights=False, **extra)
+    model = peft.get_peft_model(base, cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.25)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        return [hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
+
+
+_BUILT: dict = {}
+
+
+@pytest.fixture(scope="module", params=list(BASES))
+def base(request, tmp_path_factory):
+    """(arch, base dir, {adapter name: dir})"""
+    arch = request.param
+    if arch not in _BUILT:
+        root = tmp_path_factory.mktemp(f"lora-{arch}")
+        d = build_checkpoint(str(root / "base"), arch, seed=3, **BASES[arch])
+        adapters = {name: make_adapter(d, str(root / name), r, a, rs, t, seed=i + 10)
+                    for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
+        _BUILT[arch] = (arch, d, adapters)
+    return _BUILT[arch]
+
+
+def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def test_mixed_batch_equals_transformers_peft(base):
+    arch, d, adapters = base
+    reqs = [LoRARequest(name, i + 1, adapters[name]) for i, (name, *_rest) in enumerate(ADAPTERS)]
+    with open(os.path.join(d, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    ps = prompts(vocab, 8)
+    # base, sql, chat, law, base, law, chat, sql: every adapter twice, mixed with the base model
+    order = [None, reqs[0], reqs[1], reqs[2], None, reqs[2], reqs[1], reqs[0]]
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, kv_cache_memory=4 << 20,
+              max_num_batched_tokens=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(ps, sp, use_tqdm=False, lora_request=order)
+    got = [o.outputs[0].token_ids for o in outs]
+    for lr in [None, *reqs]:
+        idx = [i for i, o in enumerate(order) if o == lr]
+        want = peft_greedy(d, None if lr is None else lr.lora_path, [ps[i] for i in idx])
+        assert [got[i] for i in idx] == want, (arch, lr and lr.lora_name)
+    # every adapter changes the output (else the test could not fail)
+    base_out = peft_greedy(d, None, ps[:2])
+    assert got[1] != base_out[1]
+    assert_pool_empty(llm)
+    # prefix caching: the same prompt under another adapter hits no block of the first
+    again = llm.generate([ps[3]] * 2, sp, use_tqdm=False, lora_request=[reqs[0], reqs[2]])
+    assert again[1].outputs[0].token_ids == got[3]
+    assert again[0].outputs[0].token_ids == peft_greedy(d, reqs[0].lora_path, [ps[3]])[0]
+    assert_pool_empty(llm)
+
+
+def test_ops_equal_reference():
+    torch.manual_seed(0)
+    n, din, dout, slots, w = 37, 24, 40, 4, 12
+    x = torch.randn(n, din)
+    a = torch.randn(slots, w, din)
+    b = torch.randn(slots, dout, w)
+    widths = [12, 4, 0, 8]
+    for s in range(slots):
+        a[s, widths[s]:] = 0
+        b[s, :, widths[s]:] = 0
+    token_slots = torch.tensor([random.Random(i).choice([-1, 0, 1, 2, 3]) for i in range(n)])
+    y0 = torch.randn(n, dout)
+    ref = y0.clone()
+    lora_add_reference(ref, x, a, b, widths, token_slots)
+    for mode in ("grouped", "bmm"):
+        y = y0.clone()
+        lora_add_(y, x, a, b, widths, make_step(token_slots, mode))
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert make_step(torch.full((5,), -1), "bmm") is None
+
+
+def test_slot_table_lru():
+    class R:
+        def __init__(self, lr):
+            self.lora_request = lr
+    t = LoRASlotTable(2)
+    a, b, c = (LoRARequest(n, i + 1, "/x") for i, n in enumerate("abc"))
+    assert t.batch([(R(None), 3)]) is None
+    batch = t.batch([(R(a), 2), (R(None), 1), (R(b), 1)])
+    assert batch.token_slots.tolist() == [0, 0, -1, 1]
+    assert batch.slot_adapters == {0: a, 1: b}
+    t.batch([(R(b), 1)])  # b used last: a is the least recently used
+    batch = t.batch([(R(c), 1), (R(b), 1)])
+    assert batch.slot_adapters[0] == c and batch.slot_adapters[1] == b
+
+
+def test_bad_adapters_are_refused(base, tmp_path):
+    arch, d, adapters = base
+    if arch != "llama":
+        pytest.skip("format checks need one base")
+    import transformers
+    hf = transformers.AutoConfig.from_pretrained(d)
+    with pytest.raises(LoRAFormatError, match="rank 16 is greater than max_lora_rank 8"):
+        load_peft_adapter(adapters["law"], 8, hf)
+    with pytest.raises(LoRAFormatError, match="no adapter_config.json"):
+        load_peft_adapter(str(tmp_path), 16, hf)
+    saved = make_adapter(d, str(tmp_path / "mts"), 4, 8, False, ["q_proj"], 1, modules_to_save=["lm_head"])
+    with pytest.raises(LoRAFormatError, match="modules_to_save"):
+        load_peft_adapter(saved, 16, hf)
+    head = make_adapter(d, str(tmp_path / "head"), 4, 8, False, ["q_proj", "lm_head"], 1)
+    with pytest.raises(LoRAFormatError, match="lm_head"):
+        load_peft_adapter(head, 16, hf)
+    llm = LLM(d, dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=4 << 20)
+    with pytest.raises(ValueError, match="greater than max_lora_rank"):
+        llm.generate([[7, 8, 9]], lora_request=LoRARequest("law", 3, adapters["law"]), use_tqdm=False)
+    assert_pool_empty(llm)
+    nolora = LLM(d, dtype="float32", kv_cache_memory=4 << 20)
+    with pytest.raises(ValueError, match="enable_lora"):
+        nolora.generate([[7, 8, 9]], lora_request=LoRARequest("sql", 1, adapters["sql"]), use_tqdm=False)

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.scheduler import SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.platforms.cpu.threads import release_openmp_threads
@@ -90,6 +91,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._new: list[tuple[str, Any, SamplingParams, float]] = []
         self._aborts: list[str] = []
+        self._loras: dict[str, LoRARequest] = {}  # request id -> its LoRA adapter, until the engine takes it
         self._aborts_notify: list[str] = []  # aborted with a final "abort" output to their callers
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -150,8 +152,10 @@ class AsyncLLM:
 
     # ---- caller side (asyncio) -----------------------------------------------------------
     async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs of one request as the engine produces them.
+        ``lora_request``: the LoRA adapter it runs with (None: the base model).
 
         Raises ValueError when the engine rejects the request, EngineDeadError when the engine
         stops. Closing or cancelling the iterator before the last output aborts the request.
@@ -163,6 +167,8 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
+            if lora_request is not None:
+                self._loras[request_id] = lora_request
             self._submit(request_id, prompt, params, time.time(), priority)
         self._wake.set()
         try:
@@ -221,7 +227,8 @@ class AsyncLLM:
             notify, self._aborts_notify = self._aborts_notify, []
         for request_id, prompt, params, arrival, priority in new:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority)
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, priority=priority,
+                                        lora_request=self._loras.pop(request_id, None))
             except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
                 err = e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}")
                 self._deliver({request_id: err})

@@ -49,6 +49,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, BIG_TOKEN_COUNT, ClientDisconnected, error_body, tokenize_error)
@@ -184,20 +185,35 @@ def _validation_message(exc: RequestValidationError,
     return msg, param
 
 
+async def _json_body(request: Request) -> dict:
+    """The request's JSON object; 400 when it is not one."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise RequestError("the request body is not valid JSON", None, 400) from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None, 400)
+    return body
+
+
 def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               chat_template: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               shutdown_engine: bool = True, response_store: Optional[ResponseStore] = None,
               dashboard: bool = True, cors: Optional[dict] = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, enable_prompt_tokens_details: bool = False,
-              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False,
+              lora_modules: Optional[list[str]] = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
     keyword arguments of starlette's CORSMiddleware (allow_origins, allow_methods, allow_headers,
     allow_credentials); None = no CORS headers. The ``enable_*`` switches are vLLM's flags of those
-    names (ServerArgs)."""
+    names (ServerArgs). ``lora_modules`` / ``allow_runtime_lora_updating``: the LoRA adapters served
+    (serving_models.py; ValueError for one that cannot be served)."""
     served = served_model_name or llm.model_config.served_model_name
+    models = OpenAIServingModels(llm, served, lora_modules,
+                                 allow_runtime_lora_updating or envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING)
     metrics = ServerMetrics(lambda: llm.snapshot, served)
     llm.on_outputs = metrics.record_outputs
     llm.on_abort = metrics.record_abort
@@ -214,6 +230,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     embeddings = OpenAIServingEmbedding(llm, served, chat)
     for serving in (completions, chat):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+    for serving in (completions, chat, embeddings):
+        serving.models = models
     load = LoadCounter(enable_server_load_tracking)
 
     def generating() -> None:
@@ -289,12 +307,20 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
 
     @app.get("/v1/models")
     async def list_models():
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=models.cards(card.max_model_len)).model_dump())
 
     @app.get("/v1/models/{model_id:path}")  # the openai client's models.retrieve(); ids may contain "/"
     async def retrieve_model(model_id: str):
         completions.check_model(model_id)
-        return JSONResponse(card.model_dump())
+        return JSONResponse(next(c for c in models.cards(card.max_model_len) if c.id == model_id).model_dump())
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request):
+        return Response(await models.load(await _json_body(raw_request)), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request):
+        return Response(await models.unload(await _json_body(raw_request)), media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request):
@@ -490,6 +516,9 @@ def _run_headless(engine_args: EngineArgs) -> int:
 
 def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: str) -> AsyncLLM:
     """The started engine: one AsyncLLM, or ``data_parallel_size`` > 1 replicas behind a DPAsyncLLM."""
+    if data_parallel_size > 1 and engine_args.enable_lora:
+        raise ValueError("--enable-lora with --data-parallel-size > 1 is not supported (each replica would need "
+                         "the adapters' requests routed with them)")
     if data_parallel_size > 1:
         return DPAsyncLLM(engine_args, data_parallel_size, log_level=log_level).start()
     return AsyncLLM.from_engine_args(engine_args).start()
@@ -547,13 +576,19 @@ def run_server(args: argparse.Namespace) -> int:
             return 1
         # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
         dashboard = opts.dashboard and opts.data_parallel_size == 1
-        app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=opts.max_request_bytes,
-                        response_store=store, dashboard=dashboard, cors=cors,
-                        enable_auto_tool_choice=opts.enable_auto_tool_choice, tool_call_parser=opts.tool_call_parser,
-                        reasoning_parser=opts.reasoning_parser,
-                        enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
-                        enable_server_load_tracking=opts.enable_server_load_tracking,
-                        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint)
+        try:
+            app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=opts.max_request_bytes,
+                            response_store=store, dashboard=dashboard, cors=cors,
+                            enable_auto_tool_choice=opts.enable_auto_tool_choice,
+                            tool_call_parser=opts.tool_call_parser, reasoning_parser=opts.reasoning_parser,
+                            enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
+                            enable_server_load_tracking=opts.enable_server_load_tracking,
+                            enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint,
+                            lora_modules=opts.lora_modules,
+                            allow_runtime_lora_updating=opts.allow_runtime_lora_updating)
+        except ValueError as e:  # a --lora-modules adapter that cannot be served
+            print(f"pagedllm serve: error: {e}", file=sys.stderr)
+            return 1
         ensure_file_limit(opts.limit_concurrency)
         http = guarded_http_protocol(opts.limit_concurrency or None, opts.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=opts.log_level.lower(), access_log=not opts.disable_access_log,

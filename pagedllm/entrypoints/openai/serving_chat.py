@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
         return self.render(*args)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         ids = await self.render_async(req)
         if not ids:
             raise RequestError("the rendered conversation is empty", "messages")
@@ -124,9 +124,9 @@ class OpenAIServingChat(OpenAIServing):
         await self.verify_logits_fields(params, req)
         request_id = random_id("chatcmpl")
         self.check_priority(req.priority)
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id, req.priority, lora_request=lora)
         request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
-        model = self.served_model_name
+        model = lora.lora_name if lora is not None else self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             constrained = params.structured_outputs is not None

@@ -21,7 +21,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_CHOICES:
             raise RequestError(f"{len(prompts)} prompts x n={req.n} exceeds the limit of {MAX_CHOICES} "
@@ -52,10 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if scoring:
             return await self._score_prompts(req, raw_request, prompt_ids, prompt_texts, params)
         request_id = random_id("cmpl")
-        gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}", req.priority)
+        gens = [self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}", req.priority, lora_request=lora)
                 for i, (ids, sp) in enumerate(zip(prompt_ids, params))]
         request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
-        model = self.served_model_name
+        model = lora.lora_name if lora is not None else self.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -112,7 +112,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 sp = sp.clone()
                 sp.n = 1  # every choice of one prompt scores the same
-                gens.append(self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}", req.priority))
+                gens.append(self.llm.generate({"prompt_token_ids": ids}, sp, f"{request_id}-{i}", req.priority,
+                                              lora_request=self.check_model(req.model)))
 
             async def collect() -> list[RequestOutput]:
                 async for i, out in merge_streams(gens):

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import hashlib
 import json
-from typing import AsyncIterator, Awaitable, Optional, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar, Union
 
 from starlette.requests import Request
 
@@ -14,6 +14,7 @@ from pagedllm import __version__
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokensDetails, RequestError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ def system_fingerprint(config: EngineConfig) -> str:
 class OpenAIServing:
     # usage.prompt_tokens_details.cached_tokens: set by the server from --enable-prompt-tokens-details
     enable_prompt_tokens_details: bool = False
+    # the base model's and the LoRA adapters' names (serving_models.OpenAIServingModels), set by the server
+    models: Optional[Any] = None
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: Optional[str] = None) -> None:
         self.llm = llm
@@ -80,9 +83,13 @@ class OpenAIServing:
         return PromptTokensDetails(cached_tokens=num_cached_tokens) if self.enable_prompt_tokens_details else None
 
     # ---- checks --------------------------------------------------------------------------
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name not served."""
+        if self.models is not None:
+            return self.models.resolve(model)
         if model is not None and model != self.served_model_name:
             raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
+        return None
 
     async def tokenize(self, prompt: Union[str, list[int]], param: str = "prompt", offload: bool = False,
                        add_special_tokens: bool = True) -> list[int]:

@@ -141,7 +141,7 @@ class OpenAIServingResponses:
 
     # ---- POST /v1/responses --------------------------------------------------------------------
     async def create(self, req: ResponsesRequest, raw_request: Request):
-        self.chat.check_model(req.model)
+        lora = self.chat.check_model(req.model)
         req.check_unsupported()
         history: list[dict] = []
         if req.previous_response_id is not None:
@@ -196,7 +196,7 @@ class OpenAIServingResponses:
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items(),
                                           events=run.log))
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id, req.priority)
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id, req.priority, lora_request=lora)
         run.task = asyncio.ensure_future(self._produce(run, gen, len(ids)))
         self.runs[response.id] = run
         run.task.add_done_callback(lambda _t, rid=response.id: self.runs.pop(rid, None))

@@ -147,8 +147,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "PAGEDLLM_LORA_OP": EnvVar(
         "str: auto, grouped or bmm", "auto", _lora_op,
         "How the batched LoRA op groups a step's tokens (pagedllm/lora/ops.py): grouped = one shrink and one "
-        "expand matmul per adapter; bmm = groups padded, two batched matmuls; auto = bmm where padding adds "
-        "at most half the rows. Read when the engine starts."),
+        "expand matmul per adapter; bmm = groups padded, two batched matmuls over gathered A and B; auto = "
+        "grouped, the faster at every shape measured (benchmarks/README.md). Read when the engine starts."),
     # --- paths and serving ---
     "PAGEDLLM_CACHE_DIR": EnvVar(
         "path", None, lambda raw: Path(raw) if raw else Path.home() / ".cache" / "pagedllm",

@@ -130,23 +130,26 @@ def test_mixed_batch_equals_transformers_peft(base):
     assert_pool_empty(llm)
 
 
-def test_ops_equal_reference():
+@pytest.mark.parametrize("slices", [[(0, 40)], [(0, 16), (16, 8), (24, 16)]])
+def test_ops_equal_reference(slices):
     torch.manual_seed(0)
-    n, din, dout, slots, w = 37, 24, 40, 4, 12
+    n, din, dout, slots, rmax = 37, 24, 40, 4, 6
     x = torch.randn(n, din)
-    a = torch.randn(slots, w, din)
-    b = torch.randn(slots, dout, w)
-    widths = [12, 4, 0, 8]
-    for s in range(slots):
-        a[s, widths[s]:] = 0
-        b[s, :, widths[s]:] = 0
+    ranks = [6, 2, 0, 4]
+    a = torch.zeros(slots, len(slices) * rmax, din)
+    b = torch.zeros(slots, dout, rmax)
+    for s, r in enumerate(ranks):
+        for i in range(len(slices)):
+            a[s, i * rmax:i * rmax + r] = torch.randn(r, din)
+        b[s, :, :r] = torch.randn(dout, r)
     token_slots = torch.tensor([random.Random(i).choice([-1, 0, 1, 2, 3]) for i in range(n)])
     y0 = torch.randn(n, dout)
     ref = y0.clone()
-    lora_add_reference(ref, x, a, b, widths, token_slots)
+    lora_add_reference(ref, x, a, b, ranks, slices, token_slots)
+    assert not torch.equal(ref, y0)
     for mode in ("grouped", "bmm"):
         y = y0.clone()
-        lora_add_(y, x, a, b, widths, make_step(token_slots, mode))
+        lora_add_(y, x, a, b, ranks, slices, make_step(token_slots, mode))
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert make_step(torch.full((5,), -1), "bmm") is None
 

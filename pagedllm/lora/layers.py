@@ -2,8 +2,8 @@
 
 The base layer is untouched (its quantization method, float / int8 / bf16, computes y = x W^T + b);
 a forward hook adds the LoRA term of the step's tokens (``ops.lora_add_``) to its output. Slot
-buffers per target: A [max_loras, S * R, in_per_rank], B [max_loras, out_per_rank, S * R] (S slices:
-3 for qkv, 2 for gate_up, else 1; R = --max-lora-rank; B block diagonal over the slices, scale folded in).
+buffers per target: A [max_loras, S * R, in_per_rank], B [max_loras, out_per_rank, R] (S slices:
+3 for qkv, 2 for gate_up, else 1; R = --max-lora-rank; each slice's B in its output rows, scale folded in).
 
 Tensor parallelism (as vLLM's ColumnParallelLinearWithLoRA / RowParallelLinearWithLoRA): a
 column-parallel target keeps A whole and this rank's rows of B (per slice, with the base layer's
@@ -43,10 +43,11 @@ class LoRATarget:
         self.tp_rank, self.tp_size = module.tp_rank, module.tp_size
         self.in_features = module.input_size
         out = sum(s[2] for s in slices)
-        width = len(slices) * max_rank
-        self.a = torch.zeros(max_loras, width, self.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
-        self.widths = [0] * max_loras
+        self.out_slices = [(off, size) for _, off, size, _ in slices]
+        self.a = torch.zeros(max_loras, len(slices) * max_rank, self.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device)
+        self.max_rank = max_rank
+        self.ranks = [0] * max_loras  # rank of the adapter in each slot (0: none, or this target untouched)
         self.ctx = ctx
         self.reduce = tensor_model_parallel_all_reduce if row_parallel and self.tp_size > 1 else None
         self.handle = module.register_forward_hook(self.hook)
@@ -55,7 +56,7 @@ class LoRATarget:
         """Put ``adapter``'s part for this target into ``slot`` (None or not targeted: zeros)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        self.widths[slot] = 0
+        self.ranks[slot] = 0
         if adapter is None:
             return
         r, used = adapter.rank, False
@@ -66,19 +67,19 @@ class LoRATarget:
             a, b = w
             if self.row_parallel:
                 a = a[:, self.tp_rank * self.in_features:(self.tp_rank + 1) * self.in_features]
-            self.a[slot, i * r:(i + 1) * r] = a.to(self.a.dtype)
-            self.b[slot, offset:offset + size, i * r:(i + 1) * r] = (b[start:start + size] * adapter.scale).to(self.b.dtype)
+            self.a[slot, i * self.max_rank:i * self.max_rank + r] = a.to(self.a.dtype)
+            self.b[slot, offset:offset + size, :r] = (b[start:start + size] * adapter.scale).to(self.b.dtype)
             used = True
         if used:
-            self.widths[slot] = len(self.slices) * r
+            self.ranks[slot] = r
 
     def hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         step = self.ctx.step
-        if step is None or not any(self.widths[s] for s in step.slots):
+        if step is None or not any(self.ranks[s] for s in step.slots):
             return
         x = args[0]
-        lora_add_(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self.a, self.b, self.widths, step,
-                  self.reduce)
+        lora_add_(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self.a, self.b, self.ranks,
+                  self.out_slices, step, self.reduce)
 
 
 def target_slices(module: nn.Module, name: str) -> Optional[tuple[list[tuple[str, int, int, int]], bool]]:

@@ -9,10 +9,13 @@ weight. Tokens are grouped by slot once a step (``make_step``); then per linear 
 - ``bmm``: the groups padded to the longest, the step's A and B gathered, two batched matmuls over
   all groups at once (Punica's BGMV as one bmm), one scatter-add.
 
-Fused targets (qkv, gate_up) hold S slices: A_s stacks the slices' A (S r rows), B_s is block
-diagonal [out, S r], so shrink and expand stay one matmul each. Row-parallel targets pass
+Fused targets (qkv, gate_up) hold S slices: A_s stacks the slices' A (S r rows: one shrink matmul),
+and each slice's B expands its part of the output (B is not stored block diagonal: decode steps
+read every adapter's B once, and zeros would be read too). Row-parallel targets pass
 ``reduce``: the shrink of this rank's input shard is summed over the ranks before the expand.
-Which of the two is faster is measured by ``pagedllm bench lora`` (benchmarks/README.md).
+Which of the two is faster is measured by ``pagedllm bench lora`` (benchmarks/README.md): grouped, at
+decode and prefill shapes of SmolLM2 (bmm's gathers copy every adapter's A and B each call); auto
+picks it, ``PAGEDLLM_LORA_OP=bmm`` the other.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class LoRAStep:
 
 def make_step(token_slots: torch.Tensor, mode: str = "auto") -> Optional[LoRAStep]:
     """Group ``token_slots`` [N] (slot per token, -1 for the base model). None when no token has an
-    adapter. ``mode``: grouped, bmm, or auto (bmm when padding adds at most half the rows, else grouped)."""
+    adapter. ``mode``: grouped, bmm, or auto (grouped, the faster at every shape measured)."""
     sorted_slots, order = torch.sort(token_slots, stable=True)
     keep = sorted_slots >= 0
     order, sorted_slots = order[keep], sorted_slots[keep]
@@ -57,8 +60,8 @@ def make_step(token_slots: torch.Tensor, mode: str = "auto") -> Optional[LoRASte
         bounds.append((start, start + c))
         start += c
     max_len = max(counts_l)
-    if mode == "auto":
-        mode = "bmm" if len(slots) * max_len <= 1.5 * start else "grouped"
+    if mode == "auto":  # grouped: faster at every shape measured (benchmarks/README.md, pagedllm bench lora)
+        mode = "grouped"
     pad_rows = pad_valid = None
     if mode == "bmm":
         rows, valid = [], []
@@ -72,38 +75,59 @@ def make_step(token_slots: torch.Tensor, mode: str = "auto") -> Optional[LoRASte
     return LoRAStep(slots, uniq, order, bounds, max_len, pad_rows, pad_valid, mode)
 
 
-def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-              step: LoRAStep, reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: list[int],
+              slices: list[tuple[int, int]], step: LoRAStep,
+              reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
     """y [N, out] += the LoRA term of each token (in place).
 
-    x [N, in]; a [slots, W, in] (slot s's first widths[s] rows used, the rest zero); b [slots, out, W]
-    (scale folded in, columns past widths[s] zero); ``reduce``: sums a shrink result over the
-    tensor-parallel ranks (row-parallel targets), None: nothing to sum."""
+    x [N, in]; a [slots, S * R, in]: slice i's A of slot s in rows i R .. i R + ranks[s] (the rest zero);
+    b [slots, out, R]: slice i's B (scale folded in) in rows off_i .. off_i + size_i,
+    columns :ranks[s]; ``slices``: (off_i, size_i); ranks[s] 0: slot s does not touch this target.
+    ``reduce``: sums a shrink result over the tensor-parallel ranks (row-parallel targets), None: nothing."""
+    n_slices = len(slices)
+    big_r = a.shape[1] // n_slices
     if step.mode == "bmm":
-        w = max(widths[s] for s in step.slots)
+        r = max(ranks[s] for s in step.slots)
         g, length = len(step.slots), step.max_len
         xp = x.index_select(0, step.pad_rows).view(g, length, x.shape[1])
-        h = torch.bmm(xp, a[step.slots_t, :w].transpose(1, 2))  # [G, L, w]
+        rows = a[step.slots_t, :r] if n_slices == 1 else a[step.slots_t]
+        h = torch.bmm(xp, rows.transpose(1, 2))  # [G, L, S R] (one slice: [G, L, r])
         if reduce is not None:
             h = reduce(h)
-        yp = torch.bmm(h, b[step.slots_t, :, :w].transpose(1, 2)).view(g * length, -1)
-        y.index_add_(0, step.order, yp.index_select(0, step.pad_valid))
+        yp = torch.empty(g, length, y.shape[1], dtype=y.dtype, device=y.device)
+        for i, (off, size) in enumerate(slices):
+            yp[:, :, off:off + size] = torch.bmm(h[:, :, i * big_r:i * big_r + r],
+                                                 b[step.slots_t, off:off + size, :r].transpose(1, 2))
+        y.index_add_(0, step.order, yp.view(g * length, -1).index_select(0, step.pad_valid))
         return
     xs = x.index_select(0, step.order)
-    ys = y.new_empty(xs.shape[0], y.shape[1])
+    ys = y.new_zeros(xs.shape[0], y.shape[1])
     for s, (lo, hi) in zip(step.slots, step.bounds):
-        w = widths[s]
-        h = torch.mm(xs[lo:hi], a[s, :w].t())
+        r = ranks[s]
+        if not r:
+            continue
+        if n_slices == 1:
+            h = torch.mm(xs[lo:hi], a[s, :r].t())
+            if reduce is not None:
+                h = reduce(h)
+            torch.mm(h, b[s, :, :r].t(), out=ys[lo:hi])
+            continue
+        # one shrink for every slice (rows past a slice's rank are zero: read, but 0 when r = R)
+        h = torch.mm(xs[lo:hi], (a[s] if r == big_r else a[s].view(n_slices, big_r, -1)[:, :r].reshape(-1, a.shape[2])).t())
         if reduce is not None:
             h = reduce(h)
-        torch.mm(h, b[s, :, :w].t(), out=ys[lo:hi])
+        hr = big_r if r == big_r else r
+        for i, (off, size) in enumerate(slices):
+            ys[lo:hi, off:off + size].addmm_(h[:, i * hr:i * hr + r], b[s, off:off + size, :r].t())
     y.index_add_(0, step.order, ys)
 
 
-def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: list[int],
-                       token_slots: torch.Tensor) -> None:
-    """The per-token definition ``lora_add_`` must equal (tests): y[t] += b[s] (a[s] x[t]), s = slot of t."""
+def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: list[int],
+                       slices: list[tuple[int, int]], token_slots: torch.Tensor) -> None:
+    """The per-token definition ``lora_add_`` must equal (tests): y[t, slice i] += B_i (A_i x[t])."""
     for t, s in enumerate(token_slots.tolist()):
-        if s >= 0:
-            w = widths[s]
-            y[t] += b[s, :, :w] @ (a[s, :w] @ x[t])
+        r = ranks[s] if s >= 0 else 0
+        for i, (off, size) in enumerate(slices):
+            if r:
+                big_r = a.shape[1] // len(slices)
+                y[t, off:off + size] += b[s, off:off + size, :r] @ (a[s, i * big_r:i * big_r + r] @ x[t])

@@ -103,6 +103,8 @@ class PPModelRunner(ModelRunner):
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
                 cache[:, dst] = cache[:, src]
         n = model_input.input_ids.shape[0]
+        if self.lora is not None:  # this stage's LoRA slots and the step's grouping (pagedllm/lora/)
+            self.lora.prepare(model_input.lora)
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata,
                             intermediate=self._intermediate(n))
         m = model_input.logits_indices.shape[0]

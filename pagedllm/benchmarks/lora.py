@@ -57,8 +57,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-mode", default="auto", choices=["auto", "grouped", "bmm"])
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--max-output-len", type=int, default=None, help="cap each request's output length (smoke runs)")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes")
     p.add_argument("--skip-engine", action="store_true", help="only the op comparison")
+    p.add_argument("--op-repeats", type=int, default=10, help="alternated calls of each op variant per shape")
     p.add_argument("--output-dir", default="bench_results")
     p.set_defaults(func=run)
 
@@ -89,7 +91,7 @@ def _run(args, model, load_format, reqs, loras: list | None, n_adapters: int) ->
               kv_cache_memory=args.kv_cache_memory, seed=0, **kw)
     if loras is not None:
         llm.llm_engine.executor.runner.lora.mode = args.op_mode
-    prompts = [{"prompt_token_ids": r.prompt_ids} for r in reqs]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     sps = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     per = [loras[i % len(loras)] for i in range(len(reqs))] if loras else None
     warm = [loras[0]] if loras else None
@@ -98,7 +100,7 @@ def _run(args, model, load_format, reqs, loras: list | None, n_adapters: int) ->
     outs = llm.generate(prompts, sps, use_tqdm=False, lora_request=per)
     elapsed = time.perf_counter() - start
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    in_toks = sum(len(r.prompt_ids) for r in reqs)
+    in_toks = sum(len(r.prompt_token_ids) for r in reqs)
     llm.llm_engine.shutdown()
     return {"elapsed_s": elapsed, "output_tok_s": out_toks / elapsed, "total_tok_s": (in_toks + out_toks) / elapsed}
 
@@ -144,11 +146,14 @@ def run(args: argparse.Namespace) -> dict:
     del AutoConfig
     vocab = hf_config.vocab_size
     reqs = ds.w48_requests(args.num_prompts, vocab, args.seed)
+    if args.max_output_len:
+        for r in reqs:
+            r.output_len = min(r.output_len, args.max_output_len)
     dtype = torch.float32 if args.dtype in ("auto", "float32") else torch.bfloat16
     result = {**run_metadata(), "bench": "lora", "model": model, "rank": args.rank, "op_mode": args.op_mode,
               "num_prompts": len(reqs), "quantization": args.quantization}
     print(f"LoRA op, {hf_config.hidden_size}-wide model, 16 adapters of rank {args.rank} (median us per call):")
-    result["op"] = op_compare(hf_config, dtype, args.rank)
+    result["op"] = op_compare(hf_config, dtype, args.rank, repeats=args.op_repeats)
     for k, v in result["op"].items():
         print(f"  {k:22s} grouped {v['grouped_us']:9.1f}  bmm {v['bmm_us']:9.1f}  bmm/grouped {v['bmm_over_grouped']:.2f}")
     if args.skip_engine:

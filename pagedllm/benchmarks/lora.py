@@ -25,6 +25,7 @@ import os
 import time
 
 import torch
+from safetensors.torch import save_file
 
 from pagedllm.benchmarks import datasets as ds
 from pagedllm.benchmarks.common import pyplot, run_metadata, write_result
@@ -34,6 +35,7 @@ from pagedllm.llm import LLM
 from pagedllm.lora.ops import lora_add_, make_step
 from pagedllm.lora.peft import TARGETS, expected_shapes
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.checkpoint import load_hf_config
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -67,8 +69,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def write_adapter(out_dir: str, hf_config, rank: int, seed: int) -> str:
     """A PEFT-format LoRA adapter with random weights on every target of every layer."""
-    from safetensors.torch import save_file  # lazily: only this bench writes safetensors
-
     os.makedirs(out_dir, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -135,15 +135,10 @@ def op_compare(hf_config, dtype: torch.dtype, rank: int, n_adapters: int = 16, r
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoConfig  # lazily: transformers, ~1 s to import
-
-    from pagedllm.models.checkpoint import load_hf_config
-
     model = args.model or smollm2_gguf() or "shape:qwen2-0.5b"
     model_path, load_format = resolve_model(model, args.load_format, args.output_dir)
     model_path = resolve_model_path(model_path)
     hf_config = load_hf_config(model_path)
-    del AutoConfig
     vocab = hf_config.vocab_size
     reqs = ds.w48_requests(args.num_prompts, vocab, args.seed)
     if args.max_output_len:

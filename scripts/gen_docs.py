@@ -1,8 +1,9 @@
 """Write the documentation pages that are generated from the code: the supported models (the model
 registry), the CLI reference (``EngineArgs``/``ServerArgs`` ``setting(...)`` fields and vLLM's other
-flags) and the environment variables (``pagedllm/envs.py``).
+flags), the environment variables (``pagedllm/envs.py``) and the request fields of the completions and
+chat routes (``entrypoints/openai/protocol.py``).
 
-    python scripts/gen_docs.py           # rewrite docs/models.md, docs/cli.md, docs/environment.md
+    python scripts/gen_docs.py           # rewrite docs/models.md, cli.md, environment.md, request_fields.md
     python scripts/gen_docs.py --check   # exit 1 and name the pages that differ from the code
 
 ``tests/test_docs_generated.py`` fails when a checked-in page differs from what this writes, so a new
@@ -164,7 +165,74 @@ def environment_page() -> str:
             "Flags: [CLI reference](cli.md).\n\n" + "\n".join(rows) + "\n")
 
 
-PAGES = {"models.md": models_page, "cli.md": cli_page, "environment.md": environment_page}
+# ---- request fields -------------------------------------------------------------------------------
+def _message_text(node) -> str:
+    """A refusal message as written: a string, or an f-string with its {expressions} kept."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
+                       for v in node.values)
+    return ""
+
+
+def _refusals_by_class(source: str) -> dict[str, dict[str, str]]:
+    """class name -> {field: refusal message} for ``protocol.py``'s request classes: the keys of each
+    ``refused = {field: (condition, message)}`` table and each ``RequestError("... not supported ...", field)``."""
+    import ast
+
+    out: dict[str, dict[str, str]] = {}
+    for cls in (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)):
+        found: dict[str, str] = {}
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                    isinstance(t, ast.Name) and t.id == "refused" for t in node.targets):
+                for k, v in zip(node.value.keys, node.value.values):
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Tuple) and len(v.elts) == 2:
+                        found[k.value] = _message_text(v.elts[1])
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "RequestError"
+                  and len(node.args) == 2 and isinstance(node.args[1], ast.Constant)):
+                message = _message_text(node.args[0])
+                if "not supported" in message or "not accepted" in message:
+                    found.setdefault(node.args[1].value, message)
+        out[cls.name] = found
+    return out
+
+
+def request_fields_page() -> str:
+    import inspect
+
+    from pagedllm.entrypoints.openai import protocol
+
+    refusals = _refusals_by_class(inspect.getsource(protocol))
+    sections = []
+    for route, cls in (("POST /v1/completions", protocol.CompletionRequest),
+                       ("POST /v1/chat/completions", protocol.ChatCompletionRequest)):
+        refused: dict[str, str] = {}
+        for base in reversed(cls.__mro__):
+            refused.update(refusals.get(base.__name__, {}))
+        rows = ["| field | default | here |", "|---|---|---|"]
+        for name, f in cls.model_fields.items():
+            key = f.alias or name
+            default = "required" if f.is_required() else (
+                "-" if f.default is None else f"`{f.default!r}`" if not callable(f.default_factory) else "-")
+            here = f"refused (400): {_cell(refused[key])}" if key in refused else "applied"
+            rows.append(f"| `{key}` | {default} | {here} |")
+        sections.append(f"## `{route}` (`{cls.__name__}`)\n\n" + "\n".join(rows) + "\n")
+    return (HEADER.format(source="pagedllm/entrypoints/openai/protocol.py") +
+            "# Request fields\n\n"
+            "Every field the completions and chat routes declare (OpenAI's documented fields and vLLM's "
+            "extra ones), from the request classes of `pagedllm/entrypoints/openai/protocol.py`. A field this "
+            "server cannot apply is refused with a 400 whose `error.param` names it, and the message below; "
+            "a refused field's off value (its default, `null`, or the value the message allows) is accepted. Fields no class declares are "
+            "accepted and logged once per name, as vLLM does. The routes themselves: [serving](serving.md).\n\n"
+            + "\n".join(sections))
+
+
+PAGES = {"models.md": models_page, "cli.md": cli_page, "environment.md": environment_page,
+         "request_fields.md": request_fields_page}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The generated reference pages (docs/models.md, docs/cli.md, docs/environment.md) equal what
+"""The generated reference pages (docs/models.md, cli.md, environment.md, request_fields.md) equal what
 scripts/gen_docs.py writes from the code today: a new flag, variable or architecture fails here until
 `python scripts/gen_docs.py` has rewritten them."""
 from __future__ import annotations

@@ -170,3 +170,25 @@ def test_serve_and_client_blocks_run_as_pasted(kind, tmp_path):
             server.wait()
         log.close()
     assert server.returncode == 0, (tmp_path / "server.log").read_text()[-3000:]
+
+
+def _github_anchor(heading: str) -> str:
+    """GitHub's id for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README names a file of the repository, and its #anchor a heading there
+    (mkdocs build --strict checks the docs pages' links; the README is not one of them)."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links to {link}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {_github_anchor(h) for h in headings}, f"README links to {link}: no such heading"

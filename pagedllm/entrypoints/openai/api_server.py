@@ -190,7 +190,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
               dashboard: bool = True, cors: Optional[dict] = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, enable_prompt_tokens_details: bool = False,
-              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False,
+              json_additional_properties: str = "forbid") -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
@@ -214,6 +215,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     embeddings = OpenAIServingEmbedding(llm, served, chat)
     for serving in (completions, chat):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+        serving.allow_additional_properties = json_additional_properties == "allow"
     load = LoadCounter(enable_server_load_tracking)
 
     def generating() -> None:
@@ -553,7 +555,8 @@ def run_server(args: argparse.Namespace) -> int:
                         reasoning_parser=opts.reasoning_parser,
                         enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
                         enable_server_load_tracking=opts.enable_server_load_tracking,
-                        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint)
+                        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint,
+                        json_additional_properties=opts.json_additional_properties)
         ensure_file_limit(opts.limit_concurrency)
         http = guarded_http_protocol(opts.limit_concurrency or None, opts.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=opts.log_level.lower(), access_log=not opts.disable_access_log,

@@ -14,13 +14,15 @@ from typing import Any, Optional, Sequence
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionToolParam, FunctionCall, NamedToolChoice, RequestError, ToolCall)
 from pagedllm.entrypoints.openai.tool_parsers.json_scan import opened_calls, scan_calls, sendable_args
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import StructuredOutputsParams, without_additional_properties
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def _parameters(tool: ChatCompletionToolParam) -> dict[str, Any]:
-    return tool.function.parameters or _ANY_OBJECT
+    """The tool's parameters schema; ``strict: true`` refuses undeclared keys whatever the server's rule."""
+    schema = tool.function.parameters or _ANY_OBJECT
+    return without_additional_properties(schema) if tool.function.strict else schema
 
 
 def resolve_tool_choice(tools: Optional[Sequence[ChatCompletionToolParam]], tool_choice: Any,

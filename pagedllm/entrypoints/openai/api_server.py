@@ -52,6 +52,7 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, BIG_TOKEN_COUNT, ClientDisconnected, error_body, tokenize_error)
+from pagedllm.entrypoints.openai.template_probe import probe_template
 from pagedllm.logger import init_logger
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.worker.multinode import run_headless
@@ -206,6 +207,9 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat = OpenAIServingChat(llm, served, chat_template)
     chat.enable_auto_tools = enable_auto_tool_choice
     chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    chat.template_tools = probe_template(chat.tokenizer, chat_template)
+    if chat.template_tools.warning(served):
+        logger.warning(chat.template_tools.warning(served))
     if reasoning_parser is None and getattr(llm.model_config.hf_config, "model_type", None) == "gpt_oss":
         reasoning_parser = "openai_gptoss"  # its output is always in harmony's channels (vLLM reads them too)
         logger.info("gpt-oss: reading its harmony channels (reasoning parser openai_gptoss; tool calls with "

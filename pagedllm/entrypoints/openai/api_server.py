@@ -36,6 +36,8 @@ from pagedllm import __version__, envs
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs, cli_flag
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.engine.dp_client import DPAsyncLLM
+from pagedllm.entrypoints.anthropic.protocol import anthropic_error_body
+from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes, is_anthropic_path
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
@@ -76,7 +78,10 @@ class SafeJSONResponse(JSONResponse):
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code=None, type_: Optional[str] = None,
-           headers: Optional[dict] = None) -> JSONResponse:
+           headers: Optional[dict] = None, path: str = "") -> JSONResponse:
+    """The error response in OpenAI's shape, or Anthropic's for a Messages API ``path``."""
+    if is_anthropic_path(path):
+        return SafeJSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
     return SafeJSONResponse(error_body(message, type_ or _STATUS_TYPES.get(status, "server_error"), param, code),
                         status_code=status, headers=headers)
 
@@ -98,10 +103,13 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"].startswith(_KEYED_PATHS):
             # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time.
+            # Anthropic's clients send the key as x-api-key.
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)):
-                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)) \
+                    and not secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: "
+                                   "<key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                              path=scope["path"])
                 await resp(scope, receive, send)
                 return
         length = headers.get(b"content-length")
@@ -144,7 +152,7 @@ class GuardMiddleware:
 
     async def _too_large(self, scope, receive, send) -> None:
         resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes.",
-                      code="request_too_large")
+                      code="request_too_large", path=scope["path"])
         resp.headers["Connection"] = "close"
         await resp(scope, receive, send)
 
@@ -243,17 +251,17 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     app.state.metrics = metrics
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError):
-        return _error(exc.status, exc.message, exc.param, exc.code, exc.type)
+    async def _request_error(request: Request, exc: RequestError):
+        return _error(exc.status, exc.message, exc.param, exc.code, exc.type, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc, request.headers.get("content-type", ""))
-        return _error(400, msg, param)
+        return _error(400, msg, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
@@ -264,9 +272,10 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
+    async def _internal(request: Request, exc: Exception):
         logger.exception("unhandled error while serving a request")
-        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error")
+        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error",
+                      path=request.url.path)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -311,6 +320,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         generating()
         return await chat.create_chat_completion(body, raw_request)
+
+    add_anthropic_routes(app, chat, before=generating)  # /v1/messages (Anthropic's Messages API)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw_request: Request):

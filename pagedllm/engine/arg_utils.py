@@ -456,5 +456,12 @@ class ServerArgs(CliArgs):
         False, "report usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache")
     enable_server_load_tracking: bool = setting(
         False, "count in-flight inference requests for GET /load ({\"server_load\": N}; 0 without this flag)")
+    json_additional_properties: str = setting(
+        "forbid", "what a JSON schema's objects that do not say additionalProperties do with keys they do not "
+                  "declare (response_format, guided_json, forced tool calls): forbid (vLLM's default: xgrammar's "
+                  "strict mode) or allow (vLLM's guidance backend). vLLM's --structured-outputs-config "
+                  "backend=guidance / disable_additional_properties=true set it; a request's "
+                  "structured_outputs.disable_additional_properties or strict: true forbids",
+        choices=("forbid", "allow"))
     enable_tokenizer_info_endpoint: bool = setting(
         False, "serve GET /tokenizer_info: the tokenizer's configuration (may show the chat template)")

@@ -36,6 +36,8 @@ from pagedllm import __version__, envs
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs, cli_flag
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
 from pagedllm.engine.dp_client import DPAsyncLLM
+from pagedllm.entrypoints.anthropic.protocol import anthropic_error_body
+from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes, is_anthropic_path
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
@@ -52,6 +54,7 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, BIG_TOKEN_COUNT, ClientDisconnected, error_body, tokenize_error)
+from pagedllm.entrypoints.openai.template_probe import probe_template
 from pagedllm.logger import init_logger
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.worker.multinode import run_headless
@@ -75,7 +78,10 @@ class SafeJSONResponse(JSONResponse):
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code=None, type_: Optional[str] = None,
-           headers: Optional[dict] = None) -> JSONResponse:
+           headers: Optional[dict] = None, path: str = "") -> JSONResponse:
+    """The error response in OpenAI's shape, or Anthropic's for a Messages API ``path``."""
+    if is_anthropic_path(path):
+        return SafeJSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
     return SafeJSONResponse(error_body(message, type_ or _STATUS_TYPES.get(status, "server_error"), param, code),
                         status_code=status, headers=headers)
 
@@ -97,10 +103,13 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"].startswith(_KEYED_PATHS):
             # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time.
+            # Anthropic's clients send the key as x-api-key.
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)):
-                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)) \
+                    and not secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: "
+                                   "<key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                              path=scope["path"])
                 await resp(scope, receive, send)
                 return
         length = headers.get(b"content-length")
@@ -143,7 +152,7 @@ class GuardMiddleware:
 
     async def _too_large(self, scope, receive, send) -> None:
         resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes.",
-                      code="request_too_large")
+                      code="request_too_large", path=scope["path"])
         resp.headers["Connection"] = "close"
         await resp(scope, receive, send)
 
@@ -190,7 +199,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
               dashboard: bool = True, cors: Optional[dict] = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, enable_prompt_tokens_details: bool = False,
-              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False,
+              json_additional_properties: str = "forbid") -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
@@ -205,6 +215,9 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat = OpenAIServingChat(llm, served, chat_template)
     chat.enable_auto_tools = enable_auto_tool_choice
     chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    chat.template_tools = probe_template(chat.tokenizer, chat_template)
+    if chat.template_tools.warning(served):
+        logger.warning(chat.template_tools.warning(served))
     if reasoning_parser is None and getattr(llm.model_config.hf_config, "model_type", None) == "gpt_oss":
         reasoning_parser = "openai_gptoss"  # its output is always in harmony's channels (vLLM reads them too)
         logger.info("gpt-oss: reading its harmony channels (reasoning parser openai_gptoss; tool calls with "
@@ -214,6 +227,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     embeddings = OpenAIServingEmbedding(llm, served, chat)
     for serving in (completions, chat):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+        serving.allow_additional_properties = json_additional_properties == "allow"
     load = LoadCounter(enable_server_load_tracking)
 
     def generating() -> None:
@@ -237,17 +251,17 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     app.state.metrics = metrics
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError):
-        return _error(exc.status, exc.message, exc.param, exc.code, exc.type)
+    async def _request_error(request: Request, exc: RequestError):
+        return _error(exc.status, exc.message, exc.param, exc.code, exc.type, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc, request.headers.get("content-type", ""))
-        return _error(400, msg, param)
+        return _error(400, msg, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
@@ -258,9 +272,10 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
+    async def _internal(request: Request, exc: Exception):
         logger.exception("unhandled error while serving a request")
-        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error")
+        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error",
+                      path=request.url.path)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -305,6 +320,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         generating()
         return await chat.create_chat_completion(body, raw_request)
+
+    add_anthropic_routes(app, chat, before=generating)  # /v1/messages (Anthropic's Messages API)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw_request: Request):
@@ -553,7 +570,8 @@ def run_server(args: argparse.Namespace) -> int:
                         reasoning_parser=opts.reasoning_parser,
                         enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
                         enable_server_load_tracking=opts.enable_server_load_tracking,
-                        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint)
+                        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint,
+                        json_additional_properties=opts.json_additional_properties)
         ensure_file_limit(opts.limit_concurrency)
         http = guarded_http_protocol(opts.limit_concurrency or None, opts.timeout_request_read or None)
         config = uvicorn.Config(app, log_level=opts.log_level.lower(), access_log=not opts.disable_access_log,

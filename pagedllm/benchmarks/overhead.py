@@ -58,7 +58,6 @@ from typing import Callable, Optional
 
 import torch
 
-import pagedllm.engine.llm_engine as le
 from pagedllm.benchmarks import serve as serve_bench
 from pagedllm.benchmarks.common import pyplot, run_metadata, stamp, wrap_engine_parts, write_result
 from pagedllm.benchmarks.datasets import BenchRequest
@@ -166,7 +165,7 @@ class StepClock:
 
 
 def instrument(engine, clock: StepClock) -> None:
-    """Wrap the engine's parts (instance attributes, and the engine module's ``prepare_inputs``)."""
+    """Wrap the engine's parts (instance attributes)."""
     wrap_engine_parts(engine, clock.wrap)
 
 
@@ -310,7 +309,6 @@ def run(args: argparse.Namespace) -> dict:
     if model is None:
         tmp = tempfile.mkdtemp(prefix="pagedllm-nano-")
         model = write_nano_model(tmp, args.vocab_size, args.seed)
-    prepare_inputs = le.prepare_inputs  # instrument() wraps the module's global: put back at the end
     try:
         llm = LLM(model, **_engine_settings(args, batches))
         engine = llm.llm_engine
@@ -351,7 +349,6 @@ def run(args: argparse.Namespace) -> dict:
             log = os.path.join(args.output_dir, f"overhead-serve-{stamp()}.log")
             served_runs = served(args, model, batches, vocab, log)
     finally:
-        le.prepare_inputs = prepare_inputs
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     ratios = {}

@@ -31,7 +31,7 @@ from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
 from pagedllm.worker.executor_factory import make_executor
-from pagedllm.engine.input_batch import prepare_inputs
+from pagedllm.engine.input_batch import InputBatch
 
 logger = logging.getLogger("pagedllm")
 
@@ -72,6 +72,9 @@ class LLMEngine:
                                               cc.sliding_window)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager,
                                    self.executor.max_concurrent_batches)
+        # The step's flat batch, kept from step to step (rows updated where sequences join, leave, grow).
+        self.input_batch = InputBatch(self.kv_cache_manager, config.scheduler_config.max_num_seqs,
+                                      mc.max_model_len, config.device)
         # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
         self._inflight: deque = deque()
         self.max_inflight_batches = 0  # the most batches ever in flight at once (0: never pipelined)
@@ -298,7 +301,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+        plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
         return self._process_output(sched_out, plan, logits)
 
@@ -309,7 +312,7 @@ class LLMEngine:
             sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 break
-            plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+            plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
             self._inflight.append((sched_out, plan, self.executor.execute_model_async(plan.model_input)))
             self.max_inflight_batches = max(self.max_inflight_batches, len(self._inflight))
         if not self._inflight:
@@ -330,6 +333,7 @@ class LLMEngine:
                                 None if len(r.output_token_ids) >= r.sampling_params.min_tokens
                                 else self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
+            self.input_batch.record_sampled(plan, out.token_ids)
             for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
                 sampled[r.request_id] = tok
                 if r.grammar is not None:

@@ -154,7 +154,9 @@ def wrap_engine_parts(engine, wrap: Callable[[str, Callable], Callable], labels:
     labels = labels or {}
     sched, op = engine.scheduler, engine.output_processor
     owners = {"schedule": (sched, "schedule"), "update_requests": (sched, "update_from_output"),
-              "prepare_inputs": (engine.input_batch, "prepare"), "sample": (engine, "sampler"),
+              "prepare_inputs": ((engine.input_batch, "prepare") if hasattr(engine, "input_batch")  # (older
+                                 else (sys.modules[type(engine).__module__], "prepare_inputs")),  # trees)
+              "sample": (engine, "sampler"),
               "detokenize": (op, "process"), "make_outputs": (op, "make_output"),
               "forward": (engine.executor, "execute_model")}
     for part in ENGINE_PARTS:

@@ -329,9 +329,7 @@ class LLMEngine:
             for i, r in enumerate(plan.sampling_requests):
                 r.pooled = rows[i]
         elif num_sample:
-            rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
-                                None if len(r.output_token_ids) >= r.sampling_params.min_tokens
-                                else self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
+            rows = [r.sampling_row or self._sampling_row(r) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
             self.input_batch.record_sampled(plan, out.token_ids)
             for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
@@ -368,6 +366,16 @@ class LLMEngine:
         if self.log_stats and time.time() - self._last_log > 10.0:
             self._log_stats()
         return outputs
+
+    def _sampling_row(self, r: Request) -> SamplingRow:
+        """The sampler's view of ``r``; kept on the request (``r.sampling_row``) once nothing in it
+        changes from step to step (past ``min_tokens``: no banned ids; its token lists are the
+        request's own, which grow in place)."""
+        banned = None if len(r.output_token_ids) >= r.sampling_params.min_tokens else self._banned_token_ids(r)
+        row = SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids, banned, r.grammar)
+        if banned is None:
+            r.sampling_row = row
+        return row
 
     def _banned_token_ids(self, req: Request) -> Optional[list[int]]:
         """Before ``min_tokens`` outputs, EOS and stop token ids cannot be sampled (as in vLLM)."""

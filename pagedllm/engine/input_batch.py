@@ -44,6 +44,9 @@ class StepPlan:
     prompt_logprob_spans: list[tuple[Request, int, int]] = field(default_factory=list)
     # which InputBatch.prepare call made it (record_sampled applies only to the latest)
     generation: int = -1
+    # (request, new tokens) of every sequence of the step but the rows that advanced in place (those
+    # decoded and sampled last step): prefill chunks, joining rows, rows read from their requests
+    fresh: list[tuple[Request, int]] = field(default_factory=list)
 
 
 def _t(a: np.ndarray, device: str) -> torch.Tensor:
@@ -158,9 +161,16 @@ class InputBatch:
             self._reorder(decodes)
         n = len(decodes)
         row_of = self.row_of
+        req_to_blocks, num_blocks = kv.req_to_blocks, self.num_blocks
         for req, first in changes.items():  # the block tables that changed: their changed tails
             i = row_of.get(req)
-            if i is not None:
+            if i is None:
+                continue
+            blocks = req_to_blocks.get(req.request_id, ())
+            if len(blocks) == first + 1 and num_blocks[i] == first and first < self.tables.shape[1]:
+                self.tables[i, first] = blocks[first].block_id  # one block appended (most changes)
+                num_blocks[i] = first + 1
+            else:
                 self._write_table(i, kv.get_block_ids(req.request_id), first)
         unsteady = np.flatnonzero(~self.steady[:n]).tolist()
         for i in unsteady:
@@ -259,7 +269,8 @@ class InputBatch:
         self.steady[:n] = False
         self.generation += 1
         self._sample_src = sample_src
-        return StepPlan(model_input, sampling_requests, plp_spans, self.generation)
+        fresh = [(decodes[i], 1) for i in unsteady] + prefills if unsteady else prefills
+        return StepPlan(model_input, sampling_requests, plp_spans, self.generation, fresh)
 
     def record_sampled(self, plan: StepPlan, token_ids: Sequence[int]) -> None:
         """The tokens sampled from ``plan``'s logits (``token_ids[j]`` for ``plan.sampling_requests[j]``):

@@ -142,18 +142,20 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
             blocks = self.req_to_blocks[rid] = []
-        hits = new_computed_blocks or []
-        num_computed = request.num_computed_tokens + len(hits) * bs
+        hits = new_computed_blocks or ()
+        num_computed = request.num_computed_tokens
+        if hits:
+            num_computed += len(hits) * bs
         first_changed = len(blocks)
         if self.sliding_window is not None:
-            hits, dropped = self._drop_behind_window(blocks, hits, num_computed)
+            hits, dropped = self._drop_behind_window(blocks, list(hits), num_computed)
             if dropped:  # entries behind the window are null now
                 self._table_changed(request, 0)
         end = num_computed + num_new_tokens
-        num_new_blocks = cdiv(end, bs) - len(blocks) - len(hits)
+        num_new_blocks = -(-end // bs) - first_changed - len(hits)
         # Copy-on-write: the next token goes into a partly filled block shared with a sibling.
         write_idx = num_computed // bs
-        cow = (num_new_tokens > 0 and num_computed % bs != 0 and not hits and write_idx < len(blocks)
+        cow = (num_new_tokens > 0 and num_computed % bs != 0 and not hits and write_idx < first_changed
                and blocks[write_idx].ref_cnt > 1)
         if num_new_blocks > 0 or hits or cow or not blocks:
             # Cache hits that sit in the free queue are taken out of it, so they count too.

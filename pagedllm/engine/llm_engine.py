@@ -332,20 +332,22 @@ class LLMEngine:
             rows = [r.sampling_row or self._sampling_row(r) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
             self.input_batch.record_sampled(plan, out.token_ids)
-            for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
-                sampled[r.request_id] = tok
-                if r.grammar is not None:
-                    r.grammar.accept(tok)
-                if lp is not None:
-                    r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
-                    r.cumulative_logprob += lp[0]
+            sampled = dict(zip([r.request_id for r in plan.sampling_requests], out.token_ids))
+            if not all(row.plain_greedy for row in rows):  # (plain rows: no grammar, no logprobs)
+                for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
+                    if r.grammar is not None:
+                        r.grammar.accept(tok)
+                    if lp is not None:
+                        r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
+                        r.cumulative_logprob += lp[0]
         if plan.prompt_logprob_spans:
             self._collect_prompt_logprobs(plan, logits[num_sample:])
 
         # A request's whole prompt (prefix-cache hits included) once, in the step its prefill
         # completes, as vLLM counts prompt tokens: not again after a preemption, nor per n > 1 sample.
+        # (Only the step's fresh rows can: a row that advanced in place had its first token already.)
         self.num_prompt_tokens_total += sum(
-            r.num_prompt_tokens for r, n in sched_out.scheduled
+            r.num_prompt_tokens for r, n in plan.fresh
             if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched_out, sampled)
         self.num_generation_tokens_total += len(sampled)

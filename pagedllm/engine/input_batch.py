@@ -50,7 +50,7 @@ class StepPlan:
 
 
 def _t(a: np.ndarray, device: str) -> torch.Tensor:
-    """A tensor over ``a`` (which must be a fresh array, not a view of the persistent ones) on ``device``."""
+    """A tensor over ``a`` (a fresh array, not a view of the persistent ones) on ``device``."""
     t = torch.from_numpy(a)
     return t if device == "cpu" else t.to(device)
 
@@ -82,7 +82,10 @@ class InputBatch:
         self.rows: list[Request] = []  # the requests of the rows, in batch order
         self.row_of: dict[Request, int] = {}
         self.generation = 0
-        self._sample_src: Optional[np.ndarray] = None  # per row: its sampled token's index, or -1
+        # after prepare: per row its sampled token's index or -1 (None: row i samples token i), the rows
+        self._sample_src: Optional[np.ndarray] = None
+        self._num_rows = -1
+        self._arange = np.arange(rows, dtype=np.int64)
 
     # ---- row bookkeeping ---------------------------------------------------------------------
     def invalidate(self) -> None:
@@ -90,7 +93,7 @@ class InputBatch:
         changing requests' tokens or computed counts other than through a step, e.g. several tokens
         accepted at once)."""
         self.steady[:] = False
-        self._sample_src = None
+        self._num_rows = -1
 
     def _grow(self, rows: int, width: int) -> None:
         rows = max(rows, len(self.token))
@@ -160,6 +163,8 @@ class InputBatch:
         if decodes != self.rows:  # (list equality: identity first, so an unchanged batch is cheap)
             self._reorder(decodes)
         n = len(decodes)
+        if n > len(self._arange):
+            self._arange = np.arange(2 * n, dtype=np.int64)
         row_of = self.row_of
         req_to_blocks, num_blocks = kv.req_to_blocks, self.num_blocks
         for req, first in changes.items():  # the block tables that changed: their changed tails
@@ -172,7 +177,7 @@ class InputBatch:
                 num_blocks[i] = first + 1
             else:
                 self._write_table(i, kv.get_block_ids(req.request_id), first)
-        unsteady = np.flatnonzero(~self.steady[:n]).tolist()
+        unsteady = [] if self.steady[:n].all() else np.flatnonzero(~self.steady[:n]).tolist()
         for i in unsteady:
             self._refresh(i, decodes[i])
 
@@ -206,9 +211,9 @@ class InputBatch:
                 plain = False
                 break
         if plain:
-            sample_src = np.arange(n, dtype=np.int64)
+            sample_src = None  # row i samples token i
             sampling_requests.extend(decodes)
-            sample_idx_np = sample_src
+            sample_idx_np = self._arange[:n]
         else:  # the general bookkeeping, row by row
             sample_src = np.full(n, -1, np.int64)
             for i, r in enumerate(decodes):
@@ -220,7 +225,7 @@ class InputBatch:
             sample_idx = []
 
         pos = self.pos[:n]
-        dec_slots = self.tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        dec_slots = self.tables[self._arange[:n], pos // bs].astype(np.int64) * bs + pos % bs
         max_blocks = int(self.num_blocks[:n].max()) if n else 0
         if not prefills:
             input_ids, positions, slots = self.token[:n].copy(), pos.copy(), dec_slots
@@ -269,6 +274,7 @@ class InputBatch:
         self.steady[:n] = False
         self.generation += 1
         self._sample_src = sample_src
+        self._num_rows = n
         fresh = [(decodes[i], 1) for i in unsteady] + prefills if unsteady else prefills
         return StepPlan(model_input, sampling_requests, plp_spans, self.generation, fresh)
 
@@ -276,21 +282,16 @@ class InputBatch:
         """The tokens sampled from ``plan``'s logits (``token_ids[j]`` for ``plan.sampling_requests[j]``):
         each decode row that sampled its own next token advances (position + 1, that token its next
         input). Ignored unless ``plan`` is the latest batch made (the rows may have moved since)."""
-        src = self._sample_src
-        if plan.generation != self.generation or src is None:
+        n, src = self._num_rows, self._sample_src
+        if plan.generation != self.generation or n <= 0:
             return
-        n = len(src)
-        ok = src >= 0
-        if not n:
-            return
-        toks = np.asarray(token_ids, np.int64)
-        if ok.all():
-            self.token[:n] = toks[src]
+        self._num_rows = -1
+        if src is None:  # every row sampled its own token, row i token i
+            self.token[:n] = token_ids[:n]
             self.pos[:n] += 1
             self.steady[:n] = True
-        else:
-            rows = np.flatnonzero(ok)
-            self.token[rows] = toks[src[rows]]
-            self.pos[rows] += 1
-            self.steady[rows] = True
-        self._sample_src = None
+            return
+        rows = np.flatnonzero(src >= 0)
+        self.token[rows] = np.asarray(token_ids, np.int64)[src[rows]]
+        self.pos[rows] += 1
+        self.steady[rows] = True

@@ -163,8 +163,8 @@ class InputBatch:
         if decodes != self.rows:  # (list equality: identity first, so an unchanged batch is cheap)
             self._reorder(decodes)
         n = len(decodes)
-        if n > len(self._arange):
-            self._arange = np.arange(2 * n, dtype=np.int64)
+        if n >= len(self._arange):
+            self._arange = np.arange(2 * n + 1, dtype=np.int64)
         row_of = self.row_of
         req_to_blocks, num_blocks = kv.req_to_blocks, self.num_blocks
         for req, first in changes.items():  # the block tables that changed: their changed tails
@@ -225,13 +225,14 @@ class InputBatch:
             sample_idx = []
 
         pos = self.pos[:n]
-        dec_slots = self.tables[self._arange[:n], pos // bs].astype(np.int64) * bs + pos % bs
+        block_idx, offset = np.divmod(pos, bs)
+        dec_slots = self.tables[self._arange[:n], block_idx] * np.int64(bs) + offset  # (int64: no overflow)
         max_blocks = int(self.num_blocks[:n].max()) if n else 0
         if not prefills:
             input_ids, positions, slots = self.token[:n].copy(), pos.copy(), dec_slots
             tables = self.tables[:n, :max_blocks].copy()
             seq_lens = (pos + 1).astype(np.int32)
-            qsl = np.arange(n + 1, dtype=np.int32)
+            qsl = self._arange[:n + 1].astype(np.int32)
             prefill_seqs: list[PrefillSeq] = []
         else:
             p_ids: list[int] = []
@@ -262,7 +263,9 @@ class InputBatch:
             seq_lens = np.concatenate([pos + 1, np.array(p_lens, np.int64)]).astype(np.int32)
             qsl = np.concatenate([np.arange(n, dtype=np.int32), np.array(starts, np.int32)])
             prefill_seqs = [PrefillSeq(starts[j], starts[j + 1], p_lens[j]) for j in range(len(prefills))]
-        logits_indices = np.concatenate([sample_idx_np, np.array(sample_idx + plp_idx, np.int64)])
+        rest = sample_idx + plp_idx
+        logits_indices = (np.concatenate([sample_idx_np, np.array(rest, np.int64)]) if rest
+                          else sample_idx_np.copy())
         meta = AttentionMetadata(
             slot_mapping=_t(slots, device), num_decode_tokens=n, prefills=prefill_seqs,
             block_tables=_t(tables, device), seq_lens=_t(seq_lens, device), query_start_loc=_t(qsl, device),

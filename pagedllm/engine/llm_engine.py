@@ -31,7 +31,7 @@ from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
 from pagedllm.worker.executor_factory import make_executor
-from pagedllm.engine.input_batch import prepare_inputs
+from pagedllm.engine.input_batch import InputBatch
 
 logger = logging.getLogger("pagedllm")
 
@@ -72,6 +72,9 @@ class LLMEngine:
                                               cc.sliding_window)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager,
                                    self.executor.max_concurrent_batches)
+        # The step's flat batch, kept from step to step (rows updated where sequences join, leave, grow).
+        self.input_batch = InputBatch(self.kv_cache_manager, config.scheduler_config.max_num_seqs,
+                                      mc.max_model_len, config.device)
         # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
         self._inflight: deque = deque()
         self.max_inflight_batches = 0  # the most batches ever in flight at once (0: never pipelined)
@@ -298,7 +301,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+        plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
         return self._process_output(sched_out, plan, logits)
 
@@ -309,7 +312,7 @@ class LLMEngine:
             sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 break
-            plan = prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks)
+            plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
             self._inflight.append((sched_out, plan, self.executor.execute_model_async(plan.model_input)))
             self.max_inflight_batches = max(self.max_inflight_batches, len(self._inflight))
         if not self._inflight:
@@ -326,24 +329,25 @@ class LLMEngine:
             for i, r in enumerate(plan.sampling_requests):
                 r.pooled = rows[i]
         elif num_sample:
-            rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
-                                None if len(r.output_token_ids) >= r.sampling_params.min_tokens
-                                else self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
+            rows = [r.sampling_row or self._sampling_row(r) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
-            for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
-                sampled[r.request_id] = tok
-                if r.grammar is not None:
-                    r.grammar.accept(tok)
-                if lp is not None:
-                    r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
-                    r.cumulative_logprob += lp[0]
+            self.input_batch.record_sampled(plan, out.token_ids)
+            sampled = dict(zip([r.request_id for r in plan.sampling_requests], out.token_ids))
+            if not all(row.plain_greedy for row in rows):  # (plain rows: no grammar, no logprobs)
+                for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
+                    if r.grammar is not None:
+                        r.grammar.accept(tok)
+                    if lp is not None:
+                        r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
+                        r.cumulative_logprob += lp[0]
         if plan.prompt_logprob_spans:
             self._collect_prompt_logprobs(plan, logits[num_sample:])
 
         # A request's whole prompt (prefix-cache hits included) once, in the step its prefill
         # completes, as vLLM counts prompt tokens: not again after a preemption, nor per n > 1 sample.
+        # (Only the step's fresh rows can: a row that advanced in place had its first token already.)
         self.num_prompt_tokens_total += sum(
-            r.num_prompt_tokens for r, n in sched_out.scheduled
+            r.num_prompt_tokens for r, n in plan.fresh
             if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched_out, sampled)
         self.num_generation_tokens_total += len(sampled)
@@ -364,6 +368,16 @@ class LLMEngine:
         if self.log_stats and time.time() - self._last_log > 10.0:
             self._log_stats()
         return outputs
+
+    def _sampling_row(self, r: Request) -> SamplingRow:
+        """The sampler's view of ``r``; kept on the request (``r.sampling_row``) once nothing in it
+        changes from step to step (past ``min_tokens``: no banned ids; its token lists are the
+        request's own, which grow in place)."""
+        banned = None if len(r.output_token_ids) >= r.sampling_params.min_tokens else self._banned_token_ids(r)
+        row = SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids, banned, r.grammar)
+        if banned is None:
+            r.sampling_row = row
+        return row
 
     def _banned_token_ids(self, req: Request) -> Optional[list[int]]:
         """Before ``min_tokens`` outputs, EOS and stop token ids cannot be sampled (as in vLLM)."""

@@ -31,6 +31,12 @@ class SamplingRow:
     # Structured outputs: the sequence's grammar state (the engine advances it after sampling).
     grammar: Optional["GrammarMatcher"] = None
 
+    def __post_init__(self) -> None:
+        p = self.params
+        # Greedy with nothing to apply first and no logprobs: its token is the argmax of its logits row.
+        self.plain_greedy = (p.greedy and p.logprobs is None and not p.has_penalties
+                             and not needs_logits_processors(self))
+
 
 @dataclass
 class SamplerOutput:
@@ -87,6 +93,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [B, V] (float32, one row per sequence that samples this step)."""
         logits = logits.float()
+        if all(r.plain_greedy for r in rows):  # (what the general path below gives such a batch)
+            return SamplerOutput(token_ids=ops.argmax_rows(logits).tolist(), logprobs=[None] * len(rows))
         need_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
         penalize = any(r.params.has_penalties for r in rows)

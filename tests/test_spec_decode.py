@@ -294,3 +294,32 @@ def test_disable_by_batch_size_turns_proposals_off(llama_dir):
     llm.generate(ps[:1], sp)  # one sequence: proposals on
     assert llm.llm_engine.speculator.stats.num_drafts > on
     assert_pool_empty(llm)
+
+
+def test_server_with_speculative_config_serves_and_counts(llama_dir):
+    """`pagedllm serve --speculative-config.method=ngram ...` (vLLM's dotted form): a completion equal to the
+    offline one without speculation, the start-up line, and vllm:spec_decode_* on /metrics."""
+    import httpx
+
+    from server_utils import RemoteServer, metric
+
+    prompt = prompts(1, seed=5)[0]["prompt_token_ids"]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={20: 50.0, 21: 50.0, 22: 50.0})
+    want = engine(llama_dir).generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].text
+    with RemoteServer(llama_dir, ("--speculative-config.method=ngram", "--speculative-config.num_speculative_tokens",
+                                  "3", "--speculative-config.prompt_lookup_min=1", "--kv-cache-memory", "4MiB",
+                                  "--max-num-seqs", "4")) as srv:
+        body = {"model": llama_dir, "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "logit_bias": {"20": 50, "21": 50, "22": 50}}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        log = srv.log()
+    assert choice["text"] == want
+    assert "speculative decoding: ngram" in log and "k=3" in log
+    drafts = metric(text, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= drafts
+    assert metric(text, "pagedllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0

@@ -417,8 +417,13 @@ class LLMEngine:
         s = self.get_stats()
         self._last_log = time.time()
         hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%",
-                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit)
+        spec = ""
+        if self.speculator is not None and self.speculator.stats.num_draft_tokens:
+            st = self.speculator.stats
+            spec = (f" spec_decode: acceptance {100 * st.num_accepted_tokens / st.num_draft_tokens:.1f}%, mean "
+                    f"acceptance length {st.mean_acceptance_length:.2f}")
+        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%%s",
+                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit, spec)
 
     def shutdown(self) -> None:
         # Let batches in flight come back first, so no rank is left mid-transfer (a failed

@@ -83,6 +83,10 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos))
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verifying sequence-step: 1 + accepted / drafts (vLLM's definition)."""

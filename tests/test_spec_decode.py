@@ -323,3 +323,24 @@ def test_server_with_speculative_config_serves_and_counts(llama_dir):
     assert drafts > 0 and 0 < accepted <= drafts
     assert metric(text, "pagedllm:spec_decode_num_accepted_tokens_total") == accepted
     assert metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+
+
+def test_bench_speculative_runs_and_outputs_match(llama_dir, tmp_path):
+    import argparse
+    import json
+
+    from pagedllm.benchmarks import speculative
+
+    p = argparse.ArgumentParser()
+    speculative.add_args(p)
+    args = p.parse_args(["--model", llama_dir, "--batch-sizes", "1,3", "--output-len", "12", "--repeats", "1",
+                         "--num-speculative-tokens", "3", "--prompt-lookup-min", "1", "--kv-cache-memory",
+                         str(2 ** 23), "--passage-chars", "200", "--max-model-len", "512", "--output-dir", str(tmp_path)])
+    result = args.func(args)
+    assert [r["batch_size"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["outputs_identical"]
+        assert row["on"]["num_drafts"] > 0 and row["off"]["output_tokens"] == row["on"]["output_tokens"]
+        assert 1.0 <= row["on"]["mean_acceptance_length"] <= 4.0
+    saved = json.load(open(next(tmp_path.glob("speculative_ngram*.json"))))
+    assert saved["speculative_config"]["method"] == "ngram"

@@ -62,6 +62,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passage-chars", type=int, default=1200, help="characters of each passage to copy")
     p.add_argument("--repeats", type=int, default=2, help="off/on pairs per batch size (best of each kept)")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--output-dir", default="bench_results")
     p.set_defaults(func=run)
 
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     common = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(sizes),
-                  max_model_len=2048)
+                  max_model_len=args.max_model_len)
     off = LLM(model, **common)
     on = LLM(model, speculative_config=spec, **common)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len)

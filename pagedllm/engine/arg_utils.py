@@ -22,7 +22,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEMO_MODEL_PATH, DTYPE_NAMES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig)
+                             SchedulerConfig, SpeculativeConfig)
 from pagedllm.layers.attention.kv_quant import CHOICES as KV_CACHE_DTYPES
 from pagedllm.layers.attention.selector import CHOICES as ATTENTION_BACKENDS
 from pagedllm.layers.quantization import get_quantization_config
@@ -31,6 +31,7 @@ from pagedllm.models.gguf import one_line
 from pagedllm.models.registry import get_model_class
 from pagedllm.platforms.cpu.cpu_info import cpu_bf16_gemm, cpu_has_native_bf16
 from pagedllm.platforms.cpu.threads import resolve_num_threads
+from pagedllm.spec_decode.config import parse_json_setting, parse_speculative_config
 from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes
 
 RUNNERS = ("generate", "pooling")
@@ -60,7 +61,8 @@ def parse_size(value: str) -> int:
 
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), type: Optional[Callable[[str], Any]] = None,
-            choices: Optional[Sequence[str]] = None, auto_is_none: bool = False, positional: bool = False) -> Any:
+            choices: Optional[Sequence[str]] = None, auto_is_none: bool = False, positional: bool = False,
+            merge: bool = False) -> Any:
     """A dataclass field that is also a CLI flag.
 
     Args:
@@ -71,10 +73,12 @@ def setting(default: Any, help: str, *, aliases: Sequence[str] = (), type: Optio
         choices: the values the flag accepts.
         auto_is_none: the flag's default is "auto", which means the field's None.
         positional: an optional positional argument (``pagedllm serve MODEL``) instead of a flag.
+        merge: a JSON-config flag that may be given several times (``type`` makes each a dict; the
+            field is their union, later keys winning: ``--x '{"a": 1}' --x b=2``).
     """
     return field(default=default, metadata={"help": help, "aliases": tuple(aliases), "type": type,
                                             "choices": choices, "auto_is_none": auto_is_none,
-                                            "positional": positional})
+                                            "positional": positional, "merge": merge})
 
 
 def cli_flag(name: str) -> str:
@@ -106,6 +110,8 @@ class CliArgs:
                 kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
             elif m["type"] is not None or base in (int, float):
                 kwargs["type"] = m["type"] or base
+            if m.get("merge"):
+                kwargs["action"] = "append"
             if m["positional"]:
                 parser.add_argument(f.name, nargs="?", **kwargs)
             else:
@@ -119,6 +125,8 @@ class CliArgs:
         values = {}
         for f in dataclasses.fields(cls):
             value = getattr(args, f.name)
+            if f.metadata.get("merge") and isinstance(value, list):  # several JSON-config values: one dict
+                value = {k: v for part in value for k, v in part.items()}
             values[f.name] = None if f.metadata["auto_is_none"] and value == "auto" else value
         return cls(**values)
 
@@ -266,6 +274,13 @@ class EngineArgs(CliArgs):
         None, "token budget of one engine step (default: 2048 on a CPU, else max(2048, min(max_model_len, 8192)))")
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = setting(0, "random seed (weights of --load-format dummy, sampling)")
+    speculative_config: Optional[Any] = setting(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4} (proposals copied from the request's own prompt and output) or "
+              "{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 4} (a smaller model "
+              "of the same vocabulary); \"disable_by_batch_size\": N turns proposals off in steps with more "
+              "than N running sequences. The output follows the model's distribution exactly (greedy: the "
+              "same tokens): speed only", type=parse_json_setting, merge=True)
     max_logprobs: int = setting(
         20, "the most logprobs (top_logprobs on chat) or prompt_logprobs a request may ask for; more "
             "is refused (400). The default, 20, is OpenAI's cap (default: 20)")
@@ -368,7 +383,9 @@ class EngineArgs(CliArgs):
             max_logprobs=self.max_logprobs,
             runner=self.runner,
         )
+        speculative = self._speculative_config(model_config)
         return EngineConfig(
+            speculative_config=speculative,
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -394,6 +411,31 @@ class EngineArgs(CliArgs):
             device=device,
         )
 
+    def _speculative_config(self, target: ModelConfig) -> Optional[SpeculativeConfig]:
+        """``speculative_config`` parsed (spec_decode/config.py), its draft's ModelConfig resolved (the
+        target's dtype and context length). Raises ValueError for what speculation cannot serve here."""
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is None:
+            return None
+        if self.runner == "pooling":
+            raise ValueError("speculative_config: the pooling runner samples no tokens")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+        if spec.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: a draft model with tensor_parallel_size > 1 is not supported")
+            path = resolve_model_path(spec.model)
+            hf = load_hf_config(path)
+            get_model_class(hf, target.max_model_len)
+            get_quantization_config(spec.draft_quantization)
+            if hf.vocab_size != target.hf_config.vocab_size:
+                raise ValueError(f"speculative_config: the draft model {spec.model} has a vocabulary of "
+                                 f"{hf.vocab_size} tokens, the target {target.hf_config.vocab_size}: it must share "
+                                 f"the target's tokenizer")
+            spec.draft_model_config = dataclasses.replace(
+                target, model=path, tokenizer=target.tokenizer, hf_config=hf, served_model_name=spec.model,
+                quantization=spec.draft_quantization, dtype_reason="the target's")
+        return spec
 
 # ---- the server's settings -----------------------------------------------------------------------
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.scheduler import SchedulerStats
+from pagedllm.engine.speculator import SpecDecodeStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.platforms.cpu.threads import release_openmp_threads
@@ -48,6 +49,8 @@ class EngineSnapshot:
     num_cached_free_blocks: int = 0    # free but holding prefix-cached K/V
     # Data parallelism: one snapshot per replica (the fields above are then their totals).
     replicas: Optional[list["EngineSnapshot"]] = None
+    # Speculative decoding's counters (a copy; None when it is off): engine/speculator.py SpecDecodeStats
+    spec_decode: Optional[SpecDecodeStats] = None
 
 
 class _Stream:
@@ -212,7 +215,8 @@ class AsyncLLM:
         e = self.engine
         pool = e.kv_cache_manager.block_pool
         return EngineSnapshot(e.get_stats(), e.num_prompt_tokens_total, e.num_generation_tokens_total,
-                              pool.num_usable_blocks, pool.get_num_free_blocks(), pool.num_cached_free_blocks)
+                              pool.num_usable_blocks, pool.get_num_free_blocks(), pool.num_cached_free_blocks,
+                              spec_decode=e.speculator.stats.copy() if e.speculator is not None else None)
 
     def _drain_inbox(self) -> None:
         with self._lock:

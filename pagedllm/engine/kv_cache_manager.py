@@ -226,6 +226,19 @@ class KVCacheManager:
         self._table_changed(child, 0)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
+    def trim(self, request: Request, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` blocks of ``request`` (speculative decoding: blocks past
+        them held only rejected proposals). They were never hashed: the prefix cache hashes only full
+        blocks of ``all_token_ids``."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or len(blocks) <= num_blocks:
+            return
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        self._block_ids.pop(request.request_id, None)
+        self._table_changed(request, num_blocks)
+        self.block_pool.free_blocks(b for b in reversed(tail) if b is not self.null_block)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

@@ -32,6 +32,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
 from pagedllm.worker.executor_factory import make_executor
 from pagedllm.engine.input_batch import InputBatch
+from pagedllm.engine.speculator import Speculator, SpecStepPlan, make_draft_proposer
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,6 +64,8 @@ class LLMEngine:
         self.generation_eos_ids = _generation_eos_ids(mc.model)
         self.vocab_size = mc.hf_config.vocab_size
         self.executor = make_executor(config)
+        # Speculative decoding's draft model, loaded before the KV budget is set (its cache shares it).
+        self.draft = make_draft_proposer(config) if config.speculative_config is not None else None
         try:
             self._init_kv_cache()
         except BaseException:
@@ -81,6 +84,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler()
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
+        self.speculator: Optional[Speculator] = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config, self.kv_cache_manager, self.scheduler, self.sampler,
+                                         self.eos_token_id, self.draft)
+            logger.info(self.speculator.startup_line())
         self.log_stats = log_stats
         # Offline batches only need each request's final output (saves per-step work).
         self.final_outputs_only = False
@@ -100,6 +108,8 @@ class LLMEngine:
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         budget, how = self.executor.determine_kv_budget()
         per_block = self.executor.bytes_per_block()
+        if self.draft is not None:  # the draft's cache has as many blocks, from the same budget
+            per_block += self.draft.bytes_per_block()
         num_blocks = budget // per_block if budget > 0 else 0
         windows = self.executor.sliding_windows()
         # One window on every layer, shorter than a sequence: blocks behind it can be freed (with a
@@ -126,6 +136,8 @@ class LLMEngine:
                 f"{mc.max_model_len} needs{window}; raise {raise_what}, or lower max_model_len")
         cc.num_blocks = num_blocks
         self.executor.allocate_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         kv_bytes = num_blocks * per_block * self.config.parallel_config.world_size
         pc = self.config.parallel_config
         capped = (f" capped at max_num_seqs x {blocks_per_seq} blocks a sequence" if num_blocks < budget // per_block
@@ -298,10 +310,20 @@ class LLMEngine:
         self.executor.check_health()
         if self.scheduler.pipeline_depth > 1:
             return self._step_pipelined()
+        if self.speculator is not None:
+            self.speculator.propose()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
+        plan = None
+        if self.speculator is not None:  # a batch verifying proposals (None: no sequence has any)
+            plan = self.speculator.prepare_inputs(sched_out, self.scheduler.forks)
+            if plan is not None:
+                # Tokens accepted several at a time and rolled-back blocks: the persistent rows are
+                # read again from their requests at the next plain step.
+                self.input_batch.invalidate()
+        if plan is None:
+            plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
         return self._process_output(sched_out, plan, logits)
 
@@ -331,7 +353,8 @@ class LLMEngine:
         elif num_sample:
             rows = [r.sampling_row or self._sampling_row(r) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
-            self.input_batch.record_sampled(plan, out.token_ids)
+            if not isinstance(plan, SpecStepPlan):
+                self.input_batch.record_sampled(plan, out.token_ids)
             sampled = dict(zip([r.request_id for r in plan.sampling_requests], out.token_ids))
             if not all(row.plain_greedy for row in rows):  # (plain rows: no grammar, no logprobs)
                 for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
@@ -342,6 +365,11 @@ class LLMEngine:
                         r.cumulative_logprob += lp[0]
         if plan.prompt_logprob_spans:
             self._collect_prompt_logprobs(plan, logits[num_sample:])
+        if isinstance(plan, SpecStepPlan):  # sequences verifying proposals: their tokens, their rollback
+            sched_out, spec_sampled, appended = self.speculator.verify(plan, logits, sched_out,
+                                                                       self.output_processor.make_logprobs)
+            sampled.update(spec_sampled)
+            self.num_generation_tokens_total += appended
 
         # A request's whole prompt (prefix-cache hits included) once, in the step its prefill
         # completes, as vLLM counts prompt tokens: not again after a preemption, nor per n > 1 sample.
@@ -354,6 +382,8 @@ class LLMEngine:
         stopped = self.output_processor.process(updated)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:
+            self.speculator.release_finished()
         outputs = []
         # Only requests with a sequence that finished this step can be finished (so only those are
         # looked at when only final outputs are wanted).
@@ -406,8 +436,13 @@ class LLMEngine:
         s = self.get_stats()
         self._last_log = time.time()
         hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%",
-                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit)
+        spec = ""
+        if self.speculator is not None and self.speculator.stats.num_draft_tokens:
+            st = self.speculator.stats
+            spec = (f" spec_decode: acceptance {100 * st.num_accepted_tokens / st.num_draft_tokens:.1f}%, mean "
+                    f"acceptance length {st.mean_acceptance_length:.2f}")
+        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%%s",
+                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit, spec)
 
     def shutdown(self) -> None:
         # Let batches in flight come back first, so no rank is left mid-transfer (a failed

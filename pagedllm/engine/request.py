@@ -83,6 +83,9 @@ class Request:
         self.length_cap = 0
         self.pooled: Optional[torch.Tensor] = None  # the pooling runner's embedding [hidden_size], float32
         self.priority = priority  # under the priority policy, lower runs first (then earlier arrival)
+        # Speculative decoding: this step's proposed next tokens (engine/speculator.py), scheduled after
+        # the last sampled token and verified in the same forward pass; never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def priority_key(self) -> tuple[int, float]:

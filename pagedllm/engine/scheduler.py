@@ -198,7 +198,7 @@ class Scheduler:
                     i += 1
                     continue
                 batch_seqs += 1 + len(self.forks.get(req.request_id, ()))
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens + len(req.spec_token_ids)  # (+ proposals)
             if num_new > budget:
                 num_new = budget
             ok = True

@@ -398,7 +398,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--default-mm-loras": VllmFlag("value", _LORA, json=True),
     "--enable-prompt-adapter": VllmFlag("flag", "no prompt adapters (requests naming one are refused)"),
     # --- speculative decoding, observability ---
-    "--speculative-config": VllmFlag("value", "no speculative decoding (it is exact: speed only)", json=True),
     "--show-hidden-metrics-for-version": VllmFlag("value", "metrics only"),
     "--otlp-traces-endpoint": VllmFlag("value", _TRACE),
     "--collect-detailed-traces": VllmFlag("values", _TRACE),
@@ -434,8 +433,13 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--gdn-prefill-backend": VllmFlag("value", _GPU),
     "--linear-backend": VllmFlag("value", _GPU),
     "--kda-prefill-backend": VllmFlag("value", _GPU),
-    "--spec-method": VllmFlag("value", "no speculative decoding (it is exact: speed only)"),
+    "--spec-method": VllmFlag("value", "the method is --speculative-config's \"method\""),
 }
+
+
+# JSON configs that are pagedllm settings (EngineArgs fields that merge key=value parts): their dotted forms
+# (--speculative-config.method=ngram) are rewritten as those of VLLM_FLAGS' JSON flags are.
+JSON_SETTINGS = ("--speculative-config",)
 
 
 def _dest(flag: str) -> str:
@@ -532,7 +536,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
         if tok.startswith("--") and "_" in base:  # vLLM reads --max_num_seqs as --max-num-seqs
             base = "--" + base[2:].replace("_", "-")
             tok = base + (dot + key if dot else "") + eq + value
-        if dot and tok.startswith("--") and base in VLLM_FLAGS and VLLM_FLAGS[base].json:
+        if dot and tok.startswith("--") and (base in VLLM_FLAGS and VLLM_FLAGS[base].json or base in JSON_SETTINGS):
             if not eq:
                 if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
                     value, i = rest[i + 1], i + 1

@@ -215,10 +215,12 @@ class EngineCore:
                 self._send(P.Rejected(self.index, msg.request_id,
                                       str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         elif isinstance(msg, P.AbortRequests):
+            self._pool_dirty = True
             live = [r for r in msg.request_ids if r in engine.output_processor.states]
             if live:
                 engine.abort_request(live)  # frees their KV blocks now
         elif isinstance(msg, P.StopSequences):
+            self._pool_dirty = True
             engine.scheduler.finish_requests(msg.sequence_ids, RequestStatus.FINISHED_STOPPED)
             op = engine.output_processor
             for parent in dict.fromkeys(s.split("#", 1)[0] if "#" in s else s for s in msg.sequence_ids):
@@ -267,8 +269,9 @@ class EngineCore:
                 if not engine.has_unfinished_requests():
                     if not sent_idle:  # one snapshot after the last step shows the emptied pool
                         self._send(P.StepOutputs(self.index, [], self.snapshot()))
-                        self._sample_pool(False)
                         sent_idle = True
+                    if self.pool_interval:
+                        self._sample_pool(False)  # (once: until a message changes something)
                     if not self._drain(int(_IDLE_HEALTH_CHECK_S * 1000)):
                         break
                     if time.monotonic() - last_health >= _IDLE_HEALTH_CHECK_S:

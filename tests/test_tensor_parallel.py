@@ -239,7 +239,7 @@ def worker_ranks(server_pid: int) -> list[int]:
     return grandkids or kids
 
 
-
+def chat(url: str):
     import openai
 
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:

@@ -135,6 +135,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "path", None, lambda raw: Path(raw) if raw else Path.home() / ".cache" / "pagedllm",
         "Where the C++ CPU kernels built at first use are cached (in its ``kernels/`` folder, one .so per "
         "source, compiler, flags and CPU; platforms/cpu/build.py). Unset or empty: ~/.cache/pagedllm."),
+    "PAGEDLLM_ENABLE_MULTIPROCESSING": EnvVar(
+        "bool", "1", _switch,
+        "0: `pagedllm serve` runs the engine core in a thread of the API server process instead of its own "
+        "process (the default of --engine-core-process; vLLM's VLLM_ENABLE_V1_MULTIPROCESSING)."),
     "PAGEDLLM_API_KEY": EnvVar(
         "str", None, lambda raw: raw or None,
         "The API key ``pagedllm serve`` requires as 'Authorization: Bearer KEY' on /v1/* when --api-key is "

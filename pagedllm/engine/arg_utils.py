@@ -452,6 +452,11 @@ class ServerArgs(CliArgs):
     data_parallel_size: int = setting(
         1, "engine replicas (processes, each with its own model copy, KV cache and cores / N "
            "threads) behind this one server; requests go to the least-loaded replica", aliases=("-dp",))
+    engine_core_process: bool = setting(
+        True, "run the engine core (scheduler + model) in its own process, the API server process tokenizing, "
+              "detokenizing and streaming, ZeroMQ + msgspec between them (vLLM V1's layout); "
+              "--no-engine-core-process (or env PAGEDLLM_ENABLE_MULTIPROCESSING=0): in a thread of the server "
+              "process")
     chat_template: Optional[str] = setting(
         None, "Jinja chat template file (or inline template); default: the tokenizer's")
     enable_auto_tool_choice: bool = setting(

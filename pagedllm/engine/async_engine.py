@@ -157,7 +157,7 @@ class AsyncLLM:
         """Yield cumulative RequestOutputs of one request as the engine produces them.
 
         Raises ValueError when the engine rejects the request, EngineDeadError when the engine
-        stops. Closing or cancelling the iterator before the last output aborts the request.
+        stops (or is gone already). Closing or cancelling the iterator before the last output aborts the request.
         """
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -166,7 +166,11 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._submit(request_id, prompt, params, time.time(), priority)
+            try:
+                self._submit(request_id, prompt, params, time.time(), priority)
+            except BaseException:
+                del self._streams[request_id]
+                raise
         self._wake.set()
         try:
             while True:

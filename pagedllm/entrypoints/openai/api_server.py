@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from pagedllm import __version__, envs
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs, cli_flag
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
-from pagedllm.engine.dp_client import DPAsyncLLM
+from pagedllm.engine.core_client import CoreClient
 from pagedllm.entrypoints.anthropic.protocol import anthropic_error_body
 from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes, is_anthropic_path
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
@@ -505,10 +505,15 @@ def _run_headless(engine_args: EngineArgs) -> int:
         return 1
 
 
-def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: str) -> AsyncLLM:
-    """The started engine: one AsyncLLM, or ``data_parallel_size`` > 1 replicas behind a DPAsyncLLM."""
-    if data_parallel_size > 1:
-        return DPAsyncLLM(engine_args, data_parallel_size, log_level=log_level).start()
+def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: str,
+                 core_process: bool = True) -> AsyncLLM:
+    """The started engine: the engine core in its own process (``CoreClient``; ``data_parallel_size``
+    > 1: that many), or with ``core_process`` False and one replica, an AsyncLLM whose engine runs in
+    a thread of this process."""
+    if data_parallel_size > 1 or core_process:
+        return CoreClient(engine_args, data_parallel_size, log_level=log_level).start()
+    logger.info("engine core: a thread of the API server process (--no-engine-core-process or "
+                "PAGEDLLM_ENABLE_MULTIPROCESSING=0)")
     return AsyncLLM.from_engine_args(engine_args).start()
 
 
@@ -547,7 +552,8 @@ def run_server(args: argparse.Namespace) -> int:
         try:
             chat_template = read_chat_template(opts.chat_template)
             check_tool_flags(opts)
-            llm = start_engine(engine_args, opts.data_parallel_size, log_level)
+            llm = start_engine(engine_args, opts.data_parallel_size, log_level,
+                               opts.engine_core_process and envs.PAGEDLLM_ENABLE_MULTIPROCESSING)
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
@@ -562,7 +568,7 @@ def run_server(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
-        # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
+        # The dashboard samples one engine's block pool (data-parallel replicas each keep their own).
         dashboard = opts.dashboard and opts.data_parallel_size == 1
         app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=opts.max_request_bytes,
                         response_store=store, dashboard=dashboard, cors=cors,

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.distributed.parallel_state import get_tp_rank
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
@@ -25,6 +25,7 @@ from pagedllm.models.checkpoint import text_only_weights
 from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.smoothquant import smooth_for_quantization
+from pagedllm.platforms import ops
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -116,6 +117,41 @@ def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[
         yield name, w
 
 
+def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
+    """(ggml type names a GGUF file's linear weights stay in, as blocks multiplied by the platform's
+    kernels; why that is empty or what the kernels are): only without ``--quantization`` and on
+    one tensor-parallel rank (``layers/quantization/gguf.py``)."""
+    if model_config.quantization not in (None, "none"):
+        return frozenset(), f"--quantization {model_config.quantization}"
+    if get_tp_size() != 1:
+        return frozenset(), "tensor parallelism (blocks cannot be split along k)"
+    return ops.gguf_kernel_types()
+
+
+def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, how: str) -> str:
+    """The start-up line: per ggml type, how many tensors stay in blocks on the kernels and how many
+    were dequantized (to the model's dtype), and the weights' resident MiB."""
+    types = sorted({t for t, _ in stats})
+    parts = []
+    for t in types:
+        kept, deq = stats.get((t, "blocks"), 0), stats.get((t, "dequantized"), 0)
+        if kept:
+            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (not a linear layer's weight)" if deq else ""))
+        else:
+            why = ("no kernel" if t not in blocks and t not in ("F32", "F16", "BF16") else "float") if blocks else how
+            parts.append(f"{t}: {deq} dequantized ({why})")
+    mixed = [m for m in model.modules() if getattr(m, "gguf_types", None) and getattr(m, "gguf_bytes", None) is None]
+    kept = sum(getattr(m, "gguf_bytes", 0) for m in model.modules())
+    seen, floats = set(), 0
+    for p in model.parameters():
+        if p.numel() and p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            floats += p.numel() * p.element_size()
+    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "")
+            + (f" | {len(mixed)} layers dequantized (rows of types without a kernel)" if mixed else "")
+            + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
+
+
 def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
@@ -146,7 +182,10 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
         path = model_config.model
         if is_gguf_file(path):
             q8_0 = gguf_q8_0_direct(get_quantization_config(model_config.quantization))
-            raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0)
+            blocks, why_not = gguf_block_types(model_config)
+            gguf_stats: dict = {}
+            raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0, raw_blocks=blocks,
+                                       keep=lambda name: _LINEAR_WEIGHT.search(name) is not None, stats=gguf_stats)
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
             raw = iterate_weights(path)
@@ -172,6 +211,8 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
     quant_config = get_quantization_config(model_config.quantization)
     smoothing = smooth_for_quantization(model, quant_config, model_config.tokenizer)
     report = process_weights_after_loading(model, quant_config)
+    if model_config.load_format != "dummy" and is_gguf_file(model_config.model) and get_tp_rank() == 0:
+        logger.info("%s", describe_gguf_paths(model, gguf_stats, blocks, why_not))
     report.smoothing = smoothing.describe() if smoothing else ""
     model.quantization_report = report
     if quant_config is not None and get_tp_rank() == 0:

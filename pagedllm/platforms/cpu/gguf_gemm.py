@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.platforms.cpu import fused_ops
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 
@@ -65,6 +66,8 @@ def available() -> tuple[bool, str]:
     """(True, "avx-vnni" | "avx2") where the kernels run here, else (False, why not)."""
     if not fused_ops.ENABLED:
         return False, "PAGEDLLM_CPU_FUSED_OPS=0"
+    if not envs.PAGEDLLM_CPU_GGUF_KERNELS:
+        return False, "PAGEDLLM_CPU_GGUF_KERNELS=0"
     lib, err = _LIBRARY.get()
     if lib is None:
         return False, f"the GGUF kernel library is unavailable ({err})"

@@ -17,6 +17,7 @@ import torch
 from conftest import assert_pool_empty, build_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.platforms import ops
+from pagedllm.platforms.cpu import gguf_gemm
 from test_correctness import hf_greedy, make_prompts
 from test_gguf import _hf_from_gguf, write_llama_gguf
 
@@ -87,6 +88,7 @@ def test_blocks_greedy_equal_transformers_and_dequantized(block_gguf, monkeypatc
             base = base.base
         assert isinstance(base, np.memmap)
     assert all(m.weight is None for m in layers)
+    assert any(getattr(m, "is_lm_head", False) for m in layers)  # the untied output matrix too
     prompts = make_prompts(llm.llm_engine.vocab_size, [3, 30, 70], seed=6)
     ids = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert_pool_empty(llm)
@@ -118,8 +120,10 @@ def test_block_linear_close_to_float(block_gguf):
     llm = LLM(block_gguf, kv_cache_memory=2 << 20, max_model_len=256)
     torch.manual_seed(0)
     for m in _layers(llm):
-        x = torch.randn(5, m.input_size)
-        y = m(x).double()
+        _, first_type, first_raw = m.gguf_segments[0]
+        _, elems, nbytes = gguf_gemm.TYPES[first_type]
+        x = torch.randn(5, first_raw.shape[1] // nbytes * elems)
+        y = (m.compute_logits(x) if getattr(m, "is_lm_head", False) else m(x)).double()
         w = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)))
                        for _, t, raw in m.gguf_segments]).double()
         ref = x.double() @ w.t()

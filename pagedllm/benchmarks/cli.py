@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,memory,profile,matmul,prefix-caching,quantization,overhead}``.
+"""``pagedllm bench {throughput,serve,memory,profile,matmul,prefix-caching,quantization,overhead,gguf-decode}``.
 
 ``pagedllm/entrypoints/cli.py`` calls ``register_subparser``; ``python -m pagedllm.benchmarks.cli``
 runs the same commands without it.
@@ -26,13 +26,16 @@ COMMANDS = {
                      "int8 (W8A8) vs fp32: held-out perplexity, greedy agreement, matmul speed, throughput"),
     "overhead": ("pagedllm.benchmarks.overhead",
                  "host time of a decode step by phase, with a near-zero-compute model (batch 1 to 1,024)"),
+    "gguf-decode": ("pagedllm.benchmarks.gguf_decode",
+                    "batch-1 decode of a random GGUF of a real shape: blocks on our kernels vs dequantized, "
+                    "with the memory floor"),
 }
 
 
 def register_subparser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` (with its subcommands) to a parent CLI's ``add_subparsers()`` object. Every
     leaf parser sets ``func`` (called with the parsed args)."""
-    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, matmul, prefix-caching, quantization, overhead)",
+    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, matmul, prefix-caching, quantization, overhead, gguf-decode)",
                                   description="Benchmarks. Each run writes a JSON result and a PNG plot into "
                                               "--output-dir (default bench_results/).")
     sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}")

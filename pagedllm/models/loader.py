@@ -128,6 +128,13 @@ def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
     return ops.gguf_kernel_types()
 
 
+def _block_weights(hf_config: Any):
+    """Which checkpoint names may stay in GGUF blocks: the linear layers' weights, and an untied
+    LM head's (a tied one is the embedding's table, which the lookup reads as floats)."""
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    return lambda name: _LINEAR_WEIGHT.search(name) is not None or (name == "lm_head.weight" and not tied)
+
+
 def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, how: str) -> str:
     """The start-up line: per ggml type, how many tensors stay in blocks on the kernels and how many
     were dequantized (to the model's dtype), and the weights' resident MiB."""
@@ -136,7 +143,8 @@ def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, 
     for t in types:
         kept, deq = stats.get((t, "blocks"), 0), stats.get((t, "dequantized"), 0)
         if kept:
-            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (not a linear layer's weight)" if deq else ""))
+            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (the embedding, or not a linear's weight)"
+                                                     if deq else ""))
         else:
             why = ("no kernel" if t not in blocks and t not in ("F32", "F16", "BF16") else "float") if blocks else how
             parts.append(f"{t}: {deq} dequantized ({why})")
@@ -185,7 +193,7 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
             blocks, why_not = gguf_block_types(model_config)
             gguf_stats: dict = {}
             raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0, raw_blocks=blocks,
-                                       keep=lambda name: _LINEAR_WEIGHT.search(name) is not None, stats=gguf_stats)
+                                       keep=_block_weights(model_config.hf_config), stats=gguf_stats)
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
             raw = iterate_weights(path)

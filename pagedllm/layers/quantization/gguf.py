@@ -72,6 +72,7 @@ def finish_blocks(layer: nn.Module, keep_blocks: bool) -> bool:
     block rows into the float weight and return False."""
     segments, rows = layer.__dict__.pop("gguf_segments"), layer.__dict__.pop("gguf_rows")
     if keep_blocks and bool(rows.all()):
+        layer.gguf_out_features = layer.weight.shape[0]
         del layer.weight
         layer.weight = None  # the layer's float weight is gone (code testing for it finds None)
         layer.gguf_segments = sorted(segments, key=lambda s: s[0])
@@ -96,7 +97,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x.shape
-        out = ops.gguf_linear(x.reshape(-1, shape[-1]), layer.gguf_segments, layer.output_size)
+        out = ops.gguf_linear(x.reshape(-1, shape[-1]), layer.gguf_segments, layer.gguf_out_features)
         if bias is not None:
             out.add_(bias)
         return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])

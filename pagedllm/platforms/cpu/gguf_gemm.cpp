@@ -315,7 +315,9 @@ int gguf_gemm_vnni() {
 // [M, K], d = max|x| / 127 and s = d * sum(q), float32 [M, K / 32]; q = round-half-even(x / d).
 void gguf_quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t kb = K / 32, total = M * kb;
-#pragma omp parallel for schedule(static)
+  // A decode step's few rows take a microsecond or two on one thread: no parallel region (its
+  // start and barrier cost more, and far more on a host whose cores are shared).
+#pragma omp parallel for schedule(static) if (total >= 1024)
   for (int64_t idx = 0; idx < total; ++idx) {
     const int64_t i = idx / kb, b = idx % kb;
     const float* xb = x + i * ldx + 32 * b;

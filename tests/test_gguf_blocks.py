@@ -39,6 +39,13 @@ def _k_quant(a: np.ndarray, qtype) -> np.ndarray:
     return raw.reshape(a.shape[0], -1)
 
 
+@pytest.fixture(autouse=True)
+def _blocks_at_any_size(monkeypatch):
+    """The tiny files are far under the size from which the loader keeps blocks by default."""
+    from pagedllm.models import loader
+    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
+
+
 @pytest.fixture(scope="module")
 def block_gguf(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_blocks")

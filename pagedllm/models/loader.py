@@ -22,7 +22,7 @@ from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
 from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
-from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
+from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line, open_gguf
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.smoothquant import smooth_for_quantization
 from pagedllm.platforms import ops
@@ -117,15 +117,32 @@ def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[
         yield name, w
 
 
+# Float bytes of a file's kernel-type matrices from which they stay in blocks. Below it the float copy
+# is small and the dequantized path ran faster (the fused layer runner and the float GEMMs at batch);
+# above it reading float weights dominates decode. Measured on a loaded 2-core host (benchmarks/README
+# section 24): Qwen2.5-1.5B Q4_K (5.2 GB dequantized) at batch 1, blocks 1.36-1.56x the tok/s at 0.34x
+# the memory; SmolLM2-135M Q4_1 (0.4 GB dequantized) at batch 4, blocks 0.49x the tok/s.
+GGUF_BLOCKS_MIN_FLOAT_BYTES = 1 << 30
+
+
 def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
     """(ggml type names a GGUF file's linear weights stay in, as blocks multiplied by the platform's
-    kernels; why that is empty or what the kernels are): only without ``--quantization`` and on
-    one tensor-parallel rank (``layers/quantization/gguf.py``)."""
+    kernels; why that is empty or what the kernels are): only without ``--quantization``, on one
+    tensor-parallel rank (``layers/quantization/gguf.py``), and for a file whose kernel-type matrices
+    would take at least GGUF_BLOCKS_MIN_FLOAT_BYTES in the run's dtype."""
     if model_config.quantization not in (None, "none"):
         return frozenset(), f"--quantization {model_config.quantization}"
     if get_tp_size() != 1:
         return frozenset(), "tensor parallelism (blocks cannot be split along k)"
-    return ops.gguf_kernel_types()
+    types, how = ops.gguf_kernel_types()
+    if types:
+        reader = open_gguf(model_config.model)
+        elems = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type.name in types and len(t.data.shape) == 2)
+        size = elems * torch.empty(0, dtype=model_config.dtype).element_size()
+        if size < GGUF_BLOCKS_MIN_FLOAT_BYTES:
+            return frozenset(), (f"its quantized matrices take {size / 2**20:.0f} MiB dequantized, under "
+                                 f"{GGUF_BLOCKS_MIN_FLOAT_BYTES / 2**20:.0f} MiB, where the float path is the faster")
+    return types, how
 
 
 def _block_weights(hf_config: Any):

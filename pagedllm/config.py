@@ -166,6 +166,24 @@ class LoRAConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``; parsed and checked by
+    ``pagedllm/spec_decode/config.py``). ``method``: "ngram" (prompt lookup) or "draft_model";
+    ``num_speculative_tokens``: k proposals a sequence a step; ``prompt_lookup_min/max``: n-gram
+    lengths matched (ngram); ``draft_model_config``: the draft's ``ModelConfig`` (draft_model);
+    ``disable_by_batch_size``: no proposals in a step with more running sequences than this (None: never)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: Optional[str] = None
+    draft_model_config: Optional[ModelConfig] = None
+    draft_quantization: Optional[str] = None  # the draft's --quantization (None: as its checkpoint is)
+    disable_by_batch_size: Optional[int] = None
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -173,3 +191,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: str
     lora_config: Optional[LoRAConfig] = None  # None: LoRA off
+    speculative_config: Optional[SpeculativeConfig] = None

@@ -131,6 +131,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "Pack float32/bfloat16 linear weights once after loading into oneDNN's blocked layout (and our "
         "panel GEMM's, see PAGEDLLM_CPU_FLOAT_GEMM; platforms/cpu/ops.py); 0 keeps the "
         "weights as loaded and multiplies with F.linear. Read for each layer as its weights are processed."),
+    "PAGEDLLM_CPU_GGUF_KERNELS": EnvVar(
+        "switch (0 = off)", "1", _switch,
+        "Keep a GGUF file's quantized linear weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in "
+        "their ggml blocks, memory-mapped, and multiply them with our int8-dot kernels "
+        "(platforms/cpu/gguf_gemm.py; activations quantized to 8 bits per block of 32, as llama.cpp); 0 "
+        "dequantizes them to the model's dtype at load. Read when a model is loaded."),
     "PAGEDLLM_CPU_LAYER_RUNNER": EnvVar(
         "switch (0 = off)", "1", _switch,
         "Run all decoder layers of a step in one C++ call on a CPU (platforms/cpu/layer_runner.py) where "
@@ -158,6 +164,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "bool (1/true)", None, _runtime_lora_updating,
         "Turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as --allow-runtime-lora-updating "
         "does (with --enable-lora). Unset: vLLM's name, VLLM_ALLOW_RUNTIME_LORA_UPDATING, is read instead."),
+    "PAGEDLLM_ENABLE_MULTIPROCESSING": EnvVar(
+        "bool", "1", _switch,
+        "0: `pagedllm serve` runs the engine core in a thread of the API server process instead of its own "
+        "process (the default of --engine-core-process; vLLM's VLLM_ENABLE_V1_MULTIPROCESSING)."),
     "PAGEDLLM_API_KEY": EnvVar(
         "str", None, lambda raw: raw or None,
         "The API key ``pagedllm serve`` requires as 'Authorization: Bearer KEY' on /v1/* when --api-key is "

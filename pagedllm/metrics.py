@@ -47,6 +47,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
                                              "vllm:time_per_output_token_seconds"),
     "pagedllm:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "pagedllm:request_success": ("vllm:request_success",),
+    "pagedllm:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "pagedllm:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "pagedllm:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "pagedllm:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 
 
@@ -126,6 +130,20 @@ class _EngineCollector:
                       lambda sn: sn.stats.prefix_cache_queries)
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       lambda sn: sn.stats.prefix_cache_hits)
+        spec = getattr(snap, "spec_decode", None)
+        if spec is not None and not replicas:  # speculative decoding on (vLLM's spec_decode_* counters)
+            yield counter("pagedllm:spec_decode_num_drafts", "Sequence-steps that verified proposed tokens.",
+                          lambda sn: spec.num_drafts)
+            yield counter("pagedllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                          lambda sn: spec.num_draft_tokens)
+            yield counter("pagedllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                          lambda sn: spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily("pagedllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
+                                          "accepted, by position in the proposal (0: the first).",
+                                          labels=labels + ["position"])
+            for pos, value in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric(samples[0][0] + [str(pos)], value)
+            yield per_pos
 
 
 class ServerMetrics:

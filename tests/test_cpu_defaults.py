@@ -2,7 +2,6 @@
 line that explains them."""
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 
@@ -151,21 +150,19 @@ def test_async_engine_start_releases_the_loader_threads(llama_dir, monkeypatch):
         llm.shutdown()
 
 
-def test_engine_uses_fixed_kv_space_and_logs_choices(llama_dir, monkeypatch, caplog):
-    from pagedllm.logger import init_logger
-
-    monkeypatch.setattr(init_logger(), "propagate", True)  # let caplog see the start-up line
+def test_engine_uses_fixed_kv_space_and_logs_choices(llama_dir, monkeypatch):
+    from conftest import pagedllm_logs
     space_gib = 0.001
     monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", str(space_gib))
     prev = torch.get_num_threads()
     try:
-        with caplog.at_level(logging.INFO, logger="pagedllm"):
+        with pagedllm_logs() as records:  # not caplog: its handling of non-propagating loggers changed in pytest 9.2
             llm = LLM(llama_dir, device="cpu", num_threads=1, max_model_len=128)
         engine = llm.llm_engine
         assert torch.get_num_threads() == 1
         per_block = engine.executor.bytes_per_block()
         assert engine.config.cache_config.num_blocks == int(space_gib * 2**30) // per_block
-        line = next(r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage())
+        line = next(r.getMessage() for r in records if "KV cache:" in r.getMessage())
         assert "PAGEDLLM_CPU_KVCACHE_SPACE=0.001 GiB" in line and "threads 1 (--num-threads)" in line
         assert "dtype=float32 (auto: PAGEDLLM_CPU_AUTO_DTYPE=float32)" in line
         out = llm.generate(["the king"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),

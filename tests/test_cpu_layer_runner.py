@@ -8,18 +8,16 @@ in the pool; and the models and steps it must leave to the loop; the layouts the
 block size taken from the step's metadata."""
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
 
-from conftest import assert_pool_empty, build_checkpoint
+from conftest import assert_pool_empty, build_checkpoint, pagedllm_logs
 from test_correctness import PROMPT_LENS, greedy, make_prompts, reference
 from pagedllm import LLM
 from pagedllm.platforms.cpu import layer_runner as cpu_layer_runner, float_gemm as float_gemm_cpu
 from pagedllm.platforms.cpu import attention as cpu_kernel
 from pagedllm.platforms.cpu.layer_runner import CpuLayerRunner
-from pagedllm.logger import init_logger
 
 # Wide enough that every linear packs for float_gemm_cpu (>= 4 panels a thread, up to 4 threads).
 WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
@@ -184,25 +182,26 @@ def test_runner_over_cached_prefixes(wide_dir):
     assert_pool_empty(llm)
 
 
-def test_runner_left_to_the_loop(caplog, tmp_path, monkeypatch):
+def test_runner_left_to_the_loop(tmp_path):
     """What it does not cover runs the Python loop, with the reason logged once: a sparse MoE MLP
     (Mixtral), a Gemma MLP with exact GELU, a model too narrow to pack its linears (hidden 64), and
     a step without KV caches or in another dtype."""
     from test_models_moe import build_moe_checkpoint
 
     _runner_or_skip()
-    monkeypatch.setattr(init_logger(), "propagate", True)  # let caplog see pagedllm's lines
     erf_gemma = build_checkpoint(str(tmp_path / "gemma_erf"), "gemma2", **WIDE, hidden_activation="gelu")
     for path, why in ((build_moe_checkpoint(str(tmp_path / "moe"), "mixtral"),
                        "MLP SparseMoeBlock, not the dense SwiGLU one"),
                       (erf_gemma, "a Gemma MLP whose activation is not GELU-tanh")):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="pagedllm"):
+        # pagedllm_logs, not caplog: pytest 9.2's caplog also attaches to non-propagating loggers,
+        # so a test that made pagedllm's logger propagate saw each record twice there.
+        with pagedllm_logs() as records:
             llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20)
             out = llm.generate([[5, 6, 7]], greedy(n=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
         assert _model(llm).__dict__.get("_cpu_layer_runner") is False
-        assert [m for m in caplog.messages if m.startswith("cpu layer runner")] == [f"cpu layer runner: off ({why})"]
+        messages = [r.getMessage() for r in records]
+        assert [m for m in messages if m.startswith("cpu layer runner")] == [f"cpu layer runner: off ({why})"]
 
     llm = LLM(build_checkpoint(str(tmp_path / "narrow")), dtype="float32", kv_cache_memory=4 << 20)
     assert llm.generate([[5, 6, 7]], greedy(n=2), use_tqdm=False)[0].outputs[0].token_ids
@@ -225,38 +224,36 @@ def test_runner_left_to_the_loop(caplog, tmp_path, monkeypatch):
     assert runner.run(x.to(torch.bfloat16), None, None, [], NoCache()) is None
 
 
-def test_ministral3_runner_within_its_original_length(tmp_path, caplog, monkeypatch):
+def test_ministral3_runner_within_its_original_length(tmp_path):
     """Ministral 3's query scaling is 1 below original_max_position_embeddings (64 here): with
     max_model_len 64 the runner takes the layers, bit-equal to the loop; with 512 the scaling is
     on and the loop runs it, equal to transformers past position 64 (logged why)."""
     _runner_or_skip()
-    monkeypatch.setattr(init_logger(), "propagate", True)
     d = build_checkpoint(str(tmp_path / "ministral3"), "ministral3", **WIDE, head_dim=64, max_position_embeddings=512)
     short = make_prompts(500, lens=[3, 20, 40])
     llm = LLM(d, dtype="float32", kv_cache_memory=16 << 20, max_model_len=64, max_num_batched_tokens=32)
     assert _run(llm, short, True) == _run(llm, short, False)
     longer = make_prompts(500, lens=[70, 150])
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
+    with pagedllm_logs() as records:
         llm = LLM(d, dtype="float32", kv_cache_memory=16 << 20, max_model_len=512)
         outs = llm.generate(longer, greedy(), use_tqdm=False)
     assert _model(llm).__dict__.get("_cpu_layer_runner") is False
     assert "cpu layer runner: off (Llama 4's query scaling (Ministral 3 with max_model_len past " \
-           "original_max_position_embeddings))" in caplog.messages
+           "original_max_position_embeddings))" in [r.getMessage() for r in records]
     assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in reference(d, longer)]
     assert_pool_empty(llm)
 
 
-def test_hunyuan_q_k_norms_after_rope_run_the_loop(tmp_path, caplog, monkeypatch):
+def test_hunyuan_q_k_norms_after_rope_run_the_loop(tmp_path):
     """The runner norms q and k before RoPE; HunYuan's norms follow it, so the loop runs HunYuan
     (logged why), equal to transformers."""
     _runner_or_skip()
-    monkeypatch.setattr(init_logger(), "propagate", True)
     d = build_checkpoint(str(tmp_path / "hunyuan"), "hunyuan", **WIDE, head_dim=64)
     prompts = make_prompts(500, lens=[5, 40])
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
+    with pagedllm_logs() as records:
         llm = LLM(d, dtype="float32", kv_cache_memory=16 << 20)
         outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert "cpu layer runner: off (q/k norms after RoPE (HunYuan))" in caplog.messages
+    assert "cpu layer runner: off (q/k norms after RoPE (HunYuan))" in [r.getMessage() for r in records]
     assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in reference(d, prompts)]
 
 

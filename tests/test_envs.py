@@ -17,9 +17,10 @@ EXPECTED_DEFAULTS = {
     "PAGEDLLM_DP_STARTUP_TIMEOUT_S": 600.0, "PAGEDLLM_TP_TIMEOUT_S": 300.0, "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S": 120.0,
     "PAGEDLLM_CPU_AUTO_DTYPE": "", "PAGEDLLM_CPU_KVCACHE_SPACE": None, "PAGEDLLM_CPU_MALLOC_TUNING": True,
     "PAGEDLLM_CPU_FUSED_OPS": True, "PAGEDLLM_CPU_FLOAT_GEMM": True, "PAGEDLLM_CPU_PACKED_LINEAR": True,
-    "PAGEDLLM_CPU_LAYER_RUNNER": True, "PAGEDLLM_SMOOTHQUANT_ALPHA": None,
+    "PAGEDLLM_CPU_LAYER_RUNNER": True, "PAGEDLLM_CPU_GGUF_KERNELS": True, "PAGEDLLM_SMOOTHQUANT_ALPHA": None,
     "PAGEDLLM_CACHE_DIR": Path.home() / ".cache" / "pagedllm", "PAGEDLLM_API_KEY": None,
     "PAGEDLLM_LORA_OP": "auto", "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": False,
+    "PAGEDLLM_ENABLE_MULTIPROCESSING": True,
 }
 
 
@@ -73,7 +74,7 @@ def test_read_on_access(clean_env):
 
 def test_switches_keep_the_only_zero_is_off_rule(clean_env):
     for name in ("PAGEDLLM_CPU_MALLOC_TUNING", "PAGEDLLM_CPU_FUSED_OPS", "PAGEDLLM_CPU_FLOAT_GEMM",
-                 "PAGEDLLM_CPU_PACKED_LINEAR", "PAGEDLLM_CPU_LAYER_RUNNER"):
+                 "PAGEDLLM_CPU_PACKED_LINEAR", "PAGEDLLM_CPU_LAYER_RUNNER", "PAGEDLLM_CPU_GGUF_KERNELS"):
         for text, on in (("0", False), ("1", True), ("", True), ("false", True), (" 0", True)):
             clean_env.setenv(name, text)
             assert getattr(envs, name) is on, (name, text)

@@ -340,3 +340,29 @@ def test_argmax_rows_ties_infinities_and_nans_as_torch(path):
     got = cpu_fused_ops.argmax_rows(x)
     assert got.tolist() == [10, 0, 37, 3, 998, 0, 15, 994]
     assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_first_build_says_what_it_compiles_and_where_it_is_cached(monkeypatch, tmp_path):
+    """A first build logs one line naming the source and the cached library's path; a second
+    build of the same source finds the library and logs nothing."""
+    import shutil
+
+    from conftest import pagedllm_logs
+    from pagedllm.platforms.cpu import build as cpu_build
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler on this host")
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny_kernel.cpp"
+    source.write_text('extern "C" int tiny_answer() { return 42; }\n')
+    flags = ["-O1", "-shared", "-fPIC"]
+    with pagedllm_logs() as records:
+        assert cpu_build.build_library(source, flags).tiny_answer() == 42
+    lines = [r.getMessage() for r in records if "compiling" in r.getMessage()]
+    built = list((tmp_path / "cache" / "kernels").glob("tiny_kernel-*.so"))
+    assert len(lines) == 1 and len(built) == 1
+    assert "tiny_kernel.cpp" in lines[0] and str(built[0]) in lines[0] and "cached" in lines[0]
+    with pagedllm_logs() as records:
+        assert cpu_build.build_library(source, flags).tiny_answer() == 42
+    assert not [r for r in records if "compiling" in r.getMessage()]

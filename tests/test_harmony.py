@@ -49,7 +49,8 @@ def test_openai_tool_parser_whole_and_streamed():
     assert got.tools_called and got.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls] == [
         ("get_weather", {"city": "Rome"})]
-    # streamed: text around the call as it comes, the call whole once the output ends
+    # streamed: text around the call as it comes, the call opened with its name, then its arguments
+    # character by character (a closing <|end|> held back while it may be arriving)
     text = "Checking." + content + "It is sunny."
     streamer, sent, calls = get_tool_parser("openai")(None), "", []
     for end in range(1, len(text) + 1):
@@ -57,9 +58,14 @@ def test_openai_tool_parser_whole_and_streamed():
         if d is not None:
             sent += d.content or ""
             calls += d.tool_calls or []
-    assert sent == "Checking.It is sunny." and [c.function.name for c in calls] == ["get_weather"]
-    assert streamer.called
-    assert json.loads(calls[0].function.arguments) == {"city": "Rome"}
+    assert sent == "Checking.It is sunny." and [c.function.name for c in calls if c.function.name] == ["get_weather"]
+    assert streamer.called and calls[0].id and all(c.index == 0 and c.id is None for c in calls[1:])
+    assert len(calls) > 5 and "".join(c.function.arguments for c in calls) == got.tool_calls[0].function.arguments
+    assert json.loads(got.tool_calls[0].function.arguments) == {"city": "Rome"}
+    # cut by max_tokens inside the arguments: a call with the arguments so far, streamed or not
+    cut = content[:content.index("Rome") + 2]
+    whole = get_tool_parser("openai")(None).extract_tool_calls(cut)
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("get_weather", '{"city":"Ro')]
 
 
 def test_streamed_pieces_add_up_to_the_split():

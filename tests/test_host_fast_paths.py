@@ -1,9 +1,10 @@
-"""The decode step's fast paths (issue 37) give what the general code gives: ``allocate_slots``'
-no-allocation path against its general path on random workloads (prefix hits, n > 1 forks with
-copy-on-write, preemption), the input batch of every step of a real engine run against the
-original list-built batch (requests joining and leaving at every position of the batch,
-preemption and resume, forks, prefix hits, chunked prefill, prompt logprobs), and the outputs of
-that run against transformers' greedy tokens."""
+"""The persistent input batch and the KV manager's one allocation path (issue 37) give what the
+original code gave: ``allocate_slots`` against the original general path (kept here as the oracle) on
+random workloads (prefix hits, n > 1 forks with copy-on-write, preemption), and every step's batch of
+the persistent ``InputBatch`` against the original list-built batch, both driven by a scheduler with
+random token streams (requests joining and leaving at every position, moving under the priority
+policy, preemption and resume, forks, prefix hits, chunked prefill, prompt logprobs; the pool empty
+afterwards) and inside a real engine run, whose outputs equal transformers' greedy tokens."""
 from __future__ import annotations
 
 import random
@@ -14,16 +15,16 @@ import transformers
 
 from conftest import assert_pool_empty
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import llm_engine
+from pagedllm.config import SchedulerConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.input_batch import _decode_only_metadata, _tensor
-from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.input_batch import InputBatch
+from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.layers.attention import AttentionMetadata
 from test_correctness import make_prompts, reference
 
 
-# ---- the tensors of a decode batch -------------------------------------------------------------
 def assert_meta_equal(a: AttentionMetadata, b: AttentionMetadata) -> None:
     for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
         x, y = getattr(a, name), getattr(b, name)
@@ -32,34 +33,39 @@ def assert_meta_equal(a: AttentionMetadata, b: AttentionMetadata) -> None:
         (b.num_decode_tokens, b.prefills, b.block_size, b.max_decode_seq_len)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_decode_only_metadata_equals_build(seed):
-    rng = random.Random(seed)
-    num_seqs = rng.choice([1, 2, 7, 64])
-    tables = [[rng.randrange(1000) for _ in range(rng.randrange(1, 9))] for _ in range(num_seqs)]
-    if seed == 0:
-        tables = [[3, 4]] * num_seqs  # all rows one length (no padding)
-    seq_lens = [16 * (len(t) - 1) + rng.randrange(1, 17) for t in tables]
-    slots = torch.tensor([rng.randrange(16000) for _ in tables], dtype=torch.long)
-    assert_meta_equal(_decode_only_metadata(slots, tables, seq_lens, 16, "cpu"),
-                      AttentionMetadata.build(slots, tables, seq_lens, [1] * num_seqs, 16, "cpu"))
-
-
-@pytest.mark.parametrize("values", [[], [0], [5, 2**40, 7], list(range(1000))])
-def test_tensor_equals_torch_tensor(values):
-    for code, dtype in (("q", torch.long), ("i", torch.int32)):
-        if code == "i" and any(v >= 2**31 for v in values):
-            continue
-        t = _tensor(values, code, dtype, "cpu")
-        assert t.dtype == dtype and torch.equal(t, torch.tensor(values, dtype=dtype))
-
-
-# ---- allocate_slots: fast path against the general path ----------------------------------------
+# ---- allocate_slots against the original general path ------------------------------------------
 class GeneralOnly(KVCacheManager):
-    """allocate_slots without its fast path."""
+    """allocate_slots as pagedllm wrote it before its one path (every call through this body)."""
 
     def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
-        return self._allocate_slots(request, num_new_tokens, new_computed_blocks)
+        new_computed_blocks = new_computed_blocks or []
+        self._block_ids.pop(request.request_id, None)
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if self.sliding_window is not None:
+            new_computed_blocks = self._drop_behind_window(blocks, new_computed_blocks, num_computed)[0]
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        write_idx = num_computed // self.block_size
+        cow = (num_new_tokens > 0 and num_computed % self.block_size != 0 and not new_computed_blocks
+               and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1)
+        if num_new_blocks + num_evictable_hits + cow > self.block_pool.get_num_free_blocks():
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        if cow:
+            shared = blocks[write_idx]
+            blocks[write_idx] = self.block_pool.get_new_blocks(1)[0]
+            self.pending_copies.append((shared.block_id, blocks[write_idx].block_id))
+            self.block_pool.free_blocks([shared])
+        self.block_pool.touch(b for b in new_computed_blocks if b is not self.null_block)
+        blocks.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return True
 
 
 def kv_state(kv: KVCacheManager, rids) -> tuple:
@@ -74,14 +80,16 @@ def kv_state(kv: KVCacheManager, rids) -> tuple:
             pool.num_cached_free_blocks, list(kv.pending_copies))
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_allocate_slots_fast_path_matches_general(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_allocate_slots_matches_the_original_path(seed):
     """The same random workload (admissions with prefix hits, prefill chunks, decodes that fill
-    blocks, forks that copy on write, preemptions, finishes) on two managers, one without the fast
-    path: every answer and the whole pool state equal after every operation."""
+    blocks, forks that copy on write, preemptions, finishes; a sliding window for some seeds) on two
+    managers, one with the original allocation code: every answer and the whole pool state equal
+    after every operation."""
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16])
-    kvs = [KVCacheManager(48, bs), GeneralOnly(48, bs)]
+    window = 2 * bs + 3 if seed % 4 == 3 else None
+    kvs = [KVCacheManager(48, bs, sliding_window=window), GeneralOnly(48, bs, sliding_window=window)]
     reqs: list[dict[str, Request]] = [{}, {}]
     running: list[str] = []
     shared = [rng.randrange(100) for _ in range(3 * bs + 2)]
@@ -158,14 +166,17 @@ def test_decode_inside_a_block_allocates_nothing():
     kv = KVCacheManager(8, 4)
     r = Request("a", [1, 2, 3], SamplingParams(), None)
     assert kv.allocate_slots(r, 3)
+    assert kv.take_table_changes() == {r: 0} and kv.take_table_changes() == {}
     r.num_computed_tokens = 3
     table = kv.get_block_ids("a")
     r.append_output_token(9)
     assert kv.allocate_slots(r, 1) and kv.get_block_ids("a") is table  # the same list: nothing changed
+    assert kv.take_table_changes() == {}
     r.num_computed_tokens = 4
     assert kv.block_pool.get_cached_block(r.block_hashes[0]) is not None  # the block filled
     r.append_output_token(9)
     assert kv.allocate_slots(r, 1) and kv.get_block_ids("a") == table + [kv.req_to_blocks["a"][1].block_id]
+    assert kv.take_table_changes() == {r: 1}  # one block appended: only entry 1 to write
     assert kv.get_block_ids("a") is not table  # a new block: a new list (the old one left as it was)
     assert len(table) == 1
 
@@ -205,6 +216,75 @@ def reference_prepare_inputs(out, kv, device, forks=None):
             torch.tensor(sample_idx + plp_idx, dtype=torch.long), sampling_requests, plp_spans)
 
 
+def assert_plan_equal(plan, ref) -> None:
+    ids, pos, meta, logits_idx, sreqs, spans = ref
+    mi = plan.model_input
+    assert torch.equal(mi.input_ids, ids) and mi.input_ids.dtype == torch.long
+    assert torch.equal(mi.positions, pos) and mi.positions.dtype == torch.long
+    assert torch.equal(mi.logits_indices, logits_idx) and mi.logits_indices.dtype == torch.long
+    assert_meta_equal(mi.attn_metadata, meta)
+    assert plan.sampling_requests == sreqs and plan.prompt_logprob_spans == spans
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_persistent_batch_matches_the_list_built_batch(seed):
+    """A scheduler, a KV manager and the persistent batch without a model: random token streams
+    stand in for the sampler. Requests (some sharing prefixes: prefix hits; some n > 1: forks with
+    copy-on-write; some with prompt logprobs; priorities under the priority policy, so rows move) join
+    over the run and stop at random lengths, so sequences join and leave at every row; a small pool
+    forces preemption and resume; a small token budget chunks prefills (one-token chunks included).
+    Every step's batch equals the original list-built one, and the pool is empty at the end."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4, 16])
+    priority = seed % 3 == 2
+    kv = KVCacheManager(rng.choice([12, 24, 64]) * (16 // bs if bs < 16 else 1), bs,
+                        enable_caching=seed % 4 != 1, sliding_window=3 * bs + 1 if seed % 4 == 3 else None)
+    max_len = 96
+    cfg = SchedulerConfig(max_num_batched_tokens=rng.choice([17, 33, 64]), max_num_seqs=rng.choice([3, 8, 32]),
+                          max_model_len=max_len, policy="priority" if priority else "fcfs")
+    sched = Scheduler(cfg, kv)
+    batch = InputBatch(kv, 2, 8, "cpu")  # (small: its rows and table width grow)
+    shared = [rng.randrange(100) for _ in range(40)]
+    pending = 40
+    steady_steps = 0
+    for step in range(2000):
+        if pending and rng.random() < 0.3:
+            pending -= 1
+            prompt = (shared[:rng.randrange(1, 40)] if rng.random() < 0.5 else []) + \
+                [rng.randrange(100) for _ in range(rng.randrange(1, 30))]
+            n = 2 if rng.random() < 0.2 else 1
+            sp = SamplingParams(max_tokens=rng.randrange(1, 40), n=n, ignore_eos=True,
+                                prompt_logprobs=1 if rng.random() < 0.1 else None)
+            rid = f"r{step}"
+            kids = [Request(rid if n == 1 else f"{rid}#{i}", prompt, sp, None, max_tokens=sp.max_tokens,
+                            parent_id=rid, index=i, priority=rng.randrange(3) if priority else 0)
+                    for i in range(n)]
+            sched.add_request(kids[0], forks=kids[1:])
+        if not sched.has_unfinished_requests():
+            if not pending:
+                break
+            continue
+        out = sched.schedule()
+        if out.is_empty:
+            continue
+        steady_steps += bool(batch.rows) and bool(batch.steady[:len(batch.rows)].all())
+        plan = batch.prepare(out, sched.forks)
+        assert_plan_equal(plan, reference_prepare_inputs(out, kv, "cpu", sched.forks))
+        sampled = {r.request_id: rng.randrange(100) for r in plan.sampling_requests}
+        batch.record_sampled(plan, [sampled[r.request_id] for r in plan.sampling_requests])
+        for r, n_pos in [(r, n) for r, _, n in plan.prompt_logprob_spans]:
+            r.prompt_logprobs.extend([None] * n_pos)  # (what the engine appends: one entry a position)
+        sched.update_from_output(out, sampled)
+        if rng.random() < 0.03 and sched.running:  # an abort (or a stop string) in the middle of the batch
+            sched.finish_requests([rng.choice(sched.running).request_id], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished_requests() and not pending
+    assert steady_steps > 10  # steps whose decode rows all advanced in place
+    assert kv.req_to_blocks == {}
+    pool = kv.block_pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks if b is not pool.null_block)
+
+
 def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
     """Requests arrive over the run and stop after 1 to 30 tokens (so they join and leave at every
     position of the batch), the cache holds 17 blocks (preemption and resume), with prefix hits
@@ -216,21 +296,16 @@ def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
     ref = reference(llama_dir, prompts, n=30)
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # as test_correctness: 17 blocks of 16 tokens
     checked = {"steps": 0, "decode_only": 0}
-    real = llm_engine.prepare_inputs
+    real = InputBatch.prepare
 
-    def checking(out, kv, device, forks=None):
-        plan = real(out, kv, device, forks)
-        ids, pos, meta, logits_idx, sreqs, spans = reference_prepare_inputs(out, kv, device, forks)
-        mi = plan.model_input
-        assert torch.equal(mi.input_ids, ids) and torch.equal(mi.positions, pos)
-        assert torch.equal(mi.logits_indices, logits_idx) and mi.logits_indices.dtype == torch.long
-        assert_meta_equal(mi.attn_metadata, meta)
-        assert plan.sampling_requests == sreqs and plan.prompt_logprob_spans == spans
+    def checking(self, out, forks=None):
+        plan = real(self, out, forks)
+        assert_plan_equal(plan, reference_prepare_inputs(out, self.kv, self.device, forks))
         checked["steps"] += 1
-        checked["decode_only"] += not meta.prefills
+        checked["decode_only"] += not plan.model_input.attn_metadata.prefills
         return plan
 
-    monkeypatch.setattr(llm_engine, "prepare_inputs", checking)
+    monkeypatch.setattr(InputBatch, "prepare", checking)
 
     def run():
         llm = LLM(llama_dir, kv_cache_memory=17 * bytes_per_block, max_model_len=272, max_num_batched_tokens=64,

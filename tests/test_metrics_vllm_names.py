@@ -9,11 +9,12 @@ from pagedllm import metrics as M
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
-def snapshot(running=3, waiting=1, usage=0.25, replicas=None):
+def snapshot(running=3, waiting=1, usage=0.25, replicas=None, spec_decode=None):
     stats = types.SimpleNamespace(num_running=running, num_waiting=waiting, kv_cache_usage=usage, num_preemptions=2,
                                   prefix_cache_queries=40, prefix_cache_hits=16)
     return types.SimpleNamespace(stats=stats, num_blocks=100, num_free_blocks=70, num_cached_free_blocks=5,
-                                 prompt_tokens_total=120, generation_tokens_total=33, replicas=replicas)
+                                 prompt_tokens_total=120, generation_tokens_total=33, replicas=replicas,
+                                 spec_decode=spec_decode)
 
 
 def samples(text: str) -> dict[tuple[str, str], float]:
@@ -36,7 +37,8 @@ def check_same(text: str) -> int:
     compared = 0
     for ours, theirs in M.VLLM_NAMES.items():
         mine = {(n, lab): v for (n, lab), v in got.items() if n.startswith(ours) and not n.endswith("_created")}
-        assert mine or ours == "pagedllm:request_success", ours  # (no request ended: no samples)
+        # (no request ended: no samples; no speculative decoding: no spec_decode families)
+        assert mine or ours == "pagedllm:request_success" or ours.startswith("pagedllm:spec_decode"), ours
         for name in theirs:
             for (n, lab), v in mine.items():
                 assert got[(name + n[len(ours):], lab)] == v, (name, n, lab)
@@ -79,3 +81,18 @@ def test_vllm_names_per_replica():
     got = samples(text)
     assert got[("vllm:num_requests_running", '{engine="1",model_name="demo"}')] == 3
     assert got[("vllm:num_requests_running", '{engine="all",model_name="demo"}')] == 5
+
+
+def test_spec_decode_counters_under_both_names():
+    spec = types.SimpleNamespace(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=25,
+                                 accepted_per_pos=[9, 8, 5, 3])
+    text = M.ServerMetrics(lambda: snapshot(spec_decode=spec), "demo").render().decode()
+    check_same(text)
+    got = samples(text)
+    for prefix in ("vllm", "pagedllm"):
+        assert got[(f"{prefix}:spec_decode_num_drafts_total", '{model_name="demo"}')] == 10
+        assert got[(f"{prefix}:spec_decode_num_draft_tokens_total", '{model_name="demo"}')] == 40
+        assert got[(f"{prefix}:spec_decode_num_accepted_tokens_total", '{model_name="demo"}')] == 25
+        assert got[(f"{prefix}:spec_decode_num_accepted_tokens_per_pos_total",
+                    '{model_name="demo",position="2"}')] == 5
+    assert "spec_decode" not in M.ServerMetrics(lambda: snapshot(), "demo").render().decode()

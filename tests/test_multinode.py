@@ -15,7 +15,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from server_utils import RemoteServer, free_port, wait_unhealthy
-from test_tensor_parallel import pid_alive, spawned_children, wait_gone
+from test_tensor_parallel import all_spawned, pid_alive, spawned_children, wait_gone
 
 COMMON = ("--pipeline-parallel-size", "2", "--kv-cache-memory", "4MiB", "--max-model-len", "256")
 PROMPTS = [[10, 11, 12, 13], [40, 41, 42, 43, 44, 45, 46], [99, 98, 97]]
@@ -41,7 +41,7 @@ class TwoNodes:
         except BaseException:
             self.close()
             raise
-        self.pids = spawned_children(self.node1.pid) + spawned_children(self.server.proc.pid)
+        self.pids = spawned_children(self.node1.pid) + all_spawned(self.server.proc.pid)
         return self
 
     def node1_text(self) -> str:

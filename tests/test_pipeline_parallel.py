@@ -236,7 +236,7 @@ def test_server_stage_killed_under_load_exits_nonzero(llama_dir, tmp_path):
     import httpx
 
     from server_utils import RemoteServer, wait_unhealthy
-    from test_tensor_parallel import spawned_children
+    from test_tensor_parallel import worker_ranks
 
     args = ("--pipeline-parallel-size", "2", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
             "--served-model-name", "tiny", "--disable-access-log")
@@ -256,7 +256,7 @@ def test_server_stage_killed_under_load_exits_nonzero(llama_dir, tmp_path):
         ended.append(i)
 
     with RemoteServer(llama_dir, args, log_path=str(tmp_path / "server.log")) as srv:
-        (pid,) = spawned_children(srv.proc.pid)
+        (pid,) = worker_ranks(srv.proc.pid)
         threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
         for t in threads:
             t.start()

@@ -275,7 +275,8 @@ def test_auto_needs_the_server_flags():
 
 @pytest.mark.parametrize("text", [
     "Sure. " + HERMES, "Let me check.  \n" + HERMES, "plain text  ", "x" + HERMES + " mid " + HERMES,
-    "no call <tool", "end <tool_call> {bad", 'end \n<tool_call>{"name": 5}</tool_call> more', " " + HERMES])
+    "no call <tool", "end <tool_call> {bad", 'end \n<tool_call>{"name": 5}</tool_call> more', " " + HERMES,
+    HERMES + "<tool_call>{bad}</tool_call>" + HERMES, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'])
 def test_hermes_streamed_content_equals_unstreamed(text):
     """Fed in chunks of 1, 3 and 7 characters, the streaming parser sends the content and calls the
     whole-text parser finds: trailing whitespace before a call is held back and dropped (it was
@@ -284,15 +285,30 @@ def test_hermes_streamed_content_equals_unstreamed(text):
 
     whole = HermesToolParser(None).extract_tool_calls(text)
     for step in (1, 3, 7):
-        parser, content, calls, prev = HermesToolParser(None), "", [], 0
-        for i in [*range(step, len(text), step), len(text)]:
-            d = parser.extract_tool_calls_streaming(text[:prev], text[:i], text[prev:i], i == len(text))
-            prev = i
-            if d is not None:
-                content += d.content or ""
-                calls += [(c.function.name, c.function.arguments) for c in d.tool_calls or []]
+        content, calls = stream_through(HermesToolParser(None), text, step)
         assert content == (whole.content or ""), (step, content)
         assert calls == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+
+
+def stream_through(parser, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) a streaming parser sends for ``text`` fed ``step`` characters
+    at a time, each call's argument fragments joined; checks that a call's first entry carries its
+    id and name, later ones only arguments, and the calls open in index order."""
+    content, calls, prev = "", [], 0
+    for i in [*range(step, len(text), step), len(text)]:
+        d = parser.extract_tool_calls_streaming(text[:prev], text[:i], text[prev:i], i == len(text))
+        prev = i
+        if d is None:
+            continue
+        content += d.content or ""
+        for c in d.tool_calls or []:
+            if c.index == len(calls):
+                assert c.id and c.function.name, c
+                calls.append([c.function.name, c.function.arguments or ""])
+            else:
+                assert c.index == len(calls) - 1 and c.id is None and c.function.name is None, c
+                calls[-1][1] += c.function.arguments
+    return content, [tuple(c) for c in calls]
 
 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"}}'
@@ -308,7 +324,8 @@ LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "C"
      [("get_weather", {"city": "Rome", "unit": "C"})] * 2),
     ('{"name": "f", "parameters": "not json"}', None), ('{"name": "", "parameters": {}}', None),
     ('{"name": "f", "parameters": [1]}', None),
-    ("It is sunny in Rome.", None), ("  {not json", None), ('{"name": 5}', None), (LLAMA_CALL + " and more", None),
+    ("It is sunny in Rome.", None), ("  {not json", None), ('{"name": 5}', None),
+    (LLAMA_CALL + " and more", [("get_weather", {"city": "Rome", "unit": "C"})]),  # sent: the rest is dropped
     ("<|python", None), ("", None), ("  ", None)])
 def test_llama3_json_calls_whole_and_streamed(text, calls):
     """Llama 3.x JSON calls (one, or several separated by ';'; after <|python_tag|>; "parameters" or
@@ -325,13 +342,52 @@ def test_llama3_json_calls_whole_and_streamed(text, calls):
         assert whole.content is None
         assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == calls
     for step in (1, 3, 7):
-        parser, content, got, prev = cls(None), "", [], 0
-        for i in [*range(step, len(text), step), len(text)]:
-            d = parser.extract_tool_calls_streaming(text[:prev], text[:i], text[prev:i], i == len(text))
-            prev = i
-            if d is not None:
-                content += d.content or ""
-                got += [(c.index, c.function.name, json.loads(c.function.arguments)) for c in d.tool_calls or []]
+        parser = cls(None)
+        content, got = stream_through(parser, text, step)
         assert content == (whole.content or ""), (step, content)
-        assert got == [(i, n, a) for i, (n, a) in enumerate(calls or [])]
+        assert got == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
         assert parser.called == (calls is not None)
+
+
+def test_required_tool_choice_streams_and_a_cut_call_is_a_call(client):
+    """tool_choice "required": the calls stream as the array grows (one entry per index per chunk,
+    arguments in fragments), joined equal to the unstreamed calls (same seed); cut by max_tokens
+    inside the arguments, the call comes back as a call with finish_reason "length", streamed or not."""
+    kw = dict(model=MODEL, messages=MSGS, temperature=1.0, seed=8, tools=TOOLS, tool_choice="required",
+              parallel_tool_calls=False)
+
+    def streamed(max_tokens):
+        chunks = list(client.chat.completions.create(max_tokens=max_tokens, stream=True, **kw))
+        calls, entries = [], 0
+        for ch in chunks:
+            if not ch.choices:
+                continue
+            got = ch.choices[0].delta.tool_calls or []
+            assert len({d.index for d in got}) == len(got)
+            for d in got:
+                entries += 1
+                if d.index == len(calls):
+                    assert d.id and d.function.name
+                    calls.append([d.function.name, d.function.arguments or ""])
+                else:
+                    assert d.id is None and d.function.name is None
+                    calls[d.index][1] += d.function.arguments or ""
+            assert not ch.choices[0].delta.content
+        return calls, entries, chunks[-1].choices[0].finish_reason
+
+    r = client.chat.completions.create(max_tokens=220, **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    whole = [[t.function.name, t.function.arguments] for t in c.message.tool_calls]
+    calls, entries, finish = streamed(220)
+    assert calls == whole and finish == "tool_calls" and entries > 2
+    for cut_at in range(r.usage.completion_tokens - 1, 0, -1):  # back until the cut is inside the arguments
+        cut = client.chat.completions.create(max_tokens=cut_at, **kw).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None, cut
+        [t] = cut.message.tool_calls
+        assert t.function.name == whole[0][0] and whole[0][1].startswith(t.function.arguments)
+        if t.function.arguments != whole[0][1]:
+            break
+    assert len(t.function.arguments) > 3, t  # (the name and the start of the arguments are still there)
+    calls, _, finish = streamed(cut_at)
+    assert calls == [[t.function.name, t.function.arguments]] and finish == "length"

@@ -224,6 +224,21 @@ def spawned_children(pid: int) -> list[int]:
     return found
 
 
+def all_spawned(pid: int) -> list[int]:
+    """Every spawned process below ``pid``: its children, theirs, and so on (a server's engine core
+    and the worker ranks the core started)."""
+    kids = spawned_children(pid)
+    return kids + [g for k in kids for g in all_spawned(k)]
+
+
+def worker_ranks(server_pid: int) -> list[int]:
+    """The worker ranks of a one-replica server: the children of its engine core process (or, with
+    --no-engine-core-process, its own children)."""
+    kids = spawned_children(server_pid)
+    grandkids = [g for k in kids for g in spawned_children(k)]
+    return grandkids or kids
+
+
 def chat(url: str):
     import openai
 
@@ -236,8 +251,8 @@ def test_server_tp2_answers_and_stops_cleanly(llama_dir, tmp_path):
     from server_utils import RemoteServer
 
     with RemoteServer(llama_dir, SERVER_ARGS, log_path=str(tmp_path / "server.log")) as srv:
-        pids = spawned_children(srv.proc.pid)
-        assert len(pids) == 1, srv.log()
+        pids = all_spawned(srv.proc.pid)
+        assert len(worker_ranks(srv.proc.pid)) == 1, srv.log()
         out = chat(srv.url)
         assert out.usage.completion_tokens == 8
         assert "tp=2" in srv.log()
@@ -249,7 +264,7 @@ def test_server_reports_dead_worker(llama_dir, tmp_path):
     from server_utils import RemoteServer, wait_unhealthy
 
     with RemoteServer(llama_dir, SERVER_ARGS, log_path=str(tmp_path / "server.log")) as srv:
-        (pid,) = spawned_children(srv.proc.pid)
+        (pid,) = worker_ranks(srv.proc.pid)
         os.kill(pid, signal.SIGKILL)
         wait_unhealthy(srv, 60)  # a hang guard: the engine checks its workers every few seconds
         srv.proc.wait(timeout=30)  # the server stops by itself once its engine is dead

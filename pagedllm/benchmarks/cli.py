@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,serve,memory,profile,matmul,prefix-caching,quantization,overhead,lora}``.
+"""``pagedllm bench <command>``: one subcommand per entry of ``COMMANDS`` below.
 
 ``pagedllm/entrypoints/cli.py`` calls ``register_subparser``; ``python -m pagedllm.benchmarks.cli``
 runs the same commands without it.
@@ -26,6 +26,11 @@ COMMANDS = {
                      "int8 (W8A8) vs fp32: held-out perplexity, greedy agreement, matmul speed, throughput"),
     "overhead": ("pagedllm.benchmarks.overhead",
                  "host time of a decode step by phase, with a near-zero-compute model (batch 1 to 1,024)"),
+    "speculative": ("pagedllm.benchmarks.speculative",
+                    "speculative decoding (ngram, draft_model) on vs off: tok/s and acceptance length by batch size"),
+    "gguf-decode": ("pagedllm.benchmarks.gguf_decode",
+                    "batch-1 decode of a random GGUF of a real shape: blocks on our kernels vs dequantized, "
+                    "with the memory floor"),
     "lora": ("pagedllm.benchmarks.lora", "LoRA adapters: w48 throughput with 1/4/16 adapters vs the base model; "
                                          "the batched op grouped vs bmm"),
 }
@@ -34,7 +39,7 @@ COMMANDS = {
 def register_subparser(subparsers) -> argparse.ArgumentParser:
     """Add ``bench`` (with its subcommands) to a parent CLI's ``add_subparsers()`` object. Every
     leaf parser sets ``func`` (called with the parsed args)."""
-    bench = subparsers.add_parser("bench", help="benchmarks (throughput, serve, memory, profile, matmul, prefix-caching, quantization, overhead, lora)",
+    bench = subparsers.add_parser("bench", help="benchmarks (" + ", ".join(COMMANDS) + ")",
                                   description="Benchmarks. Each run writes a JSON result and a PNG plot into "
                                               "--output-dir (default bench_results/).")
     sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}")

@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-import pagedllm.engine.llm_engine as le
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -151,11 +150,13 @@ ENGINE_PARTS = ("schedule", "update_requests", "prepare_inputs", "sample", "deto
 def wrap_engine_parts(engine, wrap: Callable[[str, Callable], Callable], labels: Optional[dict] = None) -> None:
     """Replace each part of ``engine``'s step (``ENGINE_PARTS``) by ``wrap(label, part)``: the label is
     ``labels.get(part, part)`` (two parts may share one). No engine file changes: the parts are instance
-    attributes, and ``prepare_inputs`` the name the engine module calls."""
+    attributes (``prepare_inputs``: the persistent batch's ``prepare``)."""
     labels = labels or {}
     sched, op = engine.scheduler, engine.output_processor
     owners = {"schedule": (sched, "schedule"), "update_requests": (sched, "update_from_output"),
-              "prepare_inputs": (le, "prepare_inputs"), "sample": (engine, "sampler"),
+              "prepare_inputs": ((engine.input_batch, "prepare") if hasattr(engine, "input_batch")  # (older
+                                 else (sys.modules[type(engine).__module__], "prepare_inputs")),  # trees)
+              "sample": (engine, "sampler"),
               "detokenize": (op, "process"), "make_outputs": (op, "make_output"),
               "forward": (engine.executor, "execute_model")}
     for part in ENGINE_PARTS:

@@ -26,6 +26,10 @@ SHAPES: dict[str, dict] = {
     "qwen2-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    # Qwen/Qwen2.5-1.5B: 1.54B parameters (233M of them the tied embedding), GQA 12/2.
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0),
     # meta-llama/Meta-Llama-3-8B: 8.03B parameters (untied 128,256-token embedding and LM head), GQA 32/8.
     "llama-3-8b": dict(arch="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,

@@ -22,7 +22,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.config import (DEFAULT_BLOCK_SIZE, DEMO_MODEL_PATH, DTYPE_NAMES, CacheConfig, EngineConfig, LoRAConfig,
-                             ModelConfig, ParallelConfig, SchedulerConfig)
+                             ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from pagedllm.layers.attention.kv_quant import CHOICES as KV_CACHE_DTYPES
 from pagedllm.layers.attention.selector import CHOICES as ATTENTION_BACKENDS
 from pagedllm.layers.quantization import get_quantization_config
@@ -31,6 +31,7 @@ from pagedllm.models.gguf import one_line
 from pagedllm.models.registry import get_model_class
 from pagedllm.platforms.cpu.cpu_info import cpu_bf16_gemm, cpu_has_native_bf16
 from pagedllm.platforms.cpu.threads import resolve_num_threads
+from pagedllm.spec_decode.config import parse_json_setting, parse_speculative_config
 from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes
 
 RUNNERS = ("generate", "pooling")
@@ -61,7 +62,7 @@ def parse_size(value: str) -> int:
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), type: Optional[Callable[[str], Any]] = None,
             choices: Optional[Sequence[str]] = None, auto_is_none: bool = False, positional: bool = False,
-            nargs: Optional[str] = None) -> Any:
+            nargs: Optional[str] = None, merge: bool = False) -> Any:
     """A dataclass field that is also a CLI flag.
 
     Args:
@@ -73,10 +74,13 @@ def setting(default: Any, help: str, *, aliases: Sequence[str] = (), type: Optio
         auto_is_none: the flag's default is "auto", which means the field's None.
         positional: an optional positional argument (``pagedllm serve MODEL``) instead of a flag.
         nargs: argparse's nargs ("+": a flag taking one or more values, a list field).
+        merge: a JSON-config flag that may be given several times (``type`` makes each a dict; the
+            field is their union, later keys winning: ``--x '{"a": 1}' --x b=2``).
     """
     return field(default=default, metadata={"help": help, "aliases": tuple(aliases), "type": type,
                                             "choices": choices, "auto_is_none": auto_is_none,
-                                            "positional": positional, "nargs": nargs})
+                                            "positional": positional, "nargs": nargs,
+                                            "merge": merge})
 
 
 def cli_flag(name: str) -> str:
@@ -110,6 +114,8 @@ class CliArgs:
                 kwargs["type"] = m["type"] or base
             if m.get("nargs"):
                 kwargs["nargs"] = m["nargs"]
+            if m.get("merge"):
+                kwargs["action"] = "append"
             if m["positional"]:
                 parser.add_argument(f.name, nargs="?", **kwargs)
             else:
@@ -123,6 +129,8 @@ class CliArgs:
         values = {}
         for f in dataclasses.fields(cls):
             value = getattr(args, f.name)
+            if f.metadata.get("merge") and isinstance(value, list):  # several JSON-config values: one dict
+                value = {k: v for part in value for k, v in part.items()}
             values[f.name] = None if f.metadata["auto_is_none"] and value == "auto" else value
         return cls(**values)
 
@@ -277,6 +285,13 @@ class EngineArgs(CliArgs):
     max_lora_rank: int = setting(16, "LoRA: largest adapter rank accepted (a larger one is refused)")
     max_cpu_loras: Optional[int] = setting(
         None, "LoRA: adapters kept loaded in CPU memory, least recently used evicted (default: max_loras)")
+    speculative_config: Optional[Any] = setting(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4} (proposals copied from the request's own prompt and output) or "
+              "{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 4} (a smaller model "
+              "of the same vocabulary); \"disable_by_batch_size\": N turns proposals off in steps with more "
+              "than N running sequences. The output follows the model's distribution exactly (greedy: the "
+              "same tokens): speed only", type=parse_json_setting, merge=True)
     max_logprobs: int = setting(
         20, "the most logprobs (top_logprobs on chat) or prompt_logprobs a request may ask for; more "
             "is refused (400). The default, 20, is OpenAI's cap (default: 20)")
@@ -381,7 +396,9 @@ class EngineArgs(CliArgs):
             runner=self.runner,
             lora_enabled=lora_config is not None,
         )
+        speculative = self._speculative_config(model_config)
         return EngineConfig(
+            speculative_config=speculative,
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -425,6 +442,31 @@ class EngineArgs(CliArgs):
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=cpu,
                           op_mode=envs.PAGEDLLM_LORA_OP)
 
+    def _speculative_config(self, target: ModelConfig) -> Optional[SpeculativeConfig]:
+        """``speculative_config`` parsed (spec_decode/config.py), its draft's ModelConfig resolved (the
+        target's dtype and context length). Raises ValueError for what speculation cannot serve here."""
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is None:
+            return None
+        if self.runner == "pooling":
+            raise ValueError("speculative_config: the pooling runner samples no tokens")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+        if spec.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: a draft model with tensor_parallel_size > 1 is not supported")
+            path = resolve_model_path(spec.model)
+            hf = load_hf_config(path)
+            get_model_class(hf, target.max_model_len)
+            get_quantization_config(spec.draft_quantization)
+            if hf.vocab_size != target.hf_config.vocab_size:
+                raise ValueError(f"speculative_config: the draft model {spec.model} has a vocabulary of "
+                                 f"{hf.vocab_size} tokens, the target {target.hf_config.vocab_size}: it must share "
+                                 f"the target's tokenizer")
+            spec.draft_model_config = dataclasses.replace(
+                target, model=path, tokenizer=target.tokenizer, hf_config=hf, served_model_name=spec.model,
+                quantization=spec.draft_quantization, dtype_reason="the target's")
+        return spec
 
 # ---- the server's settings -----------------------------------------------------------------------
 @dataclass
@@ -441,6 +483,11 @@ class ServerArgs(CliArgs):
     data_parallel_size: int = setting(
         1, "engine replicas (processes, each with its own model copy, KV cache and cores / N "
            "threads) behind this one server; requests go to the least-loaded replica", aliases=("-dp",))
+    engine_core_process: bool = setting(
+        True, "run the engine core (scheduler + model) in its own process, the API server process tokenizing, "
+              "detokenizing and streaming, ZeroMQ + msgspec between them (vLLM V1's layout); "
+              "--no-engine-core-process (or env PAGEDLLM_ENABLE_MULTIPROCESSING=0): in a thread of the server "
+              "process")
     chat_template: Optional[str] = setting(
         None, "Jinja chat template file (or inline template); default: the tokenizer's")
     enable_auto_tool_choice: bool = setting(
@@ -493,5 +540,12 @@ class ServerArgs(CliArgs):
                "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING or VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     enable_server_load_tracking: bool = setting(
         False, "count in-flight inference requests for GET /load ({\"server_load\": N}; 0 without this flag)")
+    json_additional_properties: str = setting(
+        "forbid", "what a JSON schema's objects that do not say additionalProperties do with keys they do not "
+                  "declare (response_format, guided_json, forced tool calls): forbid (vLLM's default: xgrammar's "
+                  "strict mode) or allow (vLLM's guidance backend). vLLM's --structured-outputs-config "
+                  "backend=guidance / disable_additional_properties=true set it; a request's "
+                  "structured_outputs.disable_additional_properties or strict: true forbids",
+        choices=("forbid", "allow"))
     enable_tokenizer_info_endpoint: bool = setting(
         False, "serve GET /tokenizer_info: the tokenizer's configuration (may show the chat template)")

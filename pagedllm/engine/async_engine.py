@@ -24,6 +24,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.scheduler import SchedulerStats
 from pagedllm.lora.request import LoRARequest
+from pagedllm.engine.speculator import SpecDecodeStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.platforms.cpu.threads import release_openmp_threads
@@ -49,6 +50,8 @@ class EngineSnapshot:
     num_cached_free_blocks: int = 0    # free but holding prefix-cached K/V
     # Data parallelism: one snapshot per replica (the fields above are then their totals).
     replicas: Optional[list["EngineSnapshot"]] = None
+    # Speculative decoding's counters (a copy; None when it is off): engine/speculator.py SpecDecodeStats
+    spec_decode: Optional[SpecDecodeStats] = None
 
 
 class _Stream:
@@ -158,7 +161,7 @@ class AsyncLLM:
         ``lora_request``: the LoRA adapter it runs with (None: the base model).
 
         Raises ValueError when the engine rejects the request, EngineDeadError when the engine
-        stops. Closing or cancelling the iterator before the last output aborts the request.
+        stops (or is gone already). Closing or cancelling the iterator before the last output aborts the request.
         """
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -169,7 +172,12 @@ class AsyncLLM:
             self._streams[request_id] = stream
             if lora_request is not None:
                 self._loras[request_id] = lora_request
-            self._submit(request_id, prompt, params, time.time(), priority)
+            try:
+                self._submit(request_id, prompt, params, time.time(), priority)
+            except BaseException:
+                del self._streams[request_id]
+                self._loras.pop(request_id, None)
+                raise
         self._wake.set()
         try:
             while True:
@@ -197,6 +205,16 @@ class AsyncLLM:
         front end overrides it to route the request to a replica)."""
         self._new.append((request_id, prompt, params, arrival, priority))
 
+    def register_lora(self, lora_request: LoRARequest) -> None:
+        """Serve an adapter already read and checked (``serving_models``): the engine does not read it
+        again (dict assignment is atomic for the engine thread); the runner reads its weights the first
+        step that needs them."""
+        self.engine.checked_loras[lora_request.lora_int_id] = lora_request
+
+    def unregister_lora(self, lora_int_id: int) -> None:
+        """An adapter unloaded: new requests cannot name it; those running with it finish with it."""
+        self.engine.checked_loras.pop(lora_int_id, None)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread); its KV blocks are freed before the next step."""
         with self._lock:
@@ -218,7 +236,8 @@ class AsyncLLM:
         e = self.engine
         pool = e.kv_cache_manager.block_pool
         return EngineSnapshot(e.get_stats(), e.num_prompt_tokens_total, e.num_generation_tokens_total,
-                              pool.num_usable_blocks, pool.get_num_free_blocks(), pool.num_cached_free_blocks)
+                              pool.num_usable_blocks, pool.get_num_free_blocks(), pool.num_cached_free_blocks,
+                              spec_decode=e.speculator.stats.copy() if e.speculator is not None else None)
 
     def _drain_inbox(self) -> None:
         with self._lock:

@@ -1,20 +1,36 @@
-"""Builds one step's flat batch from the scheduler's plan: input_ids, positions, slot_mapping,
-the attention metadata (block tables, sequence lengths, query offsets; built once per step and
-shared by every layer), and which rows of the output need logits.
+"""The step's flat batch, kept from step to step (vLLM V1's persistent ``InputBatch``): input_ids,
+positions, slot_mapping, the attention metadata (block tables, sequence lengths, query offsets; built
+once per step and shared by every layer), and which rows of the output need logits.
 
-Batch order: one-token sequences (decodes) first, then multi-token chunks (prefills).
+Batch order: one-token sequences (decodes) first, in the scheduler's order, then multi-token chunks
+(prefills). The decode rows live in preallocated NumPy arrays (next input token, position, block-table
+row and its length), one row a sequence. A step updates only what changed:
+
+- a sequence that decoded and sampled last step (a *steady* row) advances in place: its position + 1,
+  its input token the one sampled (``record_sampled``, one array write for the whole batch);
+- a row whose block table changed gets the changed tail of its table (the KV manager reports each
+  change: ``KVCacheManager.take_table_changes``); an appended block writes one entry;
+- sequences that join, leave or move are one gather of the arrays (rows compacted in order); only a
+  joining row (or one that did not sample last step: a one-token prompt chunk, a fork leader) is read
+  from its ``Request``.
+
+So a decode step whose sequences all stay is a few array operations and one list comparison, however
+large the batch; the per-sequence Python is O(changed sequences). The tensors handed to the model are
+fresh copies (a batch in flight never sees the next step's writes). Prefill chunks are built from
+their requests as before (their cost is in proportion to their tokens anyway).
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.lora.slots import LoRASlotTable
 from pagedllm.worker.model_input import ModelInput
 
@@ -27,110 +43,264 @@ class StepPlan:
     sampling_requests: list[Request]
     # (request, first prompt position whose logprob is computed, number of positions)
     prompt_logprob_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+    # which InputBatch.prepare call made it (record_sampled applies only to the latest)
+    generation: int = -1
+    # (request, new tokens) of every sequence of the step but the rows that advanced in place (those
+    # decoded and sampled last step): prefill chunks, joining rows, rows read from their requests
+    fresh: list[tuple[Request, int]] = field(default_factory=list)
 
 
-def _tensor(values: list[int], typecode: str, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)``, 3-4x faster for a long list: the ints
-    are packed by ``array`` (typecode "q": int64, "i": int32) and the tensor made over its buffer."""
-    if not values:  # (frombuffer refuses an empty buffer)
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.frombuffer(array(typecode, values), dtype=dtype).to(device)
+def _t(a: np.ndarray, device: str) -> torch.Tensor:
+    """A tensor over ``a`` (a fresh array, not a view of the persistent ones) on ``device``."""
+    t = torch.from_numpy(a)
+    return t if device == "cpu" else t.to(device)
 
 
-def _decode_only_metadata(slot_mapping: torch.Tensor, tables: list[list[int]], seq_lens: list[int],
-                          block_size: int, device: str) -> AttentionMetadata:
-    """``AttentionMetadata.build`` for a batch of one-token sequences only (every decode step),
-    the same tensors made without its per-sequence list work."""
-    num_seqs = len(tables)
-    max_blocks = max(map(len, tables))
-    pad = [0] * max_blocks
-    flat = array("i")
-    for t in tables:
-        flat.extend(t)
-        if len(t) < max_blocks:
-            flat.extend(pad[len(t):])
-    return AttentionMetadata(
-        slot_mapping=slot_mapping, num_decode_tokens=num_seqs, prefills=[],
-        block_tables=torch.frombuffer(flat, dtype=torch.int32).view(num_seqs, max_blocks).to(device),
-        seq_lens=_tensor(seq_lens, "i", torch.int32, device),
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-        block_size=block_size, max_decode_seq_len=max(seq_lens))
+class InputBatch:
+    """The decode rows of the running sequences, kept across steps, and the step's batch built from them.
 
+    Args:
+        kv: the KV cache manager whose block tables the rows mirror.
+        max_num_seqs: rows preallocated (grown if a step has more one-token sequences).
+        max_model_len: sets the block-table width, ceil(max_model_len / block_size) (grown if needed).
+        device: where the batch tensors go.
 
-def prepare_inputs(out: SchedulerOutput, kv: KVCacheManager, device: str,
-                   forks: dict[str, list[Request]] | None = None,
-                   lora_slots: LoRASlotTable | None = None) -> StepPlan:
-    """``forks``: leader id -> samples that fork from it once its prompt is done; they sample
-    from the leader's logits row in the same step. ``lora_slots``: under --enable-lora, the slot
-    table that gives each token of the batch its adapter's slot (``ModelInput.lora``)."""
-    bs = kv.block_size
-    decodes = [r for r, n in out.scheduled if n == 1]
-    prefills = [(r, n) for r, n in out.scheduled if n > 1]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    sample_idx: list[int] = []
-    sampling_requests: list[Request] = []
-    plp_idx: list[int] = []
-    plp_spans: list[tuple[Request, int, int]] = []
+    Arrays (row i = the i-th one-token sequence of the last step): ``token`` [R] int64 next input token,
+    ``pos`` [R] int64 its position, ``tables`` [R, W] int32 block table (0 past ``num_blocks``),
+    ``num_blocks`` [R] int32, ``steady`` [R] bool (the row sampled last step and the arrays are current).
+    """
 
-    def note_outputs(r: Request, start: int, n: int, offset: int) -> None:
-        if start + n == r.num_tokens:
-            for s in [r, *(forks or {}).get(r.request_id, ())]:
-                sample_idx.append(offset + n - 1)
-                sampling_requests.append(s)
-        if r.sampling_params.prompt_logprobs is not None:
-            # Logits at position j give the logprob of prompt token j + 1.
-            first = max(start, len(r.prompt_logprobs) - 1)
-            last = min(start + n, r.num_prompt_tokens - 1)
-            if last > first:
-                plp_idx.extend(range(offset + first - start, offset + last - start))
-                plp_spans.append((r, first + 1, last - first))
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_model_len: int, device: str) -> None:
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        rows, width = max(1, max_num_seqs), max(1, cdiv(max_model_len, self.block_size))
+        self.token = np.zeros(rows, np.int64)
+        self.pos = np.zeros(rows, np.int64)
+        self.tables = np.zeros((rows, width), np.int32)
+        self.num_blocks = np.zeros(rows, np.int32)
+        self.steady = np.zeros(rows, bool)
+        self.rows: list[Request] = []  # the requests of the rows, in batch order
+        self.row_of: dict[Request, int] = {}
+        self.generation = 0
+        # after prepare: per row its sampled token's index or -1 (None: row i samples token i), the rows
+        self._sample_src: Optional[np.ndarray] = None
+        self._num_rows = -1
+        self._arange = np.arange(rows, dtype=np.int64)
+        # under --enable-lora (set by the engine): the slot table that gives each token of a step its
+        # adapter's slot (ModelInput.lora); None: LoRA off
+        self.lora_slots: Optional[LoRASlotTable] = None
 
-    tables: list[list[int]] = []  # per sequence, in batch order
-    seq_lens: list[int] = []
-    get_block_ids = kv.get_block_ids
-    # One-token sequences, the whole batch in a decode step: the loop below for n = 1, inlined
-    # (a third of the per-sequence Python), the general note_outputs only where it has more to do.
-    for r in decodes:
+    # ---- row bookkeeping ---------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Forget what the rows know: every row is read from its request at the next step (call after
+        changing requests' tokens or computed counts other than through a step, e.g. several tokens
+        accepted at once)."""
+        self.steady[:] = False
+        self._num_rows = -1
+
+    def _grow(self, rows: int, width: int) -> None:
+        rows = max(rows, len(self.token))
+        width = max(width, self.tables.shape[1])
+        for name in ("token", "pos", "num_blocks", "steady"):
+            old = getattr(self, name)
+            new = np.zeros(rows, old.dtype)
+            new[:len(old)] = old
+            setattr(self, name, new)
+        tables = np.zeros((rows, width), np.int32)
+        tables[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
+        self.tables = tables
+
+    def _write_table(self, i: int, ids: Sequence[int], first: int) -> None:
+        """Row i's block table from entry ``first`` on (the entries before are unchanged); every row
+        is kept zero past its table."""
+        n = len(ids)
+        if n > self.tables.shape[1]:
+            self._grow(0, n)
+        old = int(self.num_blocks[i])
+        if n > first:
+            self.tables[i, first:n] = ids[first:]
+        if old > n:
+            self.tables[i, n:old] = 0
+        self.num_blocks[i] = n
+
+    def _reorder(self, decodes: list[Request]) -> None:
+        """Rows := ``decodes``: the rows of sequences that stay are gathered (in their new order), the
+        others marked to be read from their requests."""
+        n = len(decodes)
+        if n > len(self.token):
+            self._grow(n, 0)
+        row_of = self.row_of
+        src = np.array([row_of.get(r, -1) for r in decodes], np.int64)
+        kept = src >= 0
+        src[~kept] = 0
+        if n:
+            used = int(self.num_blocks[:len(self.rows)].max()) if self.rows else 0
+            self.token[:n] = self.token[src]
+            self.pos[:n] = self.pos[src]
+            self.num_blocks[:n] = self.num_blocks[src]  # (a joining row's is rewritten by _refresh)
+            self.steady[:n] = self.steady[src] & kept
+            if used:
+                self.tables[:n, :used] = self.tables[src, :used]
+        if n < len(self.rows):  # rows no longer used: zero, so that every row is zero past its table
+            self.tables[n:len(self.rows)] = 0
+            self.num_blocks[n:len(self.rows)] = 0
+        self.steady[n:] = False
+        self.rows = list(decodes)
+        self.row_of = dict(zip(self.rows, range(n)))
+
+    def _refresh(self, i: int, r: Request) -> None:
+        """Row i read from its request."""
         start = r.num_computed_tokens
-        table = get_block_ids(r.request_id)
-        toks = r.all_token_ids
-        if start + 1 == len(toks) and r.sampling_params.prompt_logprobs is None \
-                and not (forks and r.request_id in forks):
-            sample_idx.append(len(input_ids))
-            sampling_requests.append(r)
+        self.token[i] = r.all_token_ids[start]
+        self.pos[i] = start
+        self._write_table(i, self.kv.get_block_ids(r.request_id), 0)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, forks: Optional[dict[str, list[Request]]] = None) -> StepPlan:
+        """The batch of ``out`` (the scheduler's plan). ``forks``: leader id -> samples that fork from
+        it once its prompt is done; they sample from the leader's logits row in the same step."""
+        kv, bs, device = self.kv, self.block_size, self.device
+        decodes = [r for r, n in out.scheduled if n == 1]
+        prefills = [(r, n) for r, n in out.scheduled if n > 1] if len(decodes) < len(out.scheduled) else []
+        changes = kv.take_table_changes()
+        if decodes != self.rows:  # (list equality: identity first, so an unchanged batch is cheap)
+            self._reorder(decodes)
+        n = len(decodes)
+        if n >= len(self._arange):
+            self._arange = np.arange(2 * n + 1, dtype=np.int64)
+        row_of = self.row_of
+        req_to_blocks, num_blocks = kv.req_to_blocks, self.num_blocks
+        for req, first in changes.items():  # the block tables that changed: their changed tails
+            i = row_of.get(req)
+            if i is None:
+                continue
+            blocks = req_to_blocks.get(req.request_id, ())
+            if len(blocks) == first + 1 and num_blocks[i] == first and first < self.tables.shape[1]:
+                self.tables[i, first] = blocks[first].block_id  # one block appended (most changes)
+                num_blocks[i] = first + 1
+            else:
+                self._write_table(i, kv.get_block_ids(req.request_id), first)
+        unsteady = [] if self.steady[:n].all() else np.flatnonzero(~self.steady[:n]).tolist()
+        for i in unsteady:
+            self._refresh(i, decodes[i])
+
+        # Which rows sample (and which prompt positions get logprobs). A row "samples plainly" when its
+        # token is its sequence's last (so it samples), no fork samples from it and it has no prompt
+        # position to report; a steady row always does.
+        sample_idx: list[int] = []
+        sampling_requests: list[Request] = []
+        plp_idx: list[int] = []
+        plp_spans: list[tuple[Request, int, int]] = []
+
+        def note_outputs(r: Request, start: int, k: int, offset: int) -> None:
+            if start + k == r.num_tokens:
+                for s in [r, *(forks or {}).get(r.request_id, ())]:
+                    sample_idx.append(offset + k - 1)
+                    sampling_requests.append(s)
+            if r.sampling_params.prompt_logprobs is not None:
+                # Logits at position j give the logprob of prompt token j + 1.
+                first_ = max(start, len(r.prompt_logprobs) - 1)
+                last = min(start + k, r.num_prompt_tokens - 1)
+                if last > first_:
+                    plp_idx.extend(range(offset + first_ - start, offset + last - start))
+                    plp_spans.append((r, first_ + 1, last - first_))
+
+        plain = True
+        for i in unsteady:
+            r = decodes[i]
+            if (r.num_computed_tokens + 1 != r.num_tokens or (forks and r.request_id in forks)
+                    or (r.sampling_params.prompt_logprobs is not None
+                        and r.num_computed_tokens < r.num_prompt_tokens - 1)):
+                plain = False
+                break
+        if plain:
+            sample_src = None  # row i samples token i
+            sampling_requests.extend(decodes)
+            sample_idx_np = self._arange[:n]
+        else:  # the general bookkeeping, row by row
+            sample_src = np.full(n, -1, np.int64)
+            for i, r in enumerate(decodes):
+                before = len(sample_idx)
+                note_outputs(r, r.num_computed_tokens, 1, i)
+                if len(sample_idx) > before:  # its own token is the first it samples
+                    sample_src[i] = before
+            sample_idx_np = np.array(sample_idx, np.int64)
+            sample_idx = []
+
+        pos = self.pos[:n]
+        block_idx, offset = np.divmod(pos, bs)
+        dec_slots = self.tables[self._arange[:n], block_idx] * np.int64(bs) + offset  # (int64: no overflow)
+        max_blocks = int(self.num_blocks[:n].max()) if n else 0
+        if not prefills:
+            input_ids, positions, slots = self.token[:n].copy(), pos.copy(), dec_slots
+            tables = self.tables[:n, :max_blocks].copy()
+            seq_lens = (pos + 1).astype(np.int32)
+            qsl = self._arange[:n + 1].astype(np.int32)
+            prefill_seqs: list[PrefillSeq] = []
         else:
-            note_outputs(r, start, 1, len(input_ids))
-        input_ids.append(toks[start])
-        positions.append(start)
-        slot_mapping.append(table[start // bs] * bs + start % bs)
-        tables.append(table)
-        seq_lens.append(start + 1)
-    query_lens: list[int] = [1] * len(decodes)
-    for r, n in prefills:
-        start = r.num_computed_tokens
-        offset = len(input_ids)
-        table = kv.get_block_ids(r.request_id)
-        note_outputs(r, start, n, offset)
-        input_ids.extend(r.all_token_ids[start:start + n])
-        positions.extend(range(start, start + n))
-        slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        tables.append(table)
-        seq_lens.append(start + n)
-        query_lens.append(n)
-    slots = _tensor(slot_mapping, "q", torch.long, device)
-    if prefills or not decodes or max(map(len, tables)) == 0:
-        meta = AttentionMetadata.build(slots, tables, seq_lens, query_lens, bs, device)
-    else:
-        meta = _decode_only_metadata(slots, tables, seq_lens, bs, device)
-    model_input = ModelInput(
-        input_ids=_tensor(input_ids, "q", torch.long, device),
-        positions=_tensor(positions, "q", torch.long, device),
-        attn_metadata=meta,
-        logits_indices=_tensor(sample_idx + plp_idx, "q", torch.long, device),
-        block_copies=kv.take_pending_copies(),
-    )
-    if lora_slots is not None:  # the adapter slot of each token, in the batch's order
-        model_input.lora = lora_slots.batch([(r, 1) for r in decodes] + prefills, device)
-    return StepPlan(model_input, sampling_requests, plp_spans)
+            p_ids: list[int] = []
+            p_pos: list[int] = []
+            p_slots: list[int] = []
+            p_tables: list[list[int]] = []
+            p_lens: list[int] = []
+            starts = [n]
+            for r, k in prefills:
+                start = r.num_computed_tokens
+                table = kv.get_block_ids(r.request_id)
+                note_outputs(r, start, k, starts[-1])
+                p_ids.extend(r.all_token_ids[start:start + k])
+                p_pos.extend(range(start, start + k))
+                p_slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + k))
+                p_tables.append(table)
+                p_lens.append(start + k)
+                starts.append(starts[-1] + k)
+            input_ids = np.concatenate([self.token[:n], np.array(p_ids, np.int64)])
+            positions = np.concatenate([pos, np.array(p_pos, np.int64)])
+            slots = np.concatenate([dec_slots, np.array(p_slots, np.int64)])
+            max_blocks = max(max_blocks, max(map(len, p_tables)))
+            tables = np.zeros((n + len(prefills), max_blocks), np.int32)
+            w = min(max_blocks, self.tables.shape[1])
+            tables[:n, :w] = self.tables[:n, :w]
+            for j, t in enumerate(p_tables):
+                tables[n + j, :len(t)] = t
+            seq_lens = np.concatenate([pos + 1, np.array(p_lens, np.int64)]).astype(np.int32)
+            qsl = np.concatenate([np.arange(n, dtype=np.int32), np.array(starts, np.int32)])
+            prefill_seqs = [PrefillSeq(starts[j], starts[j + 1], p_lens[j]) for j in range(len(prefills))]
+        rest = sample_idx + plp_idx
+        logits_indices = (np.concatenate([sample_idx_np, np.array(rest, np.int64)]) if rest
+                          else sample_idx_np.copy())
+        meta = AttentionMetadata(
+            slot_mapping=_t(slots, device), num_decode_tokens=n, prefills=prefill_seqs,
+            block_tables=_t(tables, device), seq_lens=_t(seq_lens, device), query_start_loc=_t(qsl, device),
+            block_size=bs, max_decode_seq_len=int(pos.max()) + 1 if n else 0)
+        model_input = ModelInput(
+            input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
+            logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())
+        if self.lora_slots is not None:  # the adapter slot of each token, in the batch's order
+            model_input.lora = self.lora_slots.batch([(r, 1) for r in decodes] + prefills, device)
+        # Until record_sampled says otherwise, no row is known to advance.
+        self.steady[:n] = False
+        self.generation += 1
+        self._sample_src = sample_src
+        self._num_rows = n
+        fresh = [(decodes[i], 1) for i in unsteady] + prefills if unsteady else prefills
+        return StepPlan(model_input, sampling_requests, plp_spans, self.generation, fresh)
+
+    def record_sampled(self, plan: StepPlan, token_ids: Sequence[int]) -> None:
+        """The tokens sampled from ``plan``'s logits (``token_ids[j]`` for ``plan.sampling_requests[j]``):
+        each decode row that sampled its own next token advances (position + 1, that token its next
+        input). Ignored unless ``plan`` is the latest batch made (the rows may have moved since)."""
+        n, src = self._num_rows, self._sample_src
+        if plan.generation != self.generation or n <= 0:
+            return
+        self._num_rows = -1
+        if src is None:  # every row sampled its own token, row i token i
+            self.token[:n] = token_ids[:n]
+            self.pos[:n] += 1
+            self.steady[:n] = True
+            return
+        rows = np.flatnonzero(src >= 0)
+        self.token[rows] = np.asarray(token_ids, np.int64)[src[rows]]
+        self.pos[rows] += 1
+        self.steady[rows] = True

@@ -52,6 +52,8 @@ class KVCacheManager:
         # get_block_ids' answers, kept until the request's blocks change (the input batch reads every
         # running request's table every step; most steps change none of them).
         self._block_ids: dict[str, list[int]] = {}
+        # Requests whose block tables changed since take_table_changes -> first entry changed.
+        self.table_changes: dict[Request, int] = {}
         # Copy-on-write copies (src block id, dst block id) the runner must do before the next forward.
         self.pending_copies: list[tuple[int, int]] = []
         # Prefix-cache statistics in tokens, counted by the scheduler on admission.
@@ -131,71 +133,79 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed ones
         and after ``new_computed_blocks``, a prefix-cache hit taken on first scheduling).
 
-        Returns False, changing nothing, when the pool has too few free blocks.
+        Returns False, changing nothing, when the pool has too few free blocks. A table that changes
+        is reported to ``take_table_changes`` (from its first changed entry). Only blocks the new
+        tokens fill are hashed and cached. The common decode (the token fits the blocks held, the
+        block written not shared) changes no table and allocates nothing: a few comparisons.
         """
-        if not new_computed_blocks and self.sliding_window is None:
-            # The common decode: the new tokens fit the blocks the request holds and the block
-            # written is not shared (no copy-on-write): nothing to allocate, and only a block
-            # the new tokens fill has to be hashed and cached. What the general path below does
-            # in that case, without its bookkeeping.
-            blocks = self.req_to_blocks.get(request.request_id)
-            bs = self.block_size
-            num_computed = request.num_computed_tokens
-            end = num_computed + num_new_tokens
-            if blocks and end <= len(blocks) * bs and (
-                    num_new_tokens <= 0 or num_computed % bs == 0 or blocks[num_computed // bs].ref_cnt <= 1):
-                if self.enable_caching and end // bs > self.num_cached_blocks.get(request.request_id, 0):
-                    self._cache_full_blocks(request, blocks, end)
-                return True
-        return self._allocate_slots(request, num_new_tokens, new_computed_blocks)
-
-    def _allocate_slots(self, request: Request, num_new_tokens: int,
-                        new_computed_blocks: list[KVCacheBlock] | None) -> bool:
-        """allocate_slots' general path (any case; the fast path above is the same for its cases)."""
-        new_computed_blocks = new_computed_blocks or []
-        self._block_ids.pop(request.request_id, None)
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        rid = request.request_id
+        bs = self.block_size
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None:
+            blocks = self.req_to_blocks[rid] = []
+        hits = new_computed_blocks or ()
+        num_computed = request.num_computed_tokens
+        if hits:
+            num_computed += len(hits) * bs
+        first_changed = len(blocks)
         if self.sliding_window is not None:
-            new_computed_blocks = self._drop_behind_window(blocks, new_computed_blocks, num_computed)
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
-        # Cache hits that sit in the free queue are taken out of it, so they count too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            hits, dropped = self._drop_behind_window(blocks, list(hits), num_computed)
+            if dropped:  # entries behind the window are null now
+                self._table_changed(request, 0)
+        end = num_computed + num_new_tokens
+        num_new_blocks = -(-end // bs) - first_changed - len(hits)
         # Copy-on-write: the next token goes into a partly filled block shared with a sibling.
-        write_idx = num_computed // self.block_size
-        cow = (num_new_tokens > 0 and num_computed % self.block_size != 0 and not new_computed_blocks
-               and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1)
-        if num_new_blocks + num_evictable_hits + cow > self.block_pool.get_num_free_blocks():
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
-            return False
-        if cow:
-            shared = blocks[write_idx]
-            blocks[write_idx] = self.block_pool.get_new_blocks(1)[0]
-            self.pending_copies.append((shared.block_id, blocks[write_idx].block_id))
-            self.block_pool.free_blocks([shared])
-        self.block_pool.touch(b for b in new_computed_blocks if b is not self.null_block)
-        blocks.extend(new_computed_blocks)
-        if num_new_blocks > 0:
-            blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        write_idx = num_computed // bs
+        cow = (num_new_tokens > 0 and num_computed % bs != 0 and not hits and write_idx < first_changed
+               and blocks[write_idx].ref_cnt > 1)
+        if num_new_blocks > 0 or hits or cow or not blocks:
+            # Cache hits that sit in the free queue are taken out of it, so they count too.
+            num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+            if num_new_blocks + num_evictable_hits + cow > self.block_pool.get_num_free_blocks():
+                if not blocks:
+                    del self.req_to_blocks[rid]
+                return False
+            if cow:
+                shared = blocks[write_idx]
+                blocks[write_idx] = self.block_pool.get_new_blocks(1)[0]
+                self.pending_copies.append((shared.block_id, blocks[write_idx].block_id))
+                self.block_pool.free_blocks([shared])
+                first_changed = min(first_changed, write_idx)
+            self.block_pool.touch(b for b in hits if b is not self.null_block)
+            blocks.extend(hits)
+            if num_new_blocks > 0:
+                blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+            self._table_changed(request, first_changed)
+        if self.enable_caching and end // bs > self.num_cached_blocks.get(rid, 0):
+            self._cache_full_blocks(request, blocks, end)
         return True
 
+    def _table_changed(self, request: Request, first: int) -> None:
+        """``request``'s block table changed from entry ``first`` on."""
+        self._block_ids.pop(request.request_id, None)
+        changes = self.table_changes
+        old = changes.get(request)
+        changes[request] = first if old is None or first < old else old
+
+    def take_table_changes(self) -> dict[Request, int]:
+        """The requests whose block tables changed since the last call -> the first entry that changed
+        (what a persistent batch must rewrite; ``engine/input_batch.py``)."""
+        changes, self.table_changes = self.table_changes, {}
+        return changes
+
     def _drop_behind_window(self, blocks: list[KVCacheBlock], hits: list[KVCacheBlock],
-                            num_computed: int) -> list[KVCacheBlock]:
+                            num_computed: int) -> tuple[list[KVCacheBlock], bool]:
         """Free the leading blocks of ``blocks`` that no query from position ``num_computed`` on
         can see (each of their positions is < num_computed - W + 1), pointing their entries to the
         null block; prefix-cache ``hits`` that far back are not taken (null entries instead).
-        Returns the hits with those replaced."""
+        Returns the hits with those replaced, and whether ``blocks`` changed."""
         num_behind = max(0, num_computed - self.sliding_window + 1) // self.block_size
         behind = [b for b in blocks[:num_behind] if b is not self.null_block]
         if behind:
             blocks[:num_behind] = [self.null_block] * min(num_behind, len(blocks))
             self.block_pool.free_blocks(behind)
         skip = min(max(0, num_behind - len(blocks)), len(hits))
-        return [self.null_block] * skip + hits[skip:] if skip else hits
+        return ([self.null_block] * skip + hits[skip:] if skip else hits), bool(behind)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         self._update_block_hashes(request)
@@ -214,8 +224,21 @@ class KVCacheManager:
             if b is not self.null_block:
                 b.ref_cnt += 1
         self.req_to_blocks[child.request_id] = blocks
-        self._block_ids.pop(child.request_id, None)
+        self._table_changed(child, 0)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    def trim(self, request: Request, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` blocks of ``request`` (speculative decoding: blocks past
+        them held only rejected proposals). They were never hashed: the prefix cache hashes only full
+        blocks of ``all_token_ids``."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or len(blocks) <= num_blocks:
+            return
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        self._block_ids.pop(request.request_id, None)
+        self._table_changed(request, num_blocks)
+        self.block_pool.free_blocks(b for b in reversed(tail) if b is not self.null_block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -226,6 +249,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self._block_ids.pop(request.request_id, None)
+        self.table_changes.pop(request, None)
         if blocks:
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
 

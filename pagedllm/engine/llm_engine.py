@@ -34,7 +34,8 @@ from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
 from pagedllm.worker.executor_factory import make_executor
-from pagedllm.engine.input_batch import prepare_inputs
+from pagedllm.engine.input_batch import InputBatch
+from pagedllm.engine.speculator import Speculator, SpecStepPlan, make_draft_proposer
 
 logger = logging.getLogger("pagedllm")
 
@@ -66,6 +67,8 @@ class LLMEngine:
         self.generation_eos_ids = _generation_eos_ids(mc.model)
         self.vocab_size = mc.hf_config.vocab_size
         self.executor = make_executor(config)
+        # Speculative decoding's draft model, loaded before the KV budget is set (its cache shares it).
+        self.draft = make_draft_proposer(config) if config.speculative_config is not None else None
         try:
             self._init_kv_cache()
         except BaseException:
@@ -75,12 +78,20 @@ class LLMEngine:
                                               cc.sliding_window)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager,
                                    self.executor.max_concurrent_batches)
+        # The step's flat batch, kept from step to step (rows updated where sequences join, leave, grow).
+        self.input_batch = InputBatch(self.kv_cache_manager, config.scheduler_config.max_num_seqs,
+                                      mc.max_model_len, config.device)
         # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
         self._inflight: deque = deque()
         self.max_inflight_batches = 0  # the most batches ever in flight at once (0: never pipelined)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sampler = Sampler()
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
+        self.speculator: Optional[Speculator] = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config, self.kv_cache_manager, self.scheduler, self.sampler,
+                                         self.eos_token_id, self.draft)
+            logger.info(self.speculator.startup_line())
         self.log_stats = log_stats
         # Offline batches only need each request's final output (saves per-step work).
         self.final_outputs_only = False
@@ -95,6 +106,9 @@ class LLMEngine:
         # one fails its request (400) instead of a step.
         lc = config.lora_config
         self.lora_slots = LoRASlotTable(lc.max_loras) if lc is not None else None
+        self.input_batch.lora_slots = self.lora_slots
+        if self.speculator is not None:  # its verification batches carry each token's adapter slot too
+            self.speculator.lora_slots = self.lora_slots
         self.checked_loras: dict[int, LoRARequest] = {}
 
     @classmethod
@@ -106,6 +120,8 @@ class LLMEngine:
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         budget, how = self.executor.determine_kv_budget()
         per_block = self.executor.bytes_per_block()
+        if self.draft is not None:  # the draft's cache has as many blocks, from the same budget
+            per_block += self.draft.bytes_per_block()
         num_blocks = budget // per_block if budget > 0 else 0
         windows = self.executor.sliding_windows()
         # One window on every layer, shorter than a sequence: blocks behind it can be freed (with a
@@ -132,6 +148,8 @@ class LLMEngine:
                 f"{mc.max_model_len} needs{window}; raise {raise_what}, or lower max_model_len")
         cc.num_blocks = num_blocks
         self.executor.allocate_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         kv_bytes = num_blocks * per_block * self.config.parallel_config.world_size
         pc = self.config.parallel_config
         capped = (f" capped at max_num_seqs x {blocks_per_seq} blocks a sequence" if num_blocks < budget // per_block
@@ -346,17 +364,22 @@ class LLMEngine:
         self.executor.check_health()
         if self.scheduler.pipeline_depth > 1:
             return self._step_pipelined()
+        if self.speculator is not None:
+            self.speculator.propose()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        plan = self._prepare_inputs(sched_out)
+        plan = None
+        if self.speculator is not None:  # a batch verifying proposals (None: no sequence has any)
+            plan = self.speculator.prepare_inputs(sched_out, self.scheduler.forks)
+            if plan is not None:
+                # Tokens accepted several at a time and rolled-back blocks: the persistent rows are
+                # read again from their requests at the next plain step.
+                self.input_batch.invalidate()
+        if plan is None:
+            plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
         return self._process_output(sched_out, plan, logits)
-
-    def _prepare_inputs(self, sched_out):
-        """The step's flat batch (engine/input_batch.py), with each token's LoRA slot under --enable-lora."""
-        lora = () if self.lora_slots is None else (self.lora_slots,)
-        return prepare_inputs(sched_out, self.kv_cache_manager, self.config.device, self.scheduler.forks, *lora)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Submit batches until ``pipeline_depth`` are in flight (or none is left to schedule),
@@ -365,7 +388,7 @@ class LLMEngine:
             sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 break
-            plan = self._prepare_inputs(sched_out)
+            plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
             self._inflight.append((sched_out, plan, self.executor.execute_model_async(plan.model_input)))
             self.max_inflight_batches = max(self.max_inflight_batches, len(self._inflight))
         if not self._inflight:
@@ -382,30 +405,39 @@ class LLMEngine:
             for i, r in enumerate(plan.sampling_requests):
                 r.pooled = rows[i]
         elif num_sample:
-            rows = [SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids,
-                                None if len(r.output_token_ids) >= r.sampling_params.min_tokens
-                                else self._banned_token_ids(r), r.grammar) for r in plan.sampling_requests]
+            rows = [r.sampling_row or self._sampling_row(r) for r in plan.sampling_requests]
             out = self.sampler(logits[:num_sample], rows)
-            for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
-                sampled[r.request_id] = tok
-                if r.grammar is not None:
-                    r.grammar.accept(tok)
-                if lp is not None:
-                    r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
-                    r.cumulative_logprob += lp[0]
+            if not isinstance(plan, SpecStepPlan):
+                self.input_batch.record_sampled(plan, out.token_ids)
+            sampled = dict(zip([r.request_id for r in plan.sampling_requests], out.token_ids))
+            if not all(row.plain_greedy for row in rows):  # (plain rows: no grammar, no logprobs)
+                for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
+                    if r.grammar is not None:
+                        r.grammar.accept(tok)
+                    if lp is not None:
+                        r.logprobs.append(self.output_processor.make_logprobs(lp, tok))
+                        r.cumulative_logprob += lp[0]
         if plan.prompt_logprob_spans:
             self._collect_prompt_logprobs(plan, logits[num_sample:])
+        if isinstance(plan, SpecStepPlan):  # sequences verifying proposals: their tokens, their rollback
+            sched_out, spec_sampled, appended = self.speculator.verify(plan, logits, sched_out,
+                                                                       self.output_processor.make_logprobs)
+            sampled.update(spec_sampled)
+            self.num_generation_tokens_total += appended
 
         # A request's whole prompt (prefix-cache hits included) once, in the step its prefill
         # completes, as vLLM counts prompt tokens: not again after a preemption, nor per n > 1 sample.
+        # (Only the step's fresh rows can: a row that advanced in place had its first token already.)
         self.num_prompt_tokens_total += sum(
-            r.num_prompt_tokens for r, n in sched_out.scheduled
+            r.num_prompt_tokens for r, n in plan.fresh
             if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched_out, sampled)
         self.num_generation_tokens_total += len(sampled)
         stopped = self.output_processor.process(updated)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:
+            self.speculator.release_finished()
         outputs = []
         # Only requests with a sequence that finished this step can be finished (so only those are
         # looked at when only final outputs are wanted).
@@ -420,6 +452,16 @@ class LLMEngine:
         if self.log_stats and time.time() - self._last_log > 10.0:
             self._log_stats()
         return outputs
+
+    def _sampling_row(self, r: Request) -> SamplingRow:
+        """The sampler's view of ``r``; kept on the request (``r.sampling_row``) once nothing in it
+        changes from step to step (past ``min_tokens``: no banned ids; its token lists are the
+        request's own, which grow in place)."""
+        banned = None if len(r.output_token_ids) >= r.sampling_params.min_tokens else self._banned_token_ids(r)
+        row = SamplingRow(r.sampling_params, r.generator, r.prompt_token_ids, r.output_token_ids, banned, r.grammar)
+        if banned is None:
+            r.sampling_row = row
+        return row
 
     def _banned_token_ids(self, req: Request) -> Optional[list[int]]:
         """Before ``min_tokens`` outputs, EOS and stop token ids cannot be sampled (as in vLLM)."""
@@ -448,8 +490,13 @@ class LLMEngine:
         s = self.get_stats()
         self._last_log = time.time()
         hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%",
-                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit)
+        spec = ""
+        if self.speculator is not None and self.speculator.stats.num_draft_tokens:
+            st = self.speculator.stats
+            spec = (f" spec_decode: acceptance {100 * st.num_accepted_tokens / st.num_draft_tokens:.1f}%, mean "
+                    f"acceptance length {st.mean_acceptance_length:.2f}")
+        logger.info("running=%d waiting=%d kv_usage=%.1f%% preemptions=%d prefix_cache_hit_rate=%.1f%%%s",
+                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, s.num_preemptions, 100 * hit, spec)
 
     def shutdown(self) -> None:
         # Let batches in flight come back first, so no rank is left mid-transfer (a failed

@@ -77,9 +77,17 @@ class Request:
             self.generator.manual_seed(sampling_params.seed)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
         self.grammar = None  # structured outputs: GrammarMatcher over output_token_ids
+        self.sampling_row = None  # the sampler's view of it, kept by the engine once it stops changing
+        # Set by the scheduler on add_request (Scheduler._set_stop_filter): token ids that can stop it,
+        # and the token count at which it is length-capped (0 until then: every token is checked).
+        self.stop_ids: frozenset[int] = frozenset()
+        self.length_cap = 0
         self.pooled: Optional[torch.Tensor] = None  # the pooling runner's embedding [hidden_size], float32
         self.priority = priority  # under the priority policy, lower runs first (then earlier arrival)
         self.lora_request = lora_request  # the LoRA adapter its tokens run with (None: the base model)
+        # Speculative decoding: this step's proposed next tokens (engine/speculator.py), scheduled after
+        # the last sampled token and verified in the same forward pass; never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def priority_key(self) -> tuple[int, float]:

@@ -87,10 +87,25 @@ class Scheduler:
         self._enqueue(self.waiting, request)
         self.requests[request.request_id] = request
         forks = list(forks)
+        self._set_stop_filter(request)
         if forks:
             self.forks[request.request_id] = forks
             for f in forks:
                 self.requests[f.request_id] = f
+                self._set_stop_filter(f)
+
+    def _set_stop_filter(self, req: Request) -> None:
+        """What update_from_output tests every sampled token against before it calls ``_check_stop``:
+        ``stop_ids``, every token id that can stop the request (whatever min_tokens says), and
+        ``length_cap``, the token count at which it is capped (max_tokens outputs or max_model_len)."""
+        sp = req.sampling_params
+        ids = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            ids |= set(sp.all_stop_token_ids or ())
+            if req.eos_token_id is not None:
+                ids.add(req.eos_token_id)
+        req.stop_ids = frozenset(ids)
+        req.length_cap = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.forks)
@@ -183,7 +198,7 @@ class Scheduler:
                     i += 1
                     continue
                 batch_seqs += 1 + len(self.forks.get(req.request_id, ()))
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens + len(req.spec_token_ids)  # (+ proposals)
             if num_new > budget:
                 num_new = budget
             ok = True
@@ -254,9 +269,11 @@ class Scheduler:
         """
         updated = []
         forks = self.forks
+        inflight = self.inflight
+        check_stop = self._check_stop
         now = time.time()  # one timestamp for the step's tokens (they come from one forward)
         for req, n in out.scheduled:
-            if self.inflight:
+            if inflight:
                 self.inflight.discard(req.request_id)
                 status = self._deferred.pop(req.request_id, None)
                 if status is not None:  # aborted while in flight: its blocks are free to go now
@@ -295,10 +312,12 @@ class Scheduler:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
                 metrics.last_token_time = now
-                status = self._check_stop(r, token)
-                if status is not None:
-                    self.running.remove(r)
-                    self._finish(r, status)
+                # _check_stop only where it can answer something (a stop id, the length cap, a grammar)
+                if token in r.stop_ids or len(r.all_token_ids) >= r.length_cap or r.grammar is not None:
+                    status = check_stop(r, token)
+                    if status is not None:
+                        self.running.remove(r)
+                        self._finish(r, status)
                 updated.append(r)
         return updated
 

@@ -46,7 +46,8 @@ class VllmFlag:
     kind: how it parses (``KINDS``). why: the start-up warning's reason it has no effect here, or (with
     ``refuse``) why it would change results. refuse: the given value -> True when pagedllm must refuse it
     (a bool flag's value is True/False; a value flag's is the list of its values as given, str).
-    apply: sets the pagedllm option it stands for (then no warning). json: a JSON config (takes dotted forms).
+    apply: sets the pagedllm option it stands for (then no warning, unless it returns a note naming a part with
+    no effect). json: a JSON config (takes dotted forms).
     aliases: vLLM's short forms (``-O3`` for ``--compilation-config 3``). validate: (args, value) -> None or
     ValueError, for a refusal that depends on more than the value (``--trust-remote-code``: the model).
     """
@@ -147,6 +148,50 @@ def _apply_hf_token(args: argparse.Namespace, values: Sequence[str]) -> None:
         os.environ["HF_TOKEN"] = values[-1]
 
 
+def _json_config(values: Sequence[str]) -> dict:
+    """A JSON config flag's values (JSON objects or dotted ``key=value`` forms) as one dict."""
+    out: dict = {}
+    for v in values:
+        try:
+            obj = json.loads(v)
+        except ValueError:
+            obj = dict([v.split("=", 1)]) if "=" in v else {}
+        if isinstance(obj, dict):
+            out.update(obj)
+    return out
+
+
+def _set_additional_properties(args: argparse.Namespace, backend: Optional[str] = None,
+                               disable: Optional[bool] = None) -> None:
+    """vLLM's rule for JSON schemas' undeclared properties from its backend and
+    disable_additional_properties: only guidance without disable_additional_properties allows them."""
+    if backend is not None:
+        args.vllm_so_backend = backend.lower()
+    if disable is not None:
+        args.vllm_so_disable = disable
+    guidance = getattr(args, "vllm_so_backend", "auto").startswith("guidance")
+    args.json_additional_properties = "allow" if guidance and not getattr(args, "vllm_so_disable", False) \
+        else "forbid"
+
+
+def _apply_so_backend(args: argparse.Namespace, values: Sequence[str]) -> None:
+    _set_additional_properties(args, backend=values[-1])
+
+
+def _apply_so_disable_additional(args: argparse.Namespace, value: bool) -> None:
+    _set_additional_properties(args, disable=bool(value))
+
+
+def _apply_so_config(args: argparse.Namespace, values: Sequence[str]) -> Optional[str]:
+    """backend and disable_additional_properties are applied; any other key has no effect (its note)."""
+    config = _json_config(values)
+    disable = config.get("disable_additional_properties")
+    _set_additional_properties(args, backend=config.get("backend"),
+                               disable=None if disable is None else str(disable).lower() == "true")
+    rest = sorted(set(config) - {"backend", "disable_additional_properties"})
+    return f"{', '.join(rest)}: {_SO}" if rest else None
+
+
 _LOG = "logging only"
 _GPU = "GPU-only tuning (CUDA graphs, kernels, compilation); no effect on outputs"
 _MM = "no multimodal models here"
@@ -154,7 +199,8 @@ _LORA = "LoRA tuning pagedllm does not need (adapters are served with --enable-l
 _DP = "multi-node data parallelism is not supported; --data-parallel-size replicas are local processes"
 _EP = "expert placement across GPUs; no effect on outputs"
 _SCHED = "scheduler tuning; pagedllm's scheduler always chunks prefills and recomputes preempted requests"
-_SO = "structured outputs use pagedllm's own grammar engine; the backend choice does not change the output"
+_SO = ("structured outputs use pagedllm's own grammar engine (llguidance); the backend choice sets only whether "
+       "JSON schemas admit undeclared properties (--json-additional-properties)")
 _DISAGG = "no disaggregated prefill/KV transfer; this server computes its own KV cache"
 _TRACE = "no OpenTelemetry tracing"
 _LOAD = "weight-loading detail; pagedllm loads safetensors / GGUF itself"
@@ -272,13 +318,13 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--use-tqdm-on-load": VllmFlag("bool", _LOG),
     "--pt-load-map-location": VllmFlag("value", _LOAD),
     # --- structured outputs ---
-    "--guided-decoding-backend": VllmFlag("value", _SO),
+    "--guided-decoding-backend": VllmFlag("value", _SO, apply=_apply_so_backend),
     "--guided-decoding-disable-fallback": VllmFlag("bool", _SO),
     "--guided-decoding-disable-any-whitespace": VllmFlag(
         "bool", "structured outputs allow JSON whitespace here", refuse=_set),
-    "--guided-decoding-disable-additional-properties": VllmFlag("bool", _SO),
+    "--guided-decoding-disable-additional-properties": VllmFlag("bool", _SO, apply=_apply_so_disable_additional),
     "--structured-outputs-config": VllmFlag("value", _SO, refuse=_json_keys_true("disable_any_whitespace"),
-                                            json=True),
+                                            json=True, apply=_apply_so_config),
     "--reasoning-config": VllmFlag("value", "reasoning is split by --reasoning-parser here", json=True),
     # --- parallelism ---
     "--data-parallel-rank": VllmFlag("value", _DP, aliases=("-dpn",)),
@@ -347,7 +393,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--default-mm-loras": VllmFlag("value", _LORA, json=True),
     "--enable-prompt-adapter": VllmFlag("flag", "no prompt adapters (requests naming one are refused)"),
     # --- speculative decoding, observability ---
-    "--speculative-config": VllmFlag("value", "no speculative decoding (it is exact: speed only)", json=True),
     "--show-hidden-metrics-for-version": VllmFlag("value", "metrics only"),
     "--otlp-traces-endpoint": VllmFlag("value", _TRACE),
     "--collect-detailed-traces": VllmFlag("values", _TRACE),
@@ -383,8 +428,13 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--gdn-prefill-backend": VllmFlag("value", _GPU),
     "--linear-backend": VllmFlag("value", _GPU),
     "--kda-prefill-backend": VllmFlag("value", _GPU),
-    "--spec-method": VllmFlag("value", "no speculative decoding (it is exact: speed only)"),
+    "--spec-method": VllmFlag("value", "the method is --speculative-config's \"method\""),
 }
+
+
+# JSON configs that are pagedllm settings (EngineArgs fields that merge key=value parts): their dotted forms
+# (--speculative-config.method=ngram) are rewritten as those of VLLM_FLAGS' JSON flags are.
+JSON_SETTINGS = ("--speculative-config",)
 
 
 def _dest(flag: str) -> str:
@@ -481,7 +531,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
         if tok.startswith("--") and "_" in base:  # vLLM reads --max_num_seqs as --max-num-seqs
             base = "--" + base[2:].replace("_", "-")
             tok = base + (dot + key if dot else "") + eq + value
-        if dot and tok.startswith("--") and base in VLLM_FLAGS and VLLM_FLAGS[base].json:
+        if dot and tok.startswith("--") and (base in VLLM_FLAGS and VLLM_FLAGS[base].json or base in JSON_SETTINGS):
             if not eq:
                 if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
                     value, i = rest[i + 1], i + 1
@@ -515,10 +565,10 @@ def check(args: argparse.Namespace) -> Optional[str]:
                              f"{spec.why}")
         if spec.validate is not None:
             spec.validate(args, value)
-        if spec.apply is not None:
-            spec.apply(args, value)
-        else:
-            ignored.append(f"{flag} ({spec.why})")
+        # apply: the option it stands for is set; it may return a note on a part that has no effect
+        note = spec.apply(args, value) if spec.apply is not None else spec.why
+        if note:
+            ignored.append(f"{flag} ({note})")
     if not ignored:
         return None
     return ("vLLM flags with no effect in pagedllm, accepted and ignored: " + "; ".join(ignored))

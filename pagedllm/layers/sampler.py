@@ -31,6 +31,12 @@ class SamplingRow:
     # Structured outputs: the sequence's grammar state (the engine advances it after sampling).
     grammar: Optional["GrammarMatcher"] = None
 
+    def __post_init__(self) -> None:
+        p = self.params
+        # Greedy with nothing to apply first and no logprobs: its token is the argmax of its logits row.
+        self.plain_greedy = (p.greedy and p.logprobs is None and not p.has_penalties
+                             and not needs_logits_processors(self))
+
 
 @dataclass
 class SamplerOutput:
@@ -83,12 +89,23 @@ def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits
 
 
+def target_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row samples from: ``logits`` [B, V] after ``Sampler.process``, divided by
+    the temperature (1 for a greedy row), top-k / top-p / min-p applied, softmax -> float32 [B, V]
+    (what ``Sampler.__call__`` draws from; speculative decoding's rejection sampler verifies against it)."""
+    dev = logits.device
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=dev)
+    scaled = logits / temps.unsqueeze(1)
+    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    return _top_k_top_p_min_p(scaled, top_k, top_p, min_p).softmax(dim=-1)
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [B, V] (float32, one row per sequence that samples this step)."""
-        logits = logits.float()
-        need_logprobs = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties and the logits processors (min_tokens bans, logit_bias, allowed ids, bad words,
+        grammar) on float32 ``logits`` [B, V]; a copy where anything applies (the input is left as is)."""
         penalize = any(r.params.has_penalties for r in rows)
         process = any(needs_logits_processors(r) for r in rows)
         if penalize or process:
@@ -103,18 +120,22 @@ class Sampler:
                 processor(logits, rows)
             if raw is not None:
                 logits = keep_grammar_rows_alive(logits, raw, rows)
+        return logits
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [B, V] (float32, one row per sequence that samples this step)."""
+        logits = logits.float()
+        if all(r.plain_greedy for r in rows):  # (what the general path below gives such a batch)
+            return SamplerOutput(token_ids=ops.argmax_rows(logits).tolist(), logprobs=[None] * len(rows))
+        need_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
+        logits = self.process(logits, rows)
 
         greedy = [r.params.greedy for r in rows]
         tokens = ops.argmax_rows(logits)
         if not all(greedy):
             dev = logits.device
-            temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], device=dev)
-            scaled = logits / temps.unsqueeze(1)
-            top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-            top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-            min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-            scaled = _top_k_top_p_min_p(scaled, top_k, top_p, min_p)
-            probs = scaled.softmax(dim=-1)
+            probs = target_probs(logits, rows)
             q = torch.empty_like(probs)
             unseeded = [i for i, r in enumerate(rows) if r.generator is None]
             if unseeded:

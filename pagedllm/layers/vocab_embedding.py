@@ -12,6 +12,7 @@ from pagedllm.distributed.parallel_state import (get_tp_rank, get_tp_size, tenso
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.linear import _copy, load_narrow, loaded_shape
 from pagedllm.layers.quantization import QuantizationConfig, get_linear_method
+from pagedllm.layers.quantization.q8_0 import is_q8_0, load_q8_0
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,6 +58,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, dtype)
         self.prefix = prefix
         self.quant_method = get_linear_method(self, quant_config, prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if is_q8_0(loaded):  # an untied GGUF output matrix kept in its blocks (layers/quantization/gguf.py)
+            return load_q8_0(self, super().weight_loader, param, loaded, shard_id)
+        super().weight_loader(param, loaded, shard_id)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.quant_method.apply(self, hidden)

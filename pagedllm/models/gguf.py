@@ -16,7 +16,7 @@ import copy
 import functools
 import os
 from unittest import mock
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -41,6 +41,30 @@ class Q8_0Weight(NamedTuple):
         """float32 [rows, cols]."""
         q = self.qweight.float().view(self.qweight.shape[0], -1, Q8_0_BLOCK)
         return (q * self.scales.float().unsqueeze(-1)).view(self.qweight.shape)
+
+
+class GGUFBlocks(NamedTuple):
+    """A GGUF matrix kept in its ggml blocks (for ``layers/quantization/gguf.py``): ``raw`` uint8
+    [rows, cols / block * block bytes], a view of the file's memory map where the tensor is used as
+    stored (a copy where the name map reorders its rows, as Llama's q/k are).
+
+    ggml_type: the ``gguf.GGMLQuantizationType`` id; type_name: its name ("Q4_K"); cols: input features.
+    """
+
+    ggml_type: int
+    type_name: str
+    raw: np.ndarray
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols] (``gguf.quants.dequantize``)."""
+        from gguf import GGMLQuantizationType, quants  # lazily: gguf, read only for a .gguf model
+
+        return torch.from_numpy(np.ascontiguousarray(quants.dequantize(self.raw, GGMLQuantizationType(self.ggml_type))))
 
 
 def one_line(e: BaseException) -> str:
@@ -280,7 +304,9 @@ class _GptOssExperts:
                     yield prefix + "mlp.experts.gate_up_proj", both.flatten(1, 2).transpose(1, 2)
 
 
-def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> Iterator[tuple[str, Any]]:
+def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False, raw_blocks: frozenset = frozenset(),
+                         keep: Optional[Callable[[str], bool]] = None,
+                         stats: Optional[dict] = None) -> Iterator[tuple[str, Any]]:
     """(Hugging Face checkpoint name, float32 tensor) pairs of the file's weights, one tensor at a time.
 
     Args:
@@ -288,6 +314,10 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
         hf_config: its config (``load_gguf_config``).
         raw_q8_0: yield Q8_0 matrices as ``Q8_0Weight`` (int8 values + float16 block scales) instead of
             dequantizing them, for an int8 linear method to take as they are.
+        raw_blocks: names of ggml types ("Q4_K", ...) whose 2-d tensors are yielded as ``GGUFBlocks``
+            (the file's bytes, not dequantized) where ``keep(hf_name)`` holds.
+        keep: which Hugging Face names may stay in blocks (the linear layers' weights).
+        stats: filled with (type name, "blocks" | "dequantized") -> tensor count.
 
     Raises:
         ValueError: the file is unreadable, or its tensors do not map to the architecture's parameters.
@@ -316,7 +346,17 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False) -> I
     del hf_model
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # MoE processors merge experts here
     gpt_oss = _GptOssExperts() if arch == "gpt-oss" else None
+    stats = {} if stats is None else stats
     for t in reader.tensors:
+        tname = t.tensor_type.name
+        if tname in raw_blocks and len(t.data.shape) == 2 and t.data.dtype == np.uint8:
+            r = processor.process(weights=t.data, name=t.name)
+            hf = name_map.get(r.name)
+            if hf is not None and (keep is None or keep(hf)) and r.weights.shape == t.data.shape:
+                stats[(tname, "blocks")] = stats.get((tname, "blocks"), 0) + 1
+                yield hf, GGUFBlocks(int(t.tensor_type), tname, r.weights, int(t.shape[0]))
+                continue
+        stats[(tname, "dequantized")] = stats.get((tname, "dequantized"), 0) + 1
         if raw_q8_0 and t.tensor_type.name == "Q8_0" and len(t.data.shape) == 2:
             raw = read_q8_0(t.data)
             q = processor.process(weights=raw.qweight.numpy(), name=t.name)

@@ -16,15 +16,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig
-from pagedllm.distributed.parallel_state import get_tp_rank
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
 from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
-from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line
+from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line, open_gguf
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.smoothquant import smooth_for_quantization
+from pagedllm.platforms import ops
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -116,6 +117,66 @@ def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[
         yield name, w
 
 
+# Float bytes of a file's kernel-type matrices from which they stay in blocks. Below it the float copy
+# is small and the dequantized path ran faster (the fused layer runner and the float GEMMs at batch);
+# above it reading float weights dominates decode. Measured on a loaded 2-core host (benchmarks/README
+# section 27): Qwen2.5-1.5B Q4_K (5.2 GB dequantized) at batch 1, blocks 1.36-1.56x the tok/s at 0.34x
+# the memory; SmolLM2-135M Q4_1 (0.4 GB dequantized) at batch 4, blocks 0.49x the tok/s.
+GGUF_BLOCKS_MIN_FLOAT_BYTES = 1 << 30
+
+
+def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
+    """(ggml type names a GGUF file's linear weights stay in, as blocks multiplied by the platform's
+    kernels; why that is empty or what the kernels are): only without ``--quantization``, on one
+    tensor-parallel rank (``layers/quantization/gguf.py``), and for a file whose kernel-type matrices
+    would take at least GGUF_BLOCKS_MIN_FLOAT_BYTES in the run's dtype."""
+    if model_config.quantization not in (None, "none"):
+        return frozenset(), f"--quantization {model_config.quantization}"
+    if get_tp_size() != 1:
+        return frozenset(), "tensor parallelism (blocks cannot be split along k)"
+    types, how = ops.gguf_kernel_types()
+    if types:
+        reader = open_gguf(model_config.model)
+        elems = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type.name in types and len(t.data.shape) == 2)
+        size = elems * torch.empty(0, dtype=model_config.dtype).element_size()
+        if size < GGUF_BLOCKS_MIN_FLOAT_BYTES:
+            return frozenset(), (f"its quantized matrices take {size / 2**20:.0f} MiB dequantized, under "
+                                 f"{GGUF_BLOCKS_MIN_FLOAT_BYTES / 2**20:.0f} MiB, where the float path is the faster")
+    return types, how
+
+
+def _block_weights(hf_config: Any):
+    """Which checkpoint names may stay in GGUF blocks: the linear layers' weights, and an untied
+    LM head's (a tied one is the embedding's table, which the lookup reads as floats)."""
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    return lambda name: _LINEAR_WEIGHT.search(name) is not None or (name == "lm_head.weight" and not tied)
+
+
+def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, how: str) -> str:
+    """The start-up line: per ggml type, how many tensors stay in blocks on the kernels and how many
+    were dequantized (to the model's dtype), and the weights' resident MiB."""
+    types = sorted({t for t, _ in stats})
+    parts = []
+    for t in types:
+        kept, deq = stats.get((t, "blocks"), 0), stats.get((t, "dequantized"), 0)
+        if kept:
+            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (the embedding, or not a linear's weight)"
+                                                     if deq else ""))
+        else:
+            why = ("no kernel" if t not in blocks and t not in ("F32", "F16", "BF16") else "float") if blocks else how
+            parts.append(f"{t}: {deq} dequantized ({why})")
+    mixed = [m for m in model.modules() if getattr(m, "gguf_types", None) and getattr(m, "gguf_bytes", None) is None]
+    kept = sum(getattr(m, "gguf_bytes", 0) for m in model.modules())
+    seen, floats = set(), 0
+    for p in model.parameters():
+        if p.numel() and p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            floats += p.numel() * p.element_size()
+    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "")
+            + (f" | {len(mixed)} layers dequantized (rows of types without a kernel)" if mixed else "")
+            + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
+
+
 def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
@@ -146,7 +207,10 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
         path = model_config.model
         if is_gguf_file(path):
             q8_0 = gguf_q8_0_direct(get_quantization_config(model_config.quantization))
-            raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0)
+            blocks, why_not = gguf_block_types(model_config)
+            gguf_stats: dict = {}
+            raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0, raw_blocks=blocks,
+                                       keep=_block_weights(model_config.hf_config), stats=gguf_stats)
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
             raw = iterate_weights(path)
@@ -174,6 +238,8 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
     smoothing = None if model_config.lora_enabled else smooth_for_quantization(model, quant_config,
                                                                                 model_config.tokenizer)
     report = process_weights_after_loading(model, quant_config)
+    if model_config.load_format != "dummy" and is_gguf_file(model_config.model) and get_tp_rank() == 0:
+        logger.info("%s", describe_gguf_paths(model, gguf_stats, blocks, why_not))
     report.smoothing = smoothing.describe() if smoothing else ""
     model.quantization_report = report
     if quant_config is not None and get_tp_rank() == 0:

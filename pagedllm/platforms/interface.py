@@ -115,6 +115,15 @@ class PlatformOps:
     def int8_panels_only() -> bool:
         return False
 
+    # -- GGUF weights kept in their ggml blocks
+    @staticmethod
+    def gguf_kernel_types() -> tuple[frozenset, str]:
+        return frozenset(), "no GGUF kernels on this platform"
+
+    @staticmethod
+    def gguf_linear(x: torch.Tensor, segments: list, n: int) -> Optional[torch.Tensor]:
+        return None
+
     # -- mixture of experts
     @staticmethod
     def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

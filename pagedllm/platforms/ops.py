@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -303,6 +304,34 @@ def int8_panels_only() -> bool:
     of the unpacked weight is slow (a CPU with AVX2 but no VNNI: ``torch._int_mm`` is a reference
     loop there)."""
     return _OPS.int8_panels_only()
+
+
+# ---------------------------------------------------------------------- GGUF blocks (ggml's layout)
+def gguf_kernel_types() -> tuple[frozenset, str]:
+    """(names of the ggml types, e.g. "Q4_K", whose blocks this platform multiplies as stored,
+    a few words on the kernels or why there are none)."""
+    return _OPS.gguf_kernel_types()
+
+
+def gguf_linear(x: torch.Tensor, segments: list, n: int) -> torch.Tensor:
+    """x [m, k] float (rows may be strided) @ W^T -> float32 [m, n], W given as ``segments``:
+    (first output row, ggml type id, raw blocks uint8 [rows, k / block * block bytes]) that tile
+    the n rows. The platform's kernel quantizes x to int8 per block of 32 (within the bound in
+    ``platforms/cpu/gguf_gemm.py``); the native body dequantizes W (``gguf.quants``) and
+    multiplies in float32: the reference."""
+    out = _OPS.gguf_linear(x, segments, n)
+    return gguf_linear_native(x, segments, n) if out is None else out
+
+
+def gguf_linear_native(x: torch.Tensor, segments: list, n: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants  # lazily: gguf, read only for a .gguf model
+
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for first, type_id, raw in segments:
+        w = torch.from_numpy(quants.dequantize(np.asarray(raw), GGMLQuantizationType(type_id)).copy())
+        out[:, first:first + w.shape[0]] = xf @ w.to(x.device).t()
+    return out
 
 
 # ------------------------------------------------------------------------------ mixture of experts

@@ -75,7 +75,7 @@ class GrammarCompiler:
         M = llguidance.LLMatcher
         kind = params.kind
         if kind in ("json", "json_object"):
-            schema = {"type": "object"} if kind == "json_object" else params.json
+            schema = {"type": "object"} if kind == "json_object" else params.effective_json_schema()
             # Whitespace between JSON tokens is bounded: unbounded, a weak model can emit blanks
             # until max_tokens (a known failure of flexible-whitespace grammars); 16 characters
             # still allow pretty-printing three or four levels deep.

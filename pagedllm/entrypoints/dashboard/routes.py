@@ -50,7 +50,10 @@ def add_dashboard(app: FastAPI, llm, metrics) -> None:
     """Mount the dashboard on ``app`` over a started AsyncLLM ``llm`` and its ServerMetrics."""
     sampler = PoolSampler(_SNAPSHOT_S)
     history = History(lambda: llm.snapshot, metrics.latencies).start()
-    llm.on_step = sampler.on_step
+    if hasattr(llm, "watch_pool"):  # the engine core in its own process samples its pool and ships it
+        llm.watch_pool(sampler.accept, sampler.interval_s)
+    else:
+        llm.on_step = sampler.on_step
     app.state.dashboard_history = history
     facts = startup_facts(llm)
 

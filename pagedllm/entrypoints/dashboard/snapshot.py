@@ -18,6 +18,8 @@ from typing import Optional
 
 import numpy as np
 
+from pagedllm.engine.core import sample_pool
+
 # One queue entry: (request id, prompt tokens, output tokens, computed tokens, preemptions, block table).
 QueueEntry = tuple[str, int, int, int, int, list[int]]
 
@@ -56,22 +58,7 @@ def _entry(e: QueueEntry) -> dict:
 
 def take_pool_snapshot(engine, version: int) -> PoolSnapshot:
     """Read the scheduler's queues and the block pool of ``engine`` (an LLMEngine). Engine thread only."""
-    sched = engine.scheduler
-    kv = engine.kv_cache_manager
-    tables = kv.req_to_blocks
-
-    def entry(r) -> QueueEntry:
-        blocks = tables.get(r.request_id)
-        return (r.request_id, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens, r.num_preemptions,
-                [b.block_id for b in blocks if b is not kv.null_block] if blocks else [])
-
-    pool = kv.block_pool
-    stats = engine.get_stats()
-    return PoolSnapshot(version=version, time=time.time(), num_blocks=pool.num_blocks,
-                        running=[entry(r) for r in sched.running], waiting=[entry(r) for r in sched.waiting],
-                        cached_free=[b.block_id for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0],
-                        num_running=stats.num_running, num_waiting=stats.num_waiting,
-                        kv_cache_usage=stats.kv_cache_usage, num_cached_free_blocks=pool.num_cached_free_blocks)
+    return PoolSnapshot(version, time.time(), *sample_pool(engine))
 
 
 class PoolSampler:
@@ -105,6 +92,12 @@ class PoolSampler:
         self.latest = take_pool_snapshot(engine, self._version)
         self._dirty = False
         self._last = now
+
+
+    def accept(self, version: int, time_: float, *fields) -> None:
+        """A sample taken in an engine core process (``CoreClient.watch_pool``): the fields of a
+        ``PoolSnapshot`` after its version and time, in order."""
+        self.latest = PoolSnapshot(version, time_, *fields)
 
 
 class History:

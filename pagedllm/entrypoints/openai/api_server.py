@@ -35,7 +35,9 @@ from starlette.responses import JSONResponse, Response
 from pagedllm import __version__, envs
 from pagedllm.engine.arg_utils import EngineArgs, ServerArgs, cli_flag
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
-from pagedllm.engine.dp_client import DPAsyncLLM
+from pagedllm.engine.core_client import CoreClient
+from pagedllm.entrypoints.anthropic.protocol import anthropic_error_body
+from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes, is_anthropic_path
 from pagedllm.entrypoints.dashboard.routes import add_dashboard
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ModelCard,
@@ -53,6 +55,7 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, BIG_TOKEN_COUNT, ClientDisconnected, error_body, tokenize_error)
+from pagedllm.entrypoints.openai.template_probe import probe_template
 from pagedllm.logger import init_logger
 from pagedllm.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.worker.multinode import run_headless
@@ -76,7 +79,10 @@ class SafeJSONResponse(JSONResponse):
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code=None, type_: Optional[str] = None,
-           headers: Optional[dict] = None) -> JSONResponse:
+           headers: Optional[dict] = None, path: str = "") -> JSONResponse:
+    """The error response in OpenAI's shape, or Anthropic's for a Messages API ``path``."""
+    if is_anthropic_path(path):
+        return SafeJSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
     return SafeJSONResponse(error_body(message, type_ or _STATUS_TYPES.get(status, "server_error"), param, code),
                         status_code=status, headers=headers)
 
@@ -98,10 +104,13 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"].startswith(_KEYED_PATHS):
             # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time.
+            # Anthropic's clients send the key as x-api-key.
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)):
-                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if not (scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)) \
+                    and not secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+                resp = _error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: "
+                                   "<key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                              path=scope["path"])
                 await resp(scope, receive, send)
                 return
         length = headers.get(b"content-length")
@@ -144,7 +153,7 @@ class GuardMiddleware:
 
     async def _too_large(self, scope, receive, send) -> None:
         resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes.",
-                      code="request_too_large")
+                      code="request_too_large", path=scope["path"])
         resp.headers["Connection"] = "close"
         await resp(scope, receive, send)
 
@@ -203,7 +212,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
               enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, enable_prompt_tokens_details: bool = False,
               enable_server_load_tracking: bool = False, enable_tokenizer_info_endpoint: bool = False,
-              lora_modules: Optional[list[str]] = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
+              lora_modules: Optional[list[str]] = None, allow_runtime_lora_updating: bool = False,
+              json_additional_properties: str = "forbid") -> FastAPI:
     """The FastAPI app over a (started) AsyncLLM. With ``shutdown_engine`` the app's lifespan
     shutdown also stops the engine. ``response_store`` keeps Responses API responses (default: 1,024
     responses for an hour); ``dashboard`` mounts the block-pool dashboard at /dashboard. ``cors``:
@@ -221,6 +231,9 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     chat = OpenAIServingChat(llm, served, chat_template)
     chat.enable_auto_tools = enable_auto_tool_choice
     chat.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    chat.template_tools = probe_template(chat.tokenizer, chat_template)
+    if chat.template_tools.warning(served):
+        logger.warning(chat.template_tools.warning(served))
     if reasoning_parser is None and getattr(llm.model_config.hf_config, "model_type", None) == "gpt_oss":
         reasoning_parser = "openai_gptoss"  # its output is always in harmony's channels (vLLM reads them too)
         logger.info("gpt-oss: reading its harmony channels (reasoning parser openai_gptoss; tool calls with "
@@ -230,6 +243,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     embeddings = OpenAIServingEmbedding(llm, served, chat)
     for serving in (completions, chat):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+        serving.allow_additional_properties = json_additional_properties == "allow"
     for serving in (completions, chat, embeddings):
         serving.models = models
     load = LoadCounter(enable_server_load_tracking)
@@ -255,17 +269,17 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     app.state.metrics = metrics
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError):
-        return _error(exc.status, exc.message, exc.param, exc.code, exc.type)
+    async def _request_error(request: Request, exc: RequestError):
+        return _error(exc.status, exc.message, exc.param, exc.code, exc.type, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc, request.headers.get("content-type", ""))
-        return _error(400, msg, param)
+        return _error(400, msg, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
@@ -276,9 +290,10 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
+    async def _internal(request: Request, exc: Exception):
         logger.exception("unhandled error while serving a request")
-        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error")
+        return _error(500, f"Internal server error: {type(exc).__name__}", type_="server_error",
+                      path=request.url.path)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -331,6 +346,8 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         generating()
         return await chat.create_chat_completion(body, raw_request)
+
+    add_anthropic_routes(app, chat, before=generating)  # /v1/messages (Anthropic's Messages API)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw_request: Request):
@@ -514,13 +531,18 @@ def _run_headless(engine_args: EngineArgs) -> int:
         return 1
 
 
-def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: str) -> AsyncLLM:
-    """The started engine: one AsyncLLM, or ``data_parallel_size`` > 1 replicas behind a DPAsyncLLM."""
+def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: str,
+                 core_process: bool = True) -> AsyncLLM:
+    """The started engine: the engine core in its own process (``CoreClient``; ``data_parallel_size``
+    > 1: that many), or with ``core_process`` False and one replica, an AsyncLLM whose engine runs in
+    a thread of this process."""
     if data_parallel_size > 1 and engine_args.enable_lora:
         raise ValueError("--enable-lora with --data-parallel-size > 1 is not supported (each replica would need "
                          "the adapters' requests routed with them)")
-    if data_parallel_size > 1:
-        return DPAsyncLLM(engine_args, data_parallel_size, log_level=log_level).start()
+    if data_parallel_size > 1 or core_process:
+        return CoreClient(engine_args, data_parallel_size, log_level=log_level).start()
+    logger.info("engine core: a thread of the API server process (--no-engine-core-process or "
+                "PAGEDLLM_ENABLE_MULTIPROCESSING=0)")
     return AsyncLLM.from_engine_args(engine_args).start()
 
 
@@ -559,7 +581,8 @@ def run_server(args: argparse.Namespace) -> int:
         try:
             chat_template = read_chat_template(opts.chat_template)
             check_tool_flags(opts)
-            llm = start_engine(engine_args, opts.data_parallel_size, log_level)
+            llm = start_engine(engine_args, opts.data_parallel_size, log_level,
+                               opts.engine_core_process and envs.PAGEDLLM_ENABLE_MULTIPROCESSING)
         except _Interrupted:
             return 0
         except (ValueError, OSError) as e:
@@ -574,7 +597,7 @@ def run_server(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1
-        # The dashboard samples the block pool on the engine thread, which replicas keep to themselves.
+        # The dashboard samples one engine's block pool (data-parallel replicas each keep their own).
         dashboard = opts.dashboard and opts.data_parallel_size == 1
         try:
             app = build_app(llm, api_key=api_key, chat_template=chat_template, max_body_bytes=opts.max_request_bytes,
@@ -585,7 +608,8 @@ def run_server(args: argparse.Namespace) -> int:
                             enable_server_load_tracking=opts.enable_server_load_tracking,
                             enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint,
                             lora_modules=opts.lora_modules,
-                            allow_runtime_lora_updating=opts.allow_runtime_lora_updating)
+                            allow_runtime_lora_updating=opts.allow_runtime_lora_updating,
+                            json_additional_properties=opts.json_additional_properties)
         except ValueError as e:  # a --lora-modules adapter that cannot be served
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             return 1

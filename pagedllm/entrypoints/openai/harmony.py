@@ -21,7 +21,6 @@ arriving is held back, so the reasoning and the content shown only grow.
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Optional
 
@@ -145,12 +144,14 @@ def visible_content(content: str, finished: bool) -> str:
 @register_tool_parser("openai")
 class OpenAIToolParser(ToolParser):
     """The tool calls ``HarmonyReasoningParser`` left in the content as canonical segments; the
-    text around them is the content. Streamed: text as it comes, each call whole once complete."""
+    text around them is the content. Streamed: text as it comes; a call opens (id, name, arguments so
+    far) once its ``<|message|>`` arrives, then its arguments stream as they grow (a call cut by
+    max_tokens is a call with the arguments so far)."""
 
     def __init__(self, tokenizer) -> None:
         super().__init__(tokenizer)
         self.sent_text = 0   # content characters sent
-        self.sent_calls = 0  # calls sent
+        self.sent_args: list[int] = []  # argument characters sent, per call opened
 
     @staticmethod
     def _calls(text: str) -> list[tuple[str, str, bool]]:
@@ -158,11 +159,7 @@ class OpenAIToolParser(ToolParser):
 
     @staticmethod
     def _call(name: str, args: str) -> ToolCall:
-        try:
-            args = json.dumps(json.loads(args), ensure_ascii=False)
-        except ValueError:
-            pass  # not JSON: passed on as written
-        return ToolCall(function=FunctionCall(name=name, arguments=args))
+        return ToolCall(function=FunctionCall(name=name, arguments=args))  # as written, as the stream sends it
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         calls = [self._call(name, args) for name, args, _ in self._calls(text)]
@@ -178,13 +175,16 @@ class OpenAIToolParser(ToolParser):
         self.sent_text = len(visible)
         deltas = []
         for i, (name, args, complete) in enumerate(self._calls(current_text)):
-            if i < self.sent_calls or not (complete or finished):
-                continue
-            call = self._call(name, args)
-            deltas.append(DeltaToolCall(index=i, id=call.id, type="function",
-                                        function=DeltaFunctionCall(name=call.function.name,
-                                                                   arguments=call.function.arguments)))
-            self.sent_calls = i + 1
+            if not (complete or finished):  # a closing <|end|> may be arriving
+                args = args[:len(args) - partial_tail(args, CALL_END)]
+            if i == len(self.sent_args):
+                call = self._call(name, args)
+                deltas.append(DeltaToolCall(index=i, id=call.id, type="function",
+                                            function=DeltaFunctionCall(name=name, arguments=args)))
+                self.sent_args.append(len(args))
+            elif len(args) > self.sent_args[i]:
+                deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=args[self.sent_args[i]:])))
+                self.sent_args[i] = len(args)
         self.called = self.called or bool(deltas)
         if not text and not deltas:
             return None

@@ -11,7 +11,8 @@ from pagedllm.entrypoints.openai.protocol import RequestError
 
 # The routes that run the model (vLLM counts its equivalents): a request to one of them is in
 # flight from its arrival until its response (a whole stream included) has been sent.
-LOAD_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/invocations")
+LOAD_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/invocations",
+              "/v1/messages")
 
 
 class ServerLoad:

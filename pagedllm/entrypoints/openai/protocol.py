@@ -151,6 +151,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     grammar: Optional[str] = None
     disable_any_whitespace: bool = False
     whitespace_pattern: Optional[str] = None
+    # vLLM's: true refuses keys a schema does not declare; unset or false: the server's rule
+    disable_additional_properties: Optional[bool] = None
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -221,7 +223,9 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
         given.append(("structured_outputs", {"json": so.json_, "json_object": so.json_object, "regex": so.regex,
                                              "choice": so.choice, "grammar": so.grammar,
                                              "disable_any_whitespace": so.disable_any_whitespace,
-                                             "whitespace_pattern": so.whitespace_pattern}))
+                                             "whitespace_pattern": so.whitespace_pattern,
+                                             "disable_additional_properties": so.disable_additional_properties
+                                             or None}))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
         if getattr(req, name, None) is not None:
@@ -233,7 +237,9 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
         elif rf.json_schema is None or rf.json_schema.schema_ is None:
             raise RequestError("response_format of type json_schema needs json_schema.schema", "response_format")
         else:
-            given.append(("response_format", {"json": rf.json_schema.schema_}))
+            # strict: true is OpenAI's promise of exactly the schema: no undeclared keys, whatever the server's rule
+            given.append(("response_format", {"json": rf.json_schema.schema_,
+                                               "disable_additional_properties": rf.json_schema.strict or None}))
     if not given:
         return None
     if len(given) > 1:

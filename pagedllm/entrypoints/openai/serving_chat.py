@@ -3,6 +3,7 @@ streamed as ``chat.completion.chunk`` deltas (the first per choice carries the r
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Optional
 
@@ -18,9 +19,12 @@ from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, Reaso
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
+from pagedllm.entrypoints.openai.template_probe import TemplateToolSupport
 from pagedllm.entrypoints.openai.tool_parsers.tool_choice import resolve_tool_choice, tool_choice_structured_outputs
 from pagedllm.llm import apply_chat_template
 from pagedllm.outputs import PositionLogprobs
+
+logger = logging.getLogger("pagedllm")
 
 _BIG_CONVERSATION_CHARS = 16384
 _BIG_CONVERSATION_MESSAGES = 256  # the template's loop is per message, whatever their size
@@ -31,6 +35,13 @@ class OpenAIServingChat(OpenAIServing):
     enable_auto_tools: bool = False
     tool_parser = None  # a ToolParser subclass
     reasoning_parser: Optional[ReasoningParser] = None  # from --reasoning-parser
+    template_tools: Optional[TemplateToolSupport] = None  # what the template renders (probed at start-up)
+
+    def note_dropped_tools(self, has_tools: bool, has_calls: bool) -> None:
+        """One log line for a request whose tools or tool calls the chat template leaves out."""
+        note = self.template_tools.request_note(has_tools, has_calls) if self.template_tools is not None else None
+        if note is not None:
+            logger.warning(note)
 
     def split_reasoning(self, text: str, constrained: bool) -> tuple[Optional[str], Optional[str]]:
         """A finished choice's (reasoning, content); without a reasoning parser (None, text).
@@ -70,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
                tools: Optional[list] = None) -> list[int]:
         """Token ids of the conversation; RequestError when the template cannot render it.
         ``tools`` (OpenAI tool definitions) reach the template as ``tools``."""
+        self.note_dropped_tools(bool(tools), any(m.tool_calls for m in messages))
         kwargs = dict(chat_template_kwargs or {})
         if tools:
             kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in tools])

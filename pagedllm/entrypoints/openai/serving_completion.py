@@ -46,6 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
             await self.verify_logits_fields(params[0], req)  # one check: the fields are per request
             for sp in params[1:]:
                 sp.bad_words_token_ids = params[0].bad_words_token_ids
+                self.resolve_additional_properties(sp)
         prompt_texts: list[Optional[str]] = [
             (p if isinstance(p, str) else self.tokenizer.decode(ids)) if req.echo else None
             for p, ids in zip(prompts, prompt_ids)]

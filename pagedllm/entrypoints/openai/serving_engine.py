@@ -68,6 +68,8 @@ class OpenAIServing:
     enable_prompt_tokens_details: bool = False
     # the base model's and the LoRA adapters' names (serving_models.OpenAIServingModels), set by the server
     models: Optional[Any] = None
+    # JSON schemas' undeclared properties: refused (vLLM's default) unless --json-additional-properties allow
+    allow_additional_properties: bool = False
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, chat_template: Optional[str] = None) -> None:
         self.llm = llm
@@ -139,6 +141,7 @@ class OpenAIServing:
         a large schema takes a while; cached after); logprobs within --max-logprobs. RequestError
         naming the field otherwise (``grammar_param``: the field the grammar came from, when the
         caller knows it)."""
+        self.resolve_additional_properties(params)
         limit = self.llm.engine.config.model_config.max_logprobs
         name = params.logprobs_above(limit)
         if name:  # named as the client set it (echo's prompt logprobs come from logprobs)
@@ -159,6 +162,13 @@ class OpenAIServing:
                                           "guided_choice", "guided_grammar", "tools", "tool_choice")
                               if getattr(req, f, None) is not None), None)
             raise RequestError(msg, param) from None
+
+    def resolve_additional_properties(self, params: SamplingParams) -> None:
+        """The server's rule for undeclared JSON properties (``--json-additional-properties``) where
+        the request did not forbid them itself (``disable_additional_properties`` / ``strict``)."""
+        so = params.structured_outputs
+        if so is not None and so.disable_additional_properties is None:
+            so.disable_additional_properties = not self.allow_additional_properties
 
     def check_limits(self, req) -> None:
         """Request-level checks against the engine (issue 13): stop_token_ids in the vocabulary, and

@@ -79,8 +79,7 @@ class OpenAIServingModels:
         lc = self.lora_config
         load_peft_adapter(path, lc.max_lora_rank, self.llm.engine.model_config.hf_config)
         req = LoRARequest(name, next(self._ids), path, base_model_name=base_model_name)
-        # checked: the engine does not read it again (dict assignment is atomic for its thread)
-        self.llm.engine.checked_loras[req.lora_int_id] = req
+        self.llm.register_lora(req)  # checked: the engine (core) does not read it again
         self.loras[name] = req
         self.parents[name] = base_model_name or self.served
         return req
@@ -129,5 +128,5 @@ class OpenAIServingModels:
         if req is None:
             raise RequestError(f"The lora adapter '{name}' cannot be found.", "lora_name", 404, "model_not_found")
         self.parents.pop(name, None)
-        self.llm.engine.checked_loras.pop(req.lora_int_id, None)
+        self.llm.unregister_lora(req.lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."

@@ -248,6 +248,7 @@ class OpenAIServingResponses:
             raise RequestError(f"text.format: {e}", "text.format") from None
 
     def _render(self, messages: list[dict], tools: list, reasoning_effort: Optional[str] = None) -> list[int]:
+        self.chat.note_dropped_tools(bool(tools), any(m.get("tool_calls") for m in messages))
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         if reasoning_effort is not None:
             kwargs["reasoning_effort"] = reasoning_effort

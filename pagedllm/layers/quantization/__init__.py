@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
-from pagedllm.layers.quantization import q8_0
+from pagedllm.layers.quantization import gguf, q8_0
 from pagedllm.layers.quantization.smoothquant import DEFAULT_SMOOTH_ALPHA
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -40,12 +40,13 @@ def get_linear_method(layer: nn.Module, quant_config: Optional[QuantizationConfi
 
 
 def _param_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters (each storage once) and of GGUF blocks the layers keep."""
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
-    return total
+    return total + sum(getattr(m, "gguf_bytes", 0) for m in model.modules())
 
 
 @dataclass
@@ -78,6 +79,10 @@ def process_weights_after_loading(model: nn.Module, quant_config: Optional[Quant
             # straight into an int8 layer's weights where every row came from Q8_0 (its method
             # then skips quantizing), else into the float weight (which an int8 method quantizes)
             q8_0.finish_q8_0(module, to_int8=isinstance(module.quant_method, Int8LinearMethod))
+        if getattr(module, "gguf_segments", None) is not None and getattr(module, "gguf_rows", None) is not None:
+            # GGUF blocks kept by the loader (gguf.py): multiplied as stored where the layer is float
+            # and all its rows came so, else dequantized into the float weight
+            gguf.finish_blocks(module, keep_blocks=isinstance(module.quant_method, UnquantizedLinearMethod))
         module.quant_method.process_weights_after_loading(module)
         count += not isinstance(module.quant_method, UnquantizedLinearMethod)
     return QuantizationReport(quant_config.describe() if quant_config else "none", count, before, _param_bytes(model))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce_max
+from pagedllm.layers.quantization import gguf as gguf_blocks
 from pagedllm.layers.quantization.int8 import set_int8_weight
 from pagedllm.platforms.ops import INT8_QMAX as QMAX, INT8_TINY as _TINY
 
@@ -82,8 +83,10 @@ def set_q8_0_weight(layer: nn.Module, raw: Any) -> None:
 
 
 def is_q8_0(loaded: Any) -> bool:
-    """A GGUF Q8_0 tensor kept quantized (``models.gguf.Q8_0Weight``: ``qweight``, ``scales``)."""
-    return hasattr(loaded, "qweight") and hasattr(loaded, "scales")
+    """A GGUF tensor kept quantized: Q8_0 for the int8 method (``models.gguf.Q8_0Weight``:
+    ``qweight``, ``scales``), or any type kept in its ggml blocks (``models.gguf.GGUFBlocks``,
+    for ``gguf.GGUFLinearMethod``); the linear layers' loaders send both here."""
+    return (hasattr(loaded, "qweight") and hasattr(loaded, "scales")) or gguf_blocks.is_blocks(loaded)
 
 
 def load_q8_0(layer: nn.Module, loader: Callable, param: nn.Parameter, loaded: Any, shard_id: Any) -> None:
@@ -91,6 +94,9 @@ def load_q8_0(layer: nn.Module, loader: Callable, param: nn.Parameter, loaded: A
     go into ``layer.q8_0_qs`` [n, k] and ``layer.q8_0_d`` [n, k / 32] (NaN until a row is loaded)
     through ``loader`` (the layer's own, so slicing and fused offsets match the float path).
     A weight whose per-rank width is not a whole number of blocks is dequantized instead."""
+    if gguf_blocks.is_blocks(loaded):
+        gguf_blocks.load_blocks(layer, loader, param, loaded, shard_id)
+        return
     w = layer.weight
     if param is not w or w.shape[1] % Q8_0_BLOCK:
         loader(param, loaded.dequantize(), shard_id)

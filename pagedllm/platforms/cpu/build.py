@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -23,6 +25,8 @@ from pagedllm import envs
 
 BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 INCLUDE_DIR = Path(__file__).parent  # cpu_math.h, shared by the kernels
+
+logger = logging.getLogger("pagedllm")
 
 
 def cpu_id() -> str:
@@ -51,6 +55,10 @@ def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
     lib_path = cache / f"{source.stem}-{key}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)
+        # A first build takes seconds (a minute on a loaded host) with nothing else printed: say what runs.
+        logger.info("compiling the CPU kernel %s with %s (first use on this CPU and compiler; "
+                    "cached as %s for later runs)", source.name, Path(cxx).name, lib_path)
+        t0 = time.perf_counter()
         # Build to a private name, then rename: concurrent builders (tensor-parallel ranks) are safe.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
@@ -59,6 +67,7 @@ def build_library(source: Path, flags: list[str]) -> ctypes.CDLL:
             if proc.returncode != 0:
                 raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
             os.replace(tmp, lib_path)
+            logger.debug("compiled %s in %.1f s", source.name, time.perf_counter() - t0)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -271,6 +271,9 @@ class CpuLayerRunner:
                     or getattr(layer, "residual_multiplier", 1.0) != residual_scale):
                 return None, "attention scales, soft-caps or residual multipliers that differ between layers"
             for lin in _linears(layer):
+                if getattr(lin, "gguf_segments", None) is not None:
+                    return None, ("GGUF weights kept in their ggml blocks (the runner has no GGUF linear; "
+                                  "the Python layer loop runs them on the GGUF kernels)")
                 w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
                 if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or panels):
                     cols = getattr(lin, "output_size", None)

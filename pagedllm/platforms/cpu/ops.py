@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import envs
-from pagedllm.platforms.cpu import float_gemm, fused_ops, int8_gemm
+from pagedllm.platforms.cpu import float_gemm, fused_ops, gguf_gemm, int8_gemm
 from pagedllm.platforms.interface import PlatformOps
 
 
@@ -107,3 +107,21 @@ class CpuOps(PlatformOps):
     @staticmethod
     def int8_panels_only() -> bool:
         return int8_gemm.int_mm_is_slow()
+
+    # -- GGUF weights kept in their ggml blocks
+    @staticmethod
+    def gguf_kernel_types() -> tuple[frozenset, str]:
+        ok, how = gguf_gemm.available()
+        if not ok:
+            return frozenset(), how
+        return frozenset(gguf_gemm.TYPE_IDS), f"int8 dot products per block of 32 ({how})"
+
+    @staticmethod
+    def gguf_linear(x: torch.Tensor, segments: list, n: int) -> Optional[torch.Tensor]:
+        if not x.is_cpu or x.dim() != 2 or x.shape[1] % 32 or gguf_gemm._LIBRARY.get()[0] is None:
+            return None
+        act = gguf_gemm.quantize_rows(x)
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for first, type_id, raw in segments:
+            gguf_gemm.gemm(type_id, act, raw, out[:, first:first + raw.shape[0]])
+        return out

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from pagedllm.entrypoints.openai.protocol import (
     DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ToolCall, random_id)
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.json_scan import CallDeltas, scan_calls
 from pagedllm.entrypoints.openai.tool_parsers.tool_choice import parse_forced_tool_calls
 
 
@@ -78,16 +79,19 @@ class ToolCallOutput:
 class ToolCallStreamer:
     """Streaming state of one choice: ``delta(text so far, finished)`` -> DeltaMessage or None.
 
-    A named function streams as OpenAI does: a first delta with the call's id, name and the
-    arguments so far, then the arguments in fragments as they are generated. "required" sends its
-    calls when the array is complete; "auto" follows the parser. Every delta holds at most one
-    entry per tool-call index (``one_entry_per_index``)."""
+    Calls stream as OpenAI and vLLM stream them: a first entry with the call's id, name and the
+    arguments so far, then the arguments in fragments as they are generated. A named function's
+    output is its arguments; "required"'s array is read by ``scan_calls`` (each item opens a call
+    once its name is complete); "auto" follows the parser. Every delta holds at most one entry per
+    tool-call index (``one_entry_per_index``). What is sent joins up to ``ToolCallOutput.whole``,
+    also when max_tokens cuts a call."""
 
     def __init__(self, out: ToolCallOutput) -> None:
         self.out = out
         self.parser = out.parser_cls(out.tokenizer) if out.parser_cls is not None else None
         self.sent = 0
         self.called = False
+        self.calls = CallDeltas()   # "required": the array's calls opened so far
 
     def delta(self, text: str, finished: bool) -> Optional[DeltaMessage]:
         d = self._delta(text, finished)
@@ -115,16 +119,14 @@ class ToolCallStreamer:
                     function=DeltaFunctionCall(name=tc.function.name, arguments=new))])
             return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))]) \
                 if new else None
-        if not finished:
-            return None
-        calls = parse_forced_tool_calls(text, tc)
-        if not calls:
-            return DeltaMessage(content=text) if text else None
-        self.called = True
-        return DeltaMessage(tool_calls=[
-            DeltaToolCall(index=i, id=c.id, type="function",
-                          function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
-            for i, c in enumerate(calls)])
+        scanned, _ = scan_calls(text, array=True, arg_keys=("parameters",))
+        deltas = self.calls.update(scanned)
+        self.called = self.called or self.calls.count > 0
+        if deltas:
+            return DeltaMessage(tool_calls=deltas)
+        if finished and not self.called and text:  # not even a name: the output is content
+            return DeltaMessage(content=text)
+        return None
 
     def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
         return _finish(finish_reason, self.called)

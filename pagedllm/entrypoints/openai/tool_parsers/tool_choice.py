@@ -13,13 +13,16 @@ from typing import Any, Optional, Sequence
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionToolParam, FunctionCall, NamedToolChoice, RequestError, ToolCall)
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.entrypoints.openai.tool_parsers.json_scan import opened_calls, scan_calls, sendable_args
+from pagedllm.structured_output.params import StructuredOutputsParams, without_additional_properties
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def _parameters(tool: ChatCompletionToolParam) -> dict[str, Any]:
-    return tool.function.parameters or _ANY_OBJECT
+    """The tool's parameters schema; ``strict: true`` refuses undeclared keys whatever the server's rule."""
+    schema = tool.function.parameters or _ANY_OBJECT
+    return without_additional_properties(schema) if tool.function.strict else schema
 
 
 def resolve_tool_choice(tools: Optional[Sequence[ChatCompletionToolParam]], tool_choice: Any,
@@ -66,14 +69,12 @@ def tool_choice_structured_outputs(tools: Sequence[ChatCompletionToolParam], too
 
 
 def parse_forced_tool_calls(text: str, tool_choice: Any) -> list[ToolCall]:
-    """Tool calls from the output of a forced ``tool_choice`` (the grammar guarantees the shape;
-    an output cut by max_tokens may not parse: then the arguments are the raw text)."""
+    """Tool calls from the output of a forced ``tool_choice``. A named function's output is its
+    arguments; "required"'s is the array, read by ``scan_calls`` so that the calls are exactly those
+    the stream sends: each item whose name is complete is a call, its arguments the JSON text of its
+    ``parameters`` as written (compact, as OpenAI's are). An output cut by max_tokens gives the calls
+    begun, the last with the arguments written so far."""
     if isinstance(tool_choice, NamedToolChoice):
         return [ToolCall(function=FunctionCall(name=tool_choice.function.name, arguments=text))]
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    return [ToolCall(function=FunctionCall(name=it["name"], arguments=json.dumps(it.get("parameters", {}),
-                                                                                  ensure_ascii=False)))
-            for it in items if isinstance(it, dict) and isinstance(it.get("name"), str)]
+    calls, _ = scan_calls(text, array=True, arg_keys=("parameters",))
+    return [ToolCall(function=FunctionCall(name=c.name, arguments=sendable_args(c))) for c in opened_calls(calls)]

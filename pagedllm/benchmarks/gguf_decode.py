@@ -1,0 +1,188 @@
+"""Batch-1 decode of a random-weight GGUF model of a real shape: the weights kept in their ggml
+blocks on our kernels (``PAGEDLLM_CPU_GGUF_KERNELS=1``) against the same file dequantized at load
+(``=0``), each in its own process, alternated; with the memory floor (file bytes / measured read
+bandwidth: ``torch.sum`` over 1 GiB of float32).
+
+The file is written here without llama.cpp: Qwen2.5-1.5B's shape (``--shape``), every linear
+weight ``--qtype`` (Q4_K or Q8_0) made of random blocks with small fp16 scales (the values do not
+matter for speed), norms and q/k/v biases F32, token embedding Q4_K/Q8_0 and an untied output
+matrix Q6_K (as in a Q4_K_M file), a byte-level BPE tokenizer (``model_shapes.build_tokenizer``).
+
+    pagedllm bench gguf-decode --qtype Q4_K --rounds 2 --tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.benchmarks.model_shapes import SHAPES, build_tokenizer
+
+_BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+          "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,))}
+
+
+def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, cols / block * bytes] of random bytes, each fp16 scale a small random value."""
+    elems, nbytes, halves = _BLOCK[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // elems, nbytes), dtype=np.uint8)
+    for off in halves:
+        raw[:, :, off:off + 2] = (rng.uniform(1e-5, 1e-4, size=raw.shape[:2]).astype(np.float16)[..., None]
+                                  .view(np.uint8))
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path: str, shape: str, qtype: str) -> str:
+    """Write the random-weight ``shape`` model with ``qtype`` linear weights to ``path`` (once)."""
+    import gguf  # lazily: gguf, only to write the file
+
+    if os.path.exists(path):
+        return path
+    spec = SHAPES[shape]
+    h, layers, inter, vocab = spec["hidden_size"], spec["num_hidden_layers"], spec["intermediate_size"], spec["vocab_size"]
+    nh, nkv = spec["num_attention_heads"], spec["num_key_value_heads"]
+    hd = h // nh
+    tok_dir = path + ".tokenizer"
+    tok = build_tokenizer(tok_dir, vocab)
+    data = json.loads(tok.backend_tokenizer.to_str())
+    arch = spec["arch"]
+    w = gguf.GGUFWriter(path + ".part", arch)
+    w.add_name(f"random {shape} {qtype}")
+    w.add_block_count(layers)
+    w.add_context_length(spec["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_freq_base(spec["rope_theta"])
+    w.add_layer_norm_rms_eps(spec["rms_norm_eps"])
+    w.add_vocab_size(vocab)
+    vocab_list = sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab_list])
+    w.add_token_types([gguf.TokenType.NORMAL] * len(vocab_list))
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
+    w.add_bos_token_id(tok.eos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    rng = np.random.default_rng(0)
+    ones = np.ones(h, dtype=np.float32)
+
+    def q(name, rows, cols, t=qtype):
+        w.add_tensor(name, random_blocks(rows, cols, t, rng), raw_dtype=gguf.GGMLQuantizationType[t])
+
+    q("token_embd.weight", vocab, h)
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", ones)
+        q(b + "attn_q.weight", nh * hd, h)
+        q(b + "attn_k.weight", nkv * hd, h)
+        q(b + "attn_v.weight", nkv * hd, h)
+        if arch == "qwen2":
+            for n, size in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
+                w.add_tensor(b + n + ".bias", rng.standard_normal(size).astype(np.float32) * 0.01)
+        q(b + "attn_output.weight", h, nh * hd)
+        w.add_tensor(b + "ffn_norm.weight", ones)
+        q(b + "ffn_gate.weight", inter, h)
+        q(b + "ffn_up.weight", inter, h)
+        q(b + "ffn_down.weight", h, inter)
+    w.add_tensor("output_norm.weight", ones)
+    q("output.weight", vocab, h, "Q6_K" if h % 256 == 0 else "Q8_0")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(path + ".part", path)
+    return path
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of ``torch.sum`` over ``gib`` GiB of float32 (best of ``repeats``; torch's threads)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_one(path: str, tokens: int, prompt_len: int) -> dict:
+    """In this process: load ``path``, decode ``tokens`` at batch 1; tok/s and memory."""
+    from pagedllm import LLM, SamplingParams  # lazily: the engine, only in the measuring child
+
+    base = _rss_mib()
+    t = time.perf_counter()
+    llm = LLM(path, tokenizer=path + ".tokenizer", max_model_len=prompt_len + tokens + 16,
+              kv_cache_memory=64 << 20, max_num_seqs=1)
+    load_s = time.perf_counter() - t
+    loaded = _rss_mib()
+    prompt = {"prompt_token_ids": list(range(100, 100 + prompt_len))}
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    llm.generate([prompt], one, use_tqdm=False)  # warm-up
+    t1 = min(_timed(lambda: llm.generate([prompt], one, use_tqdm=False)) for _ in range(2))
+    tn = _timed(lambda: llm.generate([prompt], many, use_tqdm=False))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"tok_s": tokens / (tn - t1), "ms_per_token": (tn - t1) / tokens * 1e3, "load_s": load_s,
+            "rss_after_load_mib": loaded - base, "peak_rss_mib": peak, "rss_at_import_mib": base}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    p.add_argument("--qtype", default="Q4_K", choices=["Q4_K", "Q8_0"])
+    p.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="alternated kernels/dequantized rounds")
+    p.add_argument("--output-dir", default="bench_results")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=main)
+
+
+def main(a: argparse.Namespace) -> None:
+    if a.child:
+        print("RESULT " + json.dumps(run_one(a.path, a.tokens, a.prompt_len)), flush=True)
+        return
+    os.makedirs(os.path.join(a.output_dir, "models"), exist_ok=True)
+    path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
+    size = os.path.getsize(path)
+    bw = read_bandwidth()
+    print(f"file {size / 2**20:.1f} MiB; read bandwidth {bw:.1f} GB/s; floor {size / bw / 1e6:.1f} ms a token "
+          f"({bw * 1e9 / size:.1f} tok/s)", flush=True)
+    rows = []
+    for r in range(a.rounds):
+        for kernels in ("1", "0"):
+            env = {**os.environ, "PAGEDLLM_CPU_GGUF_KERNELS": kernels}
+            cmd = [sys.executable, "-m", "pagedllm.benchmarks.cli", "bench", "gguf-decode", "--child", "--path", path,
+                   "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
+            res = {"round": r, "kernels": kernels == "1", **json.loads(line[7:])}
+            rows.append(res)
+            print(f"round {r} {'blocks+kernels' if res['kernels'] else 'dequantized  '}: {res['tok_s']:.2f} tok/s "
+                  f"({res['ms_per_token']:.1f} ms) | load {res['load_s']:.1f} s | RSS after load "
+                  f"+{res['rss_after_load_mib']:.0f} MiB, peak {res['peak_rss_mib']:.0f} MiB", flush=True)
+    result = {"shape": a.shape, "qtype": a.qtype, "file_bytes": size, "read_gb_s": bw, "rows": rows}
+    with open(os.path.join(a.output_dir, f"gguf_decode_{a.shape}_{a.qtype}.json"), "w") as f:
+        json.dump(result, f, indent=1)

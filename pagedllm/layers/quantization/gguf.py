@@ -1,0 +1,103 @@
+"""GGUF weights kept in their ggml blocks: the linear method that multiplies them as stored.
+
+A GGUF file's quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K where the
+platform has kernels: ``ops.gguf_kernel_types``) reach a linear layer's weight loader as
+``models.gguf.GGUFBlocks`` (the file's bytes, memory-mapped). ``load_blocks`` does not copy them:
+it finds where the layer's own loader would put each row (its tensor-parallel slice and the fused
+q/k/v or gate/up offset) by running that loader on a probe of row numbers, and records
+``(first output row, ggml type id, the rows' blocks)`` segments. A fused layer may hold parts of
+different types (a Q4_K_M file has Q4_K q/k and Q6_K v in some layers): one segment each.
+
+After loading, ``finish_blocks`` gives a layer whose every row came in blocks the
+``GGUFLinearMethod`` and drops its float weight (never written, so never resident); a layer with
+rows from other types (dequantized into the float weight by its loader) gets its block rows
+dequantized into that weight too and stays float. The method's ``apply`` is ``ops.gguf_linear``:
+activations quantized to int8 per block of 32 and integer dot products on the CPU (llama.cpp's
+scheme), within the bound ``platforms/cpu/gguf_gemm.py`` states of the float matmul.
+
+One tensor-parallel rank only: with more, the loader dequantizes (rows of blocks cannot be cut
+along k, which row-parallel layers need).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base import LinearMethodBase
+from pagedllm.platforms import ops
+
+
+def is_blocks(loaded: Any) -> bool:
+    """A GGUF tensor kept in its blocks (``models.gguf.GGUFBlocks``)."""
+    return hasattr(loaded, "ggml_type") and hasattr(loaded, "raw")
+
+
+def _row_map(loader: Callable, n: int, rows: int, shard_id: Any) -> torch.Tensor:
+    """int64 [n]: the source row the layer's loader puts at each output row, -1 where none."""
+    probe = torch.full((n, 1), -1.0)
+    loader(probe, torch.arange(rows, dtype=torch.float32).view(rows, 1), shard_id)
+    return probe.view(n).long()
+
+
+def load_blocks(layer: nn.Module, loader: Callable, param: nn.Parameter, loaded: Any, shard_id: Any) -> None:
+    """A linear layer's weight loader given ``GGUFBlocks``: record where its rows go as segments in
+    ``layer.gguf_segments`` (and which rows came so in ``layer.gguf_rows``); a bias, or a layer on
+    several ranks, gets the dequantized tensor through ``loader``."""
+    w = getattr(layer, "weight", None)
+    if param is not w or getattr(layer, "tp_size", 1) != 1 or loaded.cols != w.shape[1]:
+        loader(param, loaded.dequantize(), shard_id)
+        return
+    n = w.shape[0]
+    src = _row_map(loader, n, loaded.raw.shape[0], shard_id)
+    if getattr(layer, "gguf_rows", None) is None:
+        layer.gguf_segments, layer.gguf_rows = [], torch.zeros(n, dtype=torch.bool)
+    dest, where = torch.nonzero(src >= 0).view(-1).tolist(), src.tolist()
+    i = 0
+    while i < len(dest):  # runs of consecutive output rows from consecutive source rows: one segment each
+        j = i
+        while j + 1 < len(dest) and dest[j + 1] == dest[j] + 1 and where[dest[j + 1]] == where[dest[j]] + 1:
+            j += 1
+        first, s0 = dest[i], where[dest[i]]
+        layer.gguf_segments.append((first, loaded.ggml_type, loaded.raw[s0:s0 + j - i + 1]))
+        layer.gguf_types = getattr(layer, "gguf_types", set()) | {loaded.type_name}
+        i = j + 1
+    layer.gguf_rows[src >= 0] = True
+
+
+def finish_blocks(layer: nn.Module, keep_blocks: bool) -> bool:
+    """After loading: when ``keep_blocks`` and every row came in blocks, switch the layer to
+    ``GGUFLinearMethod`` (its float weight dropped) and return True; otherwise dequantize the
+    block rows into the float weight and return False."""
+    segments, rows = layer.__dict__.pop("gguf_segments"), layer.__dict__.pop("gguf_rows")
+    if keep_blocks and bool(rows.all()):
+        layer.gguf_out_features = layer.weight.shape[0]
+        del layer.weight
+        layer.weight = None  # the layer's float weight is gone (code testing for it finds None)
+        layer.gguf_segments = sorted(segments, key=lambda s: s[0])
+        layer.gguf_bytes = sum(raw.nbytes for _, _, raw in segments)
+        layer.packed_bytes = layer.gguf_bytes  # what the model runner's weight count adds for non-parameters
+        layer.quant_method = GGUFLinearMethod()
+        return True
+    from gguf import GGMLQuantizationType, quants  # lazily: gguf, only for a layer with rows of mixed types
+    for first, type_id, raw in segments:
+        w = quants.dequantize(raw, GGMLQuantizationType(type_id))
+        layer.weight.data[first:first + w.shape[0]] = torch.from_numpy(w).to(layer.weight.dtype)
+    return False
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """``y = x W^T (+ b)`` with W in the layer's ``gguf_segments`` (``finish_blocks`` sets it; the
+    layer's float ``create_weights`` ran at construction, as for any GGUF file)."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype) -> None:
+        raise RuntimeError("GGUFLinearMethod is set after loading (finish_blocks), not at construction")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shape = x.shape
+        out = ops.gguf_linear(x.reshape(-1, shape[-1]), layer.gguf_segments, layer.gguf_out_features)
+        if bias is not None:
+            out.add_(bias)
+        return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])

@@ -1,0 +1,136 @@
+"""The GEMM over GGUF blocks of ``platforms/cpu/gguf_gemm.cpp``: ``x @ W^T`` with ``W`` kept in its
+ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the activations quantized to int8
+per block of 32 and dotted in integers (llama.cpp's scheme; the .cpp's header says how).
+
+- ``quantize_rows(x)``: x float [M, K] -> ``Act`` (int8 values, float32 scales and scaled sums per 32).
+- ``gemm(type_id, act, w, out)``: the N rows of raw blocks ``w`` (uint8 [N, row bytes], a NumPy
+  array such as a ``GGUFReader`` memory map, or a tensor) into ``out`` float32 [M, N] (a view; its
+  rows may be strided, e.g. a fused layer's column slice).
+
+Accuracy against the dequantized weight in float: each activation is within d / 2 of its int8
+value times d (d = max |x| of its block / 127), so a dot differs from ``x . w`` by at most
+sum over blocks of (d_b / 2) * sum |w| over the block, plus float32 rounding of the sums
+(``tests/test_gguf_gemm.py`` asserts that bound).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from pagedllm import envs
+from pagedllm.platforms.cpu import fused_ops
+from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
+
+SOURCE = Path(__file__).with_name("gguf_gemm.cpp")
+# ggml type id (gguf.GGMLQuantizationType) -> (name, weights a block, bytes a block)
+TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+         8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
+
+
+def build_with(flags: list[str]) -> ctypes.CDLL:
+    """The library built with ``flags`` (cached by build.py), its functions typed."""
+    lib = build_library(SOURCE, flags)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gguf_quantize_rows.argtypes = [p, i64, i32, i64, p, p, p]
+    lib.gguf_quantize_rows.restype = None
+    lib.gguf_gemm.argtypes = [i32, p, p, p, i32, i64, p, i64, p, i64]
+    lib.gguf_gemm.restype = i32
+    lib.gguf_gemm_vnni.restype = i32
+    return lib
+
+
+def _build() -> ctypes.CDLL:
+    if "avx2" not in _cpu_flags():
+        raise RuntimeError("this CPU has no AVX2")
+    return build_with(BASE_FLAGS)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+_LIBRARY = LazyLibrary(_build)
+
+
+def available() -> tuple[bool, str]:
+    """(True, "avx-vnni" | "avx2") where the kernels run here, else (False, why not)."""
+    if not fused_ops.ENABLED:
+        return False, "PAGEDLLM_CPU_FUSED_OPS=0"
+    if not envs.PAGEDLLM_CPU_GGUF_KERNELS:
+        return False, "PAGEDLLM_CPU_GGUF_KERNELS=0"
+    lib, err = _LIBRARY.get()
+    if lib is None:
+        return False, f"the GGUF kernel library is unavailable ({err})"
+    return True, "vnni" if lib.gguf_gemm_vnni() else "avx2"
+
+
+def has_kernel(type_name: str, cols: int) -> bool:
+    """Whether a ``type_name`` weight of ``cols`` input features runs on the kernels (a whole
+    number of its blocks a row)."""
+    tid = TYPE_IDS.get(type_name)
+    return tid is not None and cols % TYPES[tid][1] == 0
+
+
+class Act(NamedTuple):
+    """Activations quantized per block of 32: q int8 [M, K], d and s float32 [M, K / 32]."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s: torch.Tensor
+
+
+def quantize_rows(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> Act:
+    """x [M, K] float (K a multiple of 32; rows may be strided) -> ``Act``; other dtypes go
+    through float32."""
+    lib = lib or _LIBRARY.get()[0]
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        x = x.float().contiguous()
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"gguf_gemm.quantize_rows: K={k} is not a multiple of 32")
+    act = Act(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32))
+    if m:
+        lib.gguf_quantize_rows(x.data_ptr(), x.stride(0), m, k, act.q.data_ptr(), act.d.data_ptr(), act.s.data_ptr())
+    return act
+
+
+def _address(w: Any) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.data_ptr()
+    return w.__array_interface__["data"][0]
+
+
+def gemm(type_id: int, act: Act, w: Any, out: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> None:
+    """``out`` float32 [M, N] (row stride free, columns contiguous) <- act's x @ W^T for ``w`` the
+    raw blocks of type ``type_id``, uint8 [N, K / block * block bytes] C-contiguous.
+
+    Raises:
+        ValueError: a type without a kernel, or shapes that do not fit.
+    """
+    lib = lib or _LIBRARY.get()[0]
+    if type_id not in TYPES:
+        raise ValueError(f"gguf_gemm: no kernel for ggml type {type_id}")
+    _, elems, nbytes = TYPES[type_id]
+    m, k = act.q.shape
+    n = w.shape[0]
+    if isinstance(w, torch.Tensor):
+        ok = w.dtype == torch.uint8 and w.is_contiguous()
+    else:
+        ok = w.dtype == np.uint8 and w.flags.c_contiguous
+    if not ok or k % elems or len(w.shape) != 2 or w.shape[1] != k // elems * nbytes:
+        raise ValueError(f"gguf_gemm: {TYPES[type_id][0]} weight {tuple(w.shape)} does not fit K={k}")
+    if out.dtype != torch.float32 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"gguf_gemm: out must be float32 [{m}, {n}] with contiguous columns")
+    if m and n:
+        lib.gguf_gemm(type_id, act.q.data_ptr(), act.d.data_ptr(), act.s.data_ptr(), m, k, _address(w), n,
+                      out.data_ptr(), out.stride(0))

@@ -1,0 +1,120 @@
+"""The GEMM over GGUF blocks (platforms/cpu/gguf_gemm.cpp) against ``gguf.quants.dequantize`` and a
+float64 matmul, on random blocks: ``gguf.quants.quantize`` of random floats where the package
+quantizes the type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and random bytes with small finite fp16 scales
+for every type (all bit patterns of the values, 6-bit scales and high bits; Q8_0's -128 too).
+
+Tolerance: the kernel quantizes each block of 32 activations to int8 with d = max|x| / 127, so
+each x is off by at most d / 2, and a dot by at most sum_b (d_b / 2) * sum_{k in b} |w_k|; plus
+float32 rounding of the sums, bounded by 1e-5 * sum |w| |x| (each of the K / 32 block sums is
+exact in int32 and rounded once to float32, then summed in 8 lanes).
+"""
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.platforms.cpu import gguf_gemm
+from pagedllm.platforms.cpu.build import BASE_FLAGS
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants  # noqa: E402
+
+# type -> byte offsets of its fp16 scale fields
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+           "Q5_K": (0, 2), "Q6_K": (208,)}
+_QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, k / block * bytes]: random bytes, each fp16 scale field set to a random small value."""
+    _, elems, nbytes = gguf_gemm.TYPES[gguf_gemm.TYPE_IDS[name]]
+    raw = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    for off in _HALVES[name]:
+        raw[:, :, off:off + 2] = rng.uniform(-0.02, 0.02, size=(n, k // elems)).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def quantized_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    return quants.quantize(w, getattr(gguf.GGMLQuantizationType, name))
+
+
+def check(lib, name: str, raw: np.ndarray, x: torch.Tensor) -> None:
+    tid = gguf_gemm.TYPE_IDS[name]
+    w = quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).astype(np.float64)  # [n, k]
+    act = gguf_gemm.quantize_rows(x, lib)
+    out = torch.full((x.shape[0], raw.shape[0]), float("nan"))
+    gguf_gemm.gemm(tid, act, raw, out, lib)
+    xd = x.double().numpy()
+    ref = xd @ w.T
+    m, k = xd.shape
+    d = np.abs(xd).reshape(m, -1, 32).max(axis=2) / 127  # [m, k / 32]
+    wabs = np.abs(w).reshape(w.shape[0], -1, 32).sum(axis=2)  # [n, k / 32]
+    tol = (d / 2) @ wabs.T * (1 + 1e-5) + 1e-5 * np.abs(xd) @ np.abs(w).T + 1e-6
+    err = np.abs(out.double().numpy() - ref)
+    assert np.all(np.isfinite(out.numpy())), name
+    assert np.all(err <= tol), f"{name}: max err {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
+    # the activation values quantized as described (within d / 2 of x)
+    deq = act.q.double().reshape(m, -1, 32) * act.d.double()[:, :, None]
+    assert np.all(np.abs(deq.reshape(m, k).numpy() - xd) <= d.repeat(32, axis=1) * 0.5 * (1 + 1e-5) + 1e-12)
+    torch.testing.assert_close(act.s.double(), act.d.double() * act.q.reshape(m, -1, 32).sum(-1).double(),
+                               rtol=1e-6, atol=1e-9)
+
+
+def _libs():
+    ok, why = gguf_gemm.available()
+    if not ok:
+        pytest.skip(why)
+    libs = [("native", gguf_gemm._LIBRARY.get()[0])]
+    # the AVX2-only path (maddubs, no VNNI, no AVX-512), as a host without them compiles it
+    libs.append(("avx2", gguf_gemm.build_with(BASE_FLAGS + ["-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni"])))
+    return libs
+
+
+@pytest.fixture(scope="module")
+def libs():
+    return _libs()
+
+
+@pytest.mark.parametrize("name", sorted(gguf_gemm.TYPE_IDS))
+@pytest.mark.parametrize("m", [1, 3, 4, 7])
+def test_random_bytes(libs, name, m):
+    rng = np.random.default_rng(hash((name, m)) % 2**32)
+    k = 512
+    n = 37  # not a multiple of the 16-row chunks nor of the threads
+    raw = random_blocks(name, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[0, :32] *= 50  # blocks of very different scales
+    for _, lib in libs:
+        check(lib, name, raw, x)
+
+
+@pytest.mark.parametrize("name", _QUANTIZABLE)
+def test_quantized_by_gguf(libs, name):
+    rng = np.random.default_rng(7)
+    raw = quantized_blocks(name, 64, 256, rng)
+    x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
+    for _, lib in libs:
+        check(lib, name, raw, x)
+
+
+def test_strided_out_and_bf16(libs):
+    """A column slice of a wider output (a fused layer's part) and bf16 rows."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks("Q4_K", 20, 256, rng)
+    x = torch.from_numpy(rng.standard_normal((2, 256)).astype(np.float32)).bfloat16()
+    wide = torch.zeros(2, 50)
+    act = gguf_gemm.quantize_rows(x)
+    gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q4_K"], act, raw, wide[:, 10:30])
+    full = torch.empty(2, 20)
+    gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q4_K"], gguf_gemm.quantize_rows(x.float()), raw, full)
+    assert torch.equal(wide[:, 10:30], full)
+    assert not wide[:, :10].any() and not wide[:, 30:].any()
+
+
+def test_bad_shapes(libs):
+    raw = random_blocks("Q8_0", 4, 64, np.random.default_rng(0))
+    act = gguf_gemm.quantize_rows(torch.randn(1, 96))
+    with pytest.raises(ValueError, match="does not fit"):
+        gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q8_0"], act, raw, torch.empty(1, 4))
+    with pytest.raises(ValueError, match="no kernel"):
+        gguf_gemm.gemm(99, act, raw, torch.empty(1, 4))

@@ -36,18 +36,27 @@ def expected_text(d, adapter, tok, n):
     return tok.decode(peft_greedy(d, adapter, [PROMPT])[0], skip_special_tokens=True).rstrip("\ufffd")
 
 
-def test_lora_server_in_process(setup):
+@pytest.mark.parametrize("core_process", [False, True], ids=["engine-thread", "engine-core-process"])
+def test_lora_server_in_process(setup, core_process):
+    """The app over the engine in a thread (AsyncLLM) and over the engine core process (CoreClient: the
+    adapters and each request's LoRARequest cross the ZeroMQ socket)."""
     from starlette.testclient import TestClient
 
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.core_client import CoreClient
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
 
     d, ads, root = setup
-    engine = LLMEngine.from_engine_args(EngineArgs(model=d, dtype="float32", enable_lora=True, max_loras=2,
-                                                   max_lora_rank=16, kv_cache_memory=4 << 20))
-    llm = AsyncLLM(engine).start()
+    args = EngineArgs(model=d, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+                      kv_cache_memory=4 << 20)
+    if core_process:
+        engine = None
+        llm = CoreClient(args).start()
+    else:
+        engine = LLMEngine.from_engine_args(args)
+        llm = AsyncLLM(engine).start()
     try:
         app = build_app(llm, "base", shutdown_engine=False, allow_runtime_lora_updating=True,
                         lora_modules=[f"sql={ads['sql']}",
@@ -56,7 +65,7 @@ def test_lora_server_in_process(setup):
         models = client.get("/v1/models").json()["data"]
         assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("sql", "base"), ("chat", "base-x")]
         assert models[1]["root"] == ads["sql"]
-        tok = engine.tokenizer
+        tok = llm.engine.tokenizer
 
         def complete(model, max_tokens=8):
             return client.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
@@ -111,6 +120,16 @@ def test_lora_server_in_process(setup):
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"].rstrip("\ufffd") == expected_text(d, ads["law"], tok, 8)
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["base", "sql", "law"]
+        if engine is None:  # the core's own counters: nothing running or waiting, every block free
+            for _ in range(200):
+                snap = llm.snapshot
+                if (snap.stats.num_running, snap.stats.num_waiting) == (0, 0) \
+                        and snap.num_free_blocks == snap.num_blocks:
+                    break
+                threading.Event().wait(0.05)
+            assert (snap.stats.num_running, snap.stats.num_waiting) == (0, 0)
+            assert snap.num_blocks > 0 and snap.num_free_blocks == snap.num_blocks
+            return
         for _ in range(200):
             if not engine.has_unfinished_requests():
                 break
@@ -120,9 +139,10 @@ def test_lora_server_in_process(setup):
         llm.shutdown()
 
 
-def test_lora_server_flags(setup):
+@pytest.mark.parametrize("mode", [(), ("--no-engine-core-process",)], ids=["engine-core-process", "engine-thread"])
+def test_lora_server_flags(setup, mode):
     d, ads, _ = setup
-    args = ("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules",
+    args = (*mode, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules",
             f"sql={ads['sql']}", json.dumps({"name": "chat", "path": ads["chat"]}), "--kv-cache-memory", "4MiB")
     with RemoteServer(d, args) as srv:
         ids = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
@@ -134,6 +154,6 @@ def test_lora_server_flags(setup):
         r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "law", "lora_path": ads["law"]})
         assert r.status_code == 400 and "allow-runtime-lora-updating" in r.json()["error"]["message"]
     with pytest.raises(RuntimeError, match="greater than max_lora_rank 8"):
-        with RemoteServer(d, ("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+        with RemoteServer(d, (*mode, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
                               f"law={ads['law']}", "--kv-cache-memory", "4MiB"), startup_timeout=120):
             pass

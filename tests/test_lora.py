@@ -254,3 +254,31 @@ def test_int8_and_bf16_bases_follow_peft(base, kw, tol):
             moved = [bo.prompt_logprobs[n + j][t].logprob for j, t in enumerate(toks)]
             assert sum(abs(a - b) for a, b in zip(moved, lps)) / len(lps) > 5 * tol
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters_equals_transformers_peft(base, method):
+    """--speculative-config with --enable-lora: a LoRA request's proposals are verified by the target under
+    its adapter (the verification batch carries each token's slot), so greedy output is PEFT's; the draft
+    model (the base itself) proposes without adapters: base requests accept every proposal."""
+    arch, d, adapters = base
+    if arch != "llama":
+        pytest.skip("one base is enough")
+    reqs, order = mixed(adapters)
+    rng = random.Random(7)
+    vocab = vocab_of(d)
+    # periodic prompts: n-gram lookup has something to propose from the first decode step on
+    ps = [[rng.randrange(6, vocab) for _ in range(rng.randrange(3, 6))] * 4 for _ in range(8)]
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+            if method == "ngram" else {"method": "draft_model", "model": d, "num_speculative_tokens": 3})
+    llm = LLM(d, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, kv_cache_memory=4 << 20,
+              max_num_batched_tokens=64, speculative_config=spec)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(ps, sp, use_tqdm=False, lora_request=order)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == expected(d, order, ps)
+    stats = llm.llm_engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens > 0
+    assert_pool_empty(llm)

@@ -199,7 +199,14 @@ class EngineCore:
         return P.CoreSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
                               s.prefix_cache_queries, s.prefix_cache_hits, e.num_prompt_tokens_total,
                               e.num_generation_tokens_total, pool.num_usable_blocks, pool.get_num_free_blocks(),
-                              pool.num_cached_free_blocks)
+                              pool.num_cached_free_blocks, self._spec_counters())
+
+    def _spec_counters(self) -> Optional[tuple[int, int, int, list[int]]]:
+        sp = self.engine.speculator
+        if sp is None:
+            return None
+        st = sp.stats
+        return st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos)
 
     def _send(self, msg: Any) -> None:
         self.out.send(self.encoder.encode(msg), copy=False)

@@ -47,6 +47,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import RequestStatus
 from pagedllm.engine.scheduler import SchedulerStats
+from pagedllm.engine.speculator import SpecDecodeStats
 from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.outputs import Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -154,7 +155,9 @@ def _snapshot(s: P.CoreSnapshot) -> EngineSnapshot:
     return EngineSnapshot(SchedulerStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
                                          s.prefix_cache_queries, s.prefix_cache_hits),
                           s.prompt_tokens_total, s.generation_tokens_total, s.num_blocks, s.num_free_blocks,
-                          s.num_cached_free_blocks)
+                          s.num_cached_free_blocks,
+                          spec_decode=SpecDecodeStats(*s.spec_decode[:3], list(s.spec_decode[3]))
+                          if s.spec_decode is not None else None)
 
 
 def combine_snapshots(snaps: list[EngineSnapshot], num_blocks: list[int]) -> EngineSnapshot:

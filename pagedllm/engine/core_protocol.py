@@ -101,6 +101,9 @@ class CoreSnapshot(msgspec.Struct, array_like=True):
     num_blocks: int
     num_free_blocks: int
     num_cached_free_blocks: int
+    # speculative decoding's counters (SpecDecodeStats: num_drafts, num_draft_tokens,
+    # num_accepted_tokens, accepted_per_pos); None when it is off
+    spec_decode: Optional[tuple[int, int, int, list[int]]] = None
 
 
 class Ready(msgspec.Struct, array_like=True, tag=10):

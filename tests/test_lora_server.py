@@ -36,7 +36,7 @@ def expected_text(d, adapter, tok, n):
     return tok.decode(peft_greedy(d, adapter, [PROMPT])[0], skip_special_tokens=True).rstrip("\ufffd")
 
 
-@pytest.mark.parametrize("core_process", [False, True], ids=["engine-thread", "engine-core-process"])
+@pytest.mark.parametrize("core_process", [False, True, 2], ids=["engine-thread", "engine-core-process", "dp2"])
 def test_lora_server_in_process(setup, core_process):
     """The app over the engine in a thread (AsyncLLM) and over the engine core process (CoreClient: the
     adapters and each request's LoRARequest cross the ZeroMQ socket)."""
@@ -53,7 +53,7 @@ def test_lora_server_in_process(setup, core_process):
                       kv_cache_memory=4 << 20)
     if core_process:
         engine = None
-        llm = CoreClient(args).start()
+        llm = CoreClient(args, int(core_process)).start()  # (2: two data-parallel cores; adapters go to both)
     else:
         engine = LLMEngine.from_engine_args(args)
         llm = AsyncLLM(engine).start()
@@ -122,13 +122,15 @@ def test_lora_server_in_process(setup, core_process):
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["base", "sql", "law"]
         if engine is None:  # the core's own counters: nothing running or waiting, every block free
             for _ in range(200):
-                snap = llm.snapshot
-                if (snap.stats.num_running, snap.stats.num_waiting) == (0, 0) \
-                        and snap.num_free_blocks == snap.num_blocks:
+                snaps = llm.snapshot.replicas or [llm.snapshot]
+                if all((s.stats.num_running, s.stats.num_waiting) == (0, 0) and s.num_free_blocks == s.num_blocks
+                       for s in snaps):
                     break
                 threading.Event().wait(0.05)
-            assert (snap.stats.num_running, snap.stats.num_waiting) == (0, 0)
-            assert snap.num_blocks > 0 and snap.num_free_blocks == snap.num_blocks
+            assert len(snaps) == int(core_process)
+            for s in snaps:
+                assert (s.stats.num_running, s.stats.num_waiting) == (0, 0)
+                assert s.num_blocks > 0 and s.num_free_blocks == s.num_blocks
             return
         for _ in range(200):
             if not engine.has_unfinished_requests():

@@ -536,9 +536,6 @@ def start_engine(engine_args: EngineArgs, data_parallel_size: int, log_level: st
     """The started engine: the engine core in its own process (``CoreClient``; ``data_parallel_size``
     > 1: that many), or with ``core_process`` False and one replica, an AsyncLLM whose engine runs in
     a thread of this process."""
-    if data_parallel_size > 1 and engine_args.enable_lora:
-        raise ValueError("--enable-lora with --data-parallel-size > 1 is not supported (each replica would need "
-                         "the adapters' requests routed with them)")
     if data_parallel_size > 1 or core_process:
         return CoreClient(engine_args, data_parallel_size, log_level=log_level).start()
     logger.info("engine core: a thread of the API server process (--no-engine-core-process or "

@@ -170,6 +170,7 @@ def core_main(engine_args: Any, index: int, num_threads: int, input_addr: str, o
         out.send(encoder.encode(P.StartError(index, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError)
                                              else str(e), isinstance(e, (ValueError, OSError)))))
         out.close()
+        ctx.term()  # (waits up to LINGER for the message to leave: os._exit would drop it)
         os._exit(1)
     engine.output_processor = DeltaCollector(engine.tokenizer)
     cc = engine.config.cache_config

@@ -259,6 +259,8 @@ class CoreClient(AsyncLLM):
                 for i, r in pending.items():
                     if not r.proc.is_alive():
                         r.proc.join(1)
+                        if self._out.poll(500):  # its StartError may still be on the way: read that first
+                            break
                         raise RuntimeError(f"{self._name(i)}: exited during start-up (exit code {r.proc.exitcode})")
             elif isinstance(msg, P.Ready):
                 r = pending.pop(msg.core)

@@ -41,7 +41,9 @@ class TwoNodes:
         except BaseException:
             self.close()
             raise
-        self.pids = spawned_children(self.node1.pid) + all_spawned(self.server.proc.pid)
+        self.node1_ranks = spawned_children(self.node1.pid)
+        self.node0_spawned = all_spawned(self.server.proc.pid)  # node 0's engine core (which is rank 0)
+        self.pids = self.node1_ranks + self.node0_spawned
         return self
 
     def node1_text(self) -> str:
@@ -77,7 +79,9 @@ def test_two_nodes_answer_like_one_and_stop_cleanly(llama_dir, tmp_path):
                                                         use_tqdm=False)]
     del ref_llm
     with TwoNodes(llama_dir, tmp_path) as nodes:
-        assert len(nodes.pids) == 1  # node 1's one rank (node 0's rank 0 is the server process itself)
+        assert len(nodes.node1_ranks) == 1  # node 1's one rank
+        # node 0's rank 0 is its engine core process, which starts no worker of its own here
+        assert len(nodes.node0_spawned) == 1
         assert [complete(nodes.server.url, p) for p in PROMPTS] == ref
         assert "pp=2" in nodes.server.log()
         assert nodes.server.stop() == 0, nodes.server.log()

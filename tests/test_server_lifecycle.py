@@ -205,9 +205,9 @@ def test_priority_reaches_the_engine_from_each_endpoint(llama_dir, monkeypatch):
     seen = []
     real = eng.add_request
 
-    def spy(request_id, prompt, params=None, arrival_time=None, priority=0):
+    def spy(request_id, prompt, params=None, arrival_time=None, priority=0, **kwargs):
         seen.append(priority)
-        return real(request_id, prompt, params, arrival_time=arrival_time, priority=priority)
+        return real(request_id, prompt, params, arrival_time=arrival_time, priority=priority, **kwargs)
 
     monkeypatch.setattr(eng, "add_request", spy)
     llm = AsyncLLM(eng).start()

@@ -35,6 +35,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
 from pagedllm.worker.executor_factory import make_executor
 from pagedllm.engine.input_batch import InputBatch
+from pagedllm.engine.request import banned_token_ids
 from pagedllm.engine.speculator import Speculator, SpecStepPlan, make_draft_proposer
 
 logger = logging.getLogger("pagedllm")
@@ -465,15 +466,7 @@ class LLMEngine:
 
     def _banned_token_ids(self, req: Request) -> Optional[list[int]]:
         """Before ``min_tokens`` outputs, EOS and stop token ids cannot be sampled (as in vLLM)."""
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            return None
-        banned = list(sp.stop_token_ids)
-        if not sp.ignore_eos:
-            banned += list(sp.all_stop_token_ids)
-            if self.eos_token_id is not None:
-                banned.append(self.eos_token_id)
-        return banned or None
+        return banned_token_ids(req.sampling_params, req.num_output_tokens, self.eos_token_id)
 
     def _collect_prompt_logprobs(self, plan, logits: torch.Tensor) -> None:
         logprobs = logits.log_softmax(dim=-1)

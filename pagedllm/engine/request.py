@@ -113,3 +113,16 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
                 f"computed={self.num_computed_tokens}, {self.status.name})")
+
+
+def banned_token_ids(sp, num_out: int, eos_token_id: Optional[int]) -> Optional[list[int]]:
+    """Before ``min_tokens`` outputs (``num_out`` so far), EOS and stop token ids cannot be sampled (as in
+    vLLM); None once they may. Used by the engine's sampling rows and speculative verification alike."""
+    if num_out >= sp.min_tokens:
+        return None
+    banned = list(sp.stop_token_ids)
+    if not sp.ignore_eos:
+        banned += list(sp.all_stop_token_ids)
+        if eos_token_id is not None:
+            banned.append(eos_token_id)
+    return banned or None

@@ -33,7 +33,7 @@ import torch
 
 from pagedllm.config import EngineConfig, SpeculativeConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagedllm.engine.request import Request
+from pagedllm.engine.request import Request, banned_token_ids
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplingRow, target_probs, topk_logprobs
@@ -247,15 +247,7 @@ class Speculator:
     # ---- 3. verification --------------------------------------------------------------------------
     def _banned(self, r: Request, num_out: int) -> Optional[list[int]]:
         """EOS and stop token ids while ``num_out`` < min_tokens (as ``LLMEngine._banned_token_ids``)."""
-        sp = r.sampling_params
-        if num_out >= sp.min_tokens:
-            return None
-        banned = list(sp.stop_token_ids)
-        if not sp.ignore_eos:
-            banned += list(sp.all_stop_token_ids)
-            if self.eos_token_id is not None:
-                banned.append(self.eos_token_id)
-        return banned or None
+        return banned_token_ids(r.sampling_params, num_out, self.eos_token_id)
 
     def verify(self, plan: SpecStepPlan, logits: torch.Tensor, out: SchedulerOutput,
                make_logprobs) -> tuple[SchedulerOutput, dict[str, int], int]:

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
+from pagedllm.layers.quantization.int4_formats import INT4_METHODS, int4_format, int4_weights
 from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
 from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line, open_gguf
@@ -125,24 +126,32 @@ def q8_0_for_linears_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[
 GGUF_BLOCKS_MIN_FLOAT_BYTES = 1 << 30
 
 
-def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
-    """(ggml type names a GGUF file's linear weights stay in, as blocks multiplied by the platform's
-    kernels; why that is empty or what the kernels are): only without ``--quantization``, on one
-    tensor-parallel rank (``layers/quantization/gguf.py``), and for a file whose kernel-type matrices
-    would take at least GGUF_BLOCKS_MIN_FLOAT_BYTES in the run's dtype."""
+def block_kernel_types(model_config: ModelConfig, float_elements: Callable[[frozenset], int]) -> tuple[frozenset, str]:
+    """(ggml type names whose blocks a checkpoint's linear weights stay in, multiplied by the
+    platform's kernels; why that is empty or what the kernels are): only without ``--quantization``,
+    on one tensor-parallel rank (``layers/quantization/gguf.py``), and for a checkpoint whose
+    kernel-type matrices (``float_elements(types)`` weights) would take at least
+    GGUF_BLOCKS_MIN_FLOAT_BYTES in the run's dtype. GGUF files and int4 checkpoints alike."""
     if model_config.quantization not in (None, "none"):
         return frozenset(), f"--quantization {model_config.quantization}"
     if get_tp_size() != 1:
         return frozenset(), "tensor parallelism (blocks cannot be split along k)"
     types, how = ops.gguf_kernel_types()
     if types:
-        reader = open_gguf(model_config.model)
-        elems = sum(int(t.n_elements) for t in reader.tensors if t.tensor_type.name in types and len(t.data.shape) == 2)
-        size = elems * torch.empty(0, dtype=model_config.dtype).element_size()
+        size = float_elements(types) * torch.empty(0, dtype=model_config.dtype).element_size()
         if size < GGUF_BLOCKS_MIN_FLOAT_BYTES:
             return frozenset(), (f"its quantized matrices take {size / 2**20:.0f} MiB dequantized, under "
                                  f"{GGUF_BLOCKS_MIN_FLOAT_BYTES / 2**20:.0f} MiB, where the float path is the faster")
     return types, how
+
+
+def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
+    """``block_kernel_types`` of a GGUF file (its 2-d tensors of the kernels' types)."""
+    def elements(types: frozenset) -> int:
+        reader = open_gguf(model_config.model)
+        return sum(int(t.n_elements) for t in reader.tensors if t.tensor_type.name in types and len(t.data.shape) == 2)
+
+    return block_kernel_types(model_config, elements)
 
 
 def _block_weights(hf_config: Any):
@@ -166,15 +175,50 @@ def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, 
             why = ("no kernel" if t not in blocks and t not in ("F32", "F16", "BF16") else "float") if blocks else how
             parts.append(f"{t}: {deq} dequantized ({why})")
     mixed = [m for m in model.modules() if getattr(m, "gguf_types", None) and getattr(m, "gguf_bytes", None) is None]
+    kept, floats = resident_bytes(model)
+    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "")
+            + (f" | {len(mixed)} layers dequantized (rows of types without a kernel)" if mixed else "")
+            + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
+
+
+def resident_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of ggml blocks the layers keep, bytes of the float parameters, each storage once)."""
     kept = sum(getattr(m, "gguf_bytes", 0) for m in model.modules())
     seen, floats = set(), 0
     for p in model.parameters():
         if p.numel() and p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             floats += p.numel() * p.element_size()
-    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "")
-            + (f" | {len(mixed)} layers dequantized (rows of types without a kernel)" if mixed else "")
-            + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
+    return kept, floats
+
+
+def describe_int4_paths(model: torch.nn.Module, fmt: Any, stats: dict, how: str) -> str:
+    """The start-up line of an int4 checkpoint: its format, how many linear layers' weights were
+    repacked into Q4 blocks on the kernels and how many dequantized (and why), and the resident MiB."""
+    parts = [f"{n} {t} in blocks" for (t, k), n in sorted(stats.items()) if k == "blocks"]
+    parts += [f"{n} dequantized to {str(model_dtype(model)).replace('torch.', '')} ({why})"
+              for (why, k), n in sorted(stats.items()) if k == "dequantized"]
+    kept, floats = resident_bytes(model)
+    return (f"int4 checkpoint ({fmt.describe()}): linear weights " + ("; ".join(parts) or "none")
+            + (f" | kernels: {how}" if kept else "")
+            + f" | resident {kept / 2**20:.1f} MiB in blocks + {floats / 2**20:.1f} MiB float")
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def checkpoint_names(model_dir: str) -> dict[str, list[int]]:
+    """Every tensor name of a safetensors checkpoint -> its shape, from the files' headers."""
+    shapes = {}
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    shapes[name] = f.get_slice(name).get_shape()
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read weights file {path} (corrupt or truncated?): {one_line(e)}") from None
+    return shapes
 
 
 def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
@@ -195,6 +239,7 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
         hf_config.tie_word_embeddings = True
     with torch.device(device):
         model = cls(hf_config, model_config.dtype, backend=backend, **extra)
+    int4 = None  # an int4 checkpoint's format (int4_formats.Int4Format)
     if model_config.load_format == "dummy":
         gen = torch.Generator(device="cpu").manual_seed(model_config.seed)
         for name, p in model.named_parameters():
@@ -218,6 +263,16 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                 raw = text_only_weights(raw)
             if checkpoint_quant and checkpoint_quant["quant_method"] == "fp8":
                 raw = fp8.dequantized(raw, checkpoint_quant)
+            elif checkpoint_quant and checkpoint_quant["quant_method"] in INT4_METHODS:
+                int4 = int4_format(checkpoint_quant)
+                shapes = checkpoint_names(path)
+                packed = [s for n, s in shapes.items() if n.endswith("." + int4.required[0])]
+                blocks, why_not = block_kernel_types(
+                    model_config, lambda types: 8 * sum(s[0] * s[1] for s in packed) if {"Q4_0", "Q4_1"} <= types else 0)
+                if not blocks:
+                    why_not = why_not or "no Q4 kernels on this platform"
+                int4_stats: dict = {}
+                raw = int4_weights(fp8.refuse_float8(raw), int4, set(shapes), bool(blocks), int4_stats, why_not)
             else:
                 raw = fp8.refuse_float8(raw)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
@@ -240,6 +295,8 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
     report = process_weights_after_loading(model, quant_config)
     if model_config.load_format != "dummy" and is_gguf_file(model_config.model) and get_tp_rank() == 0:
         logger.info("%s", describe_gguf_paths(model, gguf_stats, blocks, why_not))
+    elif model_config.load_format != "dummy" and int4 is not None and get_tp_rank() == 0:
+        logger.info("%s", describe_int4_paths(model, int4, int4_stats, why_not))
     report.smoothing = smoothing.describe() if smoothing else ""
     model.quantization_report = report
     if quant_config is not None and get_tp_rank() == 0:

@@ -24,7 +24,8 @@ _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 _ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
 
 # quant_method values of a checkpoint's quantization_config that the loader reads (others are refused)
-SUPPORTED_CHECKPOINT_METHODS = ("fp8", "mxfp4")
+# (gptq, awq, compressed-tensors: int4 weights, ``int4_formats.py``)
+SUPPORTED_CHECKPOINT_METHODS = ("fp8", "mxfp4", "gptq", "awq", "compressed-tensors")
 
 
 class CheckpointFormatError(ValueError):
@@ -36,8 +37,9 @@ def checkpoint_quantization(hf_config: Any) -> Optional[dict]:
     checkpoint).
 
     Raises:
-        ValueError: a method the loader cannot read (GPTQ, AWQ, bitsandbytes, compressed-tensors, ...),
-            or an FP8 format other than e4m3: loading it as float would give wrong weights.
+        ValueError: a method the loader cannot read (bitsandbytes, HQQ, ...), an FP8 format other than
+            e4m3, or int4 settings ``int4_formats.int4_format`` refuses: loading it as float would give
+            wrong weights.
     """
     q = getattr(hf_config, "quantization_config", None)
     if q is None:
@@ -47,9 +49,13 @@ def checkpoint_quantization(hf_config: Any) -> Optional[dict]:
     if method not in SUPPORTED_CHECKPOINT_METHODS:
         raise ValueError(f"the checkpoint is quantized with {method or 'an unnamed method'!r}, which pagedllm cannot "
                          f"load; it loads float checkpoints, FP8 ones (quant_method fp8, dequantized at load), "
-                         f"gpt-oss's MXFP4 and GGUF files (use a float or FP8 release of the model, or its GGUF)")
+                         f"int4 GPTQ, AWQ and compressed-tensors ones, gpt-oss's MXFP4 and GGUF files (use a "
+                         f"float, FP8 or int4 release of the model, or its GGUF)")
     if method == "fp8" and str(q.get("fmt", "e4m3")).lower() != "e4m3":
         raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (e4m3 only)")
+    if method in ("gptq", "awq", "compressed-tensors"):
+        from pagedllm.layers.quantization.int4_formats import int4_format  # (it imports layers.linear, as this does)
+        int4_format({**q, "quant_method": method})  # a clear error for settings it cannot read
     return {**q, "quant_method": method}
 
 

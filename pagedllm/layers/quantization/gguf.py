@@ -15,6 +15,12 @@ dequantized into that weight too and stays float. The method's ``apply`` is ``op
 activations quantized to int8 per block of 32 and integer dot products on the CPU (llama.cpp's
 scheme), within the bound ``platforms/cpu/gguf_gemm.py`` states of the float matmul.
 
+int4 Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors) arrive here too, repacked into Q4_0 /
+Q4_1 blocks (``q4_repack.Int4Blocks``). One quantized in activation order carries ``perm``, the input
+column of each block column: the layer keeps it as ``gguf_perm`` and gathers its input's columns by it
+before the GEMM. All parts of a fused layer must share it (GPTQ's q/k/v, or gate/up, see one input, so
+one Hessian order); a part with another one is dequantized, and with it the whole layer.
+
 One tensor-parallel rank only: with more, the loader dequantizes (rows of blocks cannot be cut
 along k, which row-parallel layers need).
 """
@@ -25,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pagedllm.layers.quantization import q4_repack
 from pagedllm.layers.quantization.base import LinearMethodBase
 from pagedllm.platforms import ops
 
@@ -46,13 +53,16 @@ def load_blocks(layer: nn.Module, loader: Callable, param: nn.Parameter, loaded:
     ``layer.gguf_segments`` (and which rows came so in ``layer.gguf_rows``); a bias, or a layer on
     several ranks, gets the dequantized tensor through ``loader``."""
     w = getattr(layer, "weight", None)
-    if param is not w or getattr(layer, "tp_size", 1) != 1 or loaded.cols != w.shape[1]:
+    perm = getattr(loaded, "perm", None)
+    first = getattr(layer, "gguf_rows", None) is None
+    if (param is not w or getattr(layer, "tp_size", 1) != 1 or loaded.cols != w.shape[1]
+            or not (first or _same_perm(layer.gguf_perm, perm))):
         loader(param, loaded.dequantize(), shard_id)
         return
     n = w.shape[0]
     src = _row_map(loader, n, loaded.raw.shape[0], shard_id)
-    if getattr(layer, "gguf_rows", None) is None:
-        layer.gguf_segments, layer.gguf_rows = [], torch.zeros(n, dtype=torch.bool)
+    if first:
+        layer.gguf_segments, layer.gguf_rows, layer.gguf_perm = [], torch.zeros(n, dtype=torch.bool), perm
     dest, where = torch.nonzero(src >= 0).view(-1).tolist(), src.tolist()
     i = 0
     while i < len(dest):  # runs of consecutive output rows from consecutive source rows: one segment each
@@ -66,12 +76,18 @@ def load_blocks(layer: nn.Module, loader: Callable, param: nn.Parameter, loaded:
     layer.gguf_rows[src >= 0] = True
 
 
+def _same_perm(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 def finish_blocks(layer: nn.Module, keep_blocks: bool) -> bool:
     """After loading: when ``keep_blocks`` and every row came in blocks, switch the layer to
     ``GGUFLinearMethod`` (its float weight dropped) and return True; otherwise dequantize the
     block rows into the float weight and return False."""
     segments, rows = layer.__dict__.pop("gguf_segments"), layer.__dict__.pop("gguf_rows")
+    perm = layer.__dict__.pop("gguf_perm", None)
     if keep_blocks and bool(rows.all()):
+        layer.gguf_perm = perm
         layer.gguf_out_features = layer.weight.shape[0]
         del layer.weight
         layer.weight = None  # the layer's float weight is gone (code testing for it finds None)
@@ -80,11 +96,21 @@ def finish_blocks(layer: nn.Module, keep_blocks: bool) -> bool:
         layer.packed_bytes = layer.gguf_bytes  # what the model runner's weight count adds for non-parameters
         layer.quant_method = GGUFLinearMethod()
         return True
-    from gguf import GGMLQuantizationType, quants  # lazily: gguf, only for a layer with rows of mixed types
     for first, type_id, raw in segments:
-        w = quants.dequantize(raw, GGMLQuantizationType(type_id))
-        layer.weight.data[first:first + w.shape[0]] = torch.from_numpy(w).to(layer.weight.dtype)
+        w = dequantize_blocks(raw, type_id)
+        if perm is not None:  # block column j is input column perm[j]
+            w = torch.empty_like(w).index_copy_(1, perm, w)
+        layer.weight.data[first:first + w.shape[0]] = w.to(layer.weight.dtype)
     return False
+
+
+def dequantize_blocks(raw: Any, type_id: int) -> torch.Tensor:
+    """float32 [rows, cols] of ggml blocks of ``type_id`` (Q4_0 / Q4_1 from an int4 checkpoint are
+    torch tensors: ``q4_repack.dequantize_q4``; a GGUF file's types: ``gguf.quants``)."""
+    if isinstance(raw, torch.Tensor):
+        return q4_repack.dequantize_q4(raw, type_id)
+    from gguf import GGMLQuantizationType, quants  # lazily: gguf, only for a layer with rows of mixed types
+    return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(type_id)))
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -97,7 +123,11 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x.shape
-        out = ops.gguf_linear(x.reshape(-1, shape[-1]), layer.gguf_segments, layer.gguf_out_features)
+        x2 = x.reshape(-1, shape[-1])
+        perm = getattr(layer, "gguf_perm", None)
+        if perm is not None:  # act-order int4: the blocks' columns are the input's in this order
+            x2 = x2.index_select(1, perm)
+        out = ops.gguf_linear(x2, layer.gguf_segments, layer.gguf_out_features)
         if bias is not None:
             out.add_(bias)
         return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])

@@ -115,8 +115,10 @@ def test_fp8_deepseek_v3_matches_transformers_on_the_dequantized_weights(tmp_pat
 
 
 @pytest.mark.parametrize("quant,message", [
-    ({"quant_method": "gptq", "bits": 4}, "quantized with 'gptq', which pagedllm cannot load"),
-    ({"quant_method": "compressed-tensors"}, "quantized with 'compressed-tensors'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes', which pagedllm cannot load"),
+    ({"quant_method": "gptq", "bits": 8}, "GPTQ checkpoint: bits 8 is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {}}}},
+     "compressed-tensors checkpoint: format 'float-quantized' of config group 'g' is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
 ])
 def test_unreadable_quantized_checkpoints_are_refused(tmp_path, quant, message):

@@ -40,12 +40,13 @@ NEAR_TIE = 0.1  # as tests/test_gguf_blocks.py: the 8-bit activations move near-
 
 
 # ----------------------------------------------------------------------- reference quantizer + packers
-def quantize(w: torch.Tensor, group: int, sym: bool, act_order: bool, gen: torch.Generator, zmin: int = 0):
+def quantize(w: torch.Tensor, group: int, sym: bool, order: "torch.Tensor | None", zmin: int = 0):
     """w float32 [N, K] -> (q uint8 [N, K] codes, s float16 [N, G], z int [N, G], g_idx int [K]).
-    Act order: the columns are taken in a random order, group i = the i-th run of ``group`` of them."""
+    Act order: the columns are taken in ``order`` (GPTQ: by its Hessian's diagonal, one order per
+    input, so q/k/v share one and gate/up another), group i = the i-th run of ``group`` of them."""
     n, k = w.shape
     group = k if group == -1 else group
-    order = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
+    order = torch.arange(k) if order is None else order
     g_idx = torch.empty(k, dtype=torch.int64)
     g_idx[order] = torch.arange(k) // group
     G = k // group
@@ -113,19 +114,25 @@ def quant_config(method: str, group: int, sym: bool, act_order: bool, v1: bool =
 
 
 def write_int4(root: str, arch: str, method: str, group: int, sym: bool, act_order: bool, seed: int = 3,
-               v1: bool = True, scale_dtype=torch.float16) -> tuple[str, str, dict]:
-    """(quantized checkpoint dir, float oracle dir, {layer: (q, s, z, g_idx)})."""
+               v1: bool = True, scale_dtype=torch.float16, shared_order: bool = True) -> tuple[str, str, dict]:
+    """(quantized checkpoint dir, float oracle dir, {layer: (q, s, z, g_idx)}). ``shared_order``
+    False gives every matrix its own act order (the fused layers' parts then differ)."""
     float_dir = build_checkpoint(os.path.join(root, "float"), arch, seed=seed, hidden_size=128,
                                  intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     tensors = load_file(os.path.join(float_dir, "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
-    quant, oracle, parts = {}, dict(tensors), {}
+    quant, oracle, parts, orders = {}, dict(tensors), {}, {}
     for name, w in tensors.items():
         if not any(f".{p}.weight" in name for p in LINEARS):
             quant[name] = w
             continue
         base = name[:-len(".weight")]
-        q, s, z, g_idx = quantize(w.float(), group, sym, act_order, gen, zmin=1 if (method == "gptq" and v1) else 0)
+        order = None
+        if act_order:  # one order per input: q/k/v share the attention's, gate/up the MLP's
+            key = base if not shared_order else base.replace("k_proj", "q_proj").replace("v_proj", "q_proj") \
+                .replace("up_proj", "gate_proj")
+            order = orders.setdefault(key, torch.randperm(w.shape[1], generator=gen))
+        q, s, z, g_idx = quantize(w.float(), group, sym, order, zmin=1 if (method == "gptq" and v1) else 0)
         if method == "compressed-tensors":
             s = s.to(scale_dtype)
         parts[base] = (q, s, z, g_idx)
@@ -244,7 +251,7 @@ def _check_blocks(name, m, parts, sym):
     torch.manual_seed(0)
     x = torch.randn(5, want.shape[1])
     y = m(x).double()
-    ref = x.double() @ got.double().t()
+    ref = x.double() @ got.double().t() + (m.bias.double() if m.bias is not None else 0)
     d = x.double().abs().view(5, -1, 32).amax(-1) / 127  # the activations' int8 step per block
     wabs = got.abs().double()
     if m.gguf_perm is not None:
@@ -262,6 +269,40 @@ def _ggml_dequantize(raw, type_id):
     ref = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType(type_id)))
     assert torch.equal(ref, q4_repack.dequantize_q4(raw, type_id))  # our twin is ggml's formula
     return ref
+
+
+def test_fused_parts_in_different_act_orders_are_dequantized(tmp_path, monkeypatch):
+    """q/k/v (and gate/up) each in its own act order cannot share one input permutation: those fused
+    layers are dequantized (exactly, from Q4_0), o/down stay in blocks; greedy ids as transformers'
+    up to near-ties, and the start-up line says so."""
+    kinds, _ = ops.gguf_kernel_types()
+    if not {"Q4_0", "Q4_1"} <= kinds:
+        pytest.skip("no Q4 kernels on this platform")
+    from pagedllm.models import loader
+    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
+    qdir, odir, parts = write_int4(str(tmp_path), "llama", "gptq", 64, True, True, shared_order=False)
+    with pagedllm_logs() as records:
+        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    line = next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
+    assert "4 fused layers dequantized (parts quantized in different act orders)" in line, line
+    assert sorted(n.rsplit(".", 1)[1] for n, _ in _block_layers(llm)) == ["down_proj"] * 2 + ["o_proj"] * 2
+    model = llm.llm_engine.executor.runner.model
+    for i in range(2):
+        for fused in ("qkv_proj", "gate_up_proj"):
+            layer = model.get_submodule(f"layers.{i}.{'self_attn' if fused == 'qkv_proj' else 'mlp'}.{fused}")
+            want = torch.cat([dequantize(*parts[f"model.layers.{i}.{'self_attn' if fused == 'qkv_proj' else 'mlp'}.{p}"])
+                              for p in _FUSED[fused]])
+            x = torch.randn(3, want.shape[1])
+            assert torch.allclose(layer(x), x @ want.t(), atol=1e-5)  # (its weight is packed for the float GEMM)
+    hf = _hf(odir)
+    prompts = make_prompts(llm.llm_engine.vocab_size, [3, 30], seed=6)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        got = list(o.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + got])).logits[0, len(p) - 1:-1]
+        ours = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+        assert torch.all(logits.max(-1).values - ours <= NEAR_TIE)
+    assert_pool_empty(llm)
 
 
 # ----------------------------------------------------------------------------------- refusals and errors
@@ -287,13 +328,13 @@ Q = "model.layers.0.self_attn.q_proj"
     ("gptq", {"checkpoint_format": "marlin"}, None, "checkpoint_format 'marlin' is not supported"),
     ("awq", {"version": "gemv"}, None, "AWQ checkpoint: version 'gemv' is not supported"),
     ("compressed-tensors", {"format": "float-quantized"}, None, "format 'float-quantized'"),
-    ("gptq", None, lambda ts: ts.update({f"{Q}.scales": ts[f"{Q}.scales"][:, :64]}),
+    ("gptq", None, lambda ts: ts.update({f"{Q}.scales": ts[f"{Q}.scales"][:, :64].contiguous()}),
      f"{Q}.scales has shape (4, 64), expected (4, 128)"),
     ("gptq", None, lambda ts: ts.pop(f"{Q}.qzeros"), f"{Q}.qzeros is missing"),
     ("awq", None, lambda ts: ts.update({f"{Q}.qweight": ts[f"{Q}.qweight"].float()}),
      f"{Q}.qweight is torch.float32, expected torch.int32"),
     ("gptq", None, lambda ts: ts.update({f"{Q}.g_idx": ts[f"{Q}.g_idx"] + 7}), f"{Q}.g_idx has groups outside"),
-    ("compressed-tensors", None, lambda ts: ts.update({f"{Q}.weight_scale": ts[f"{Q}.weight_scale"][:, :3]}),
+    ("compressed-tensors", None, lambda ts: ts.update({f"{Q}.weight_scale": ts[f"{Q}.weight_scale"][:, :3].contiguous()}),
      f"{Q}.weight_scale has shape (128, 3)"),
 ])
 def test_malformed_int4_checkpoint_is_a_clear_error(tmp_path, method, config, tensors, message):
@@ -313,10 +354,10 @@ def test_int4_linear_group_not_a_multiple_of_32_is_dequantized():
     dequantizes that layer, exactly)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(16, 64, generator=gen)
-    q, s, z, g = quantize(w, 16, True, False, gen)
+    q, s, z, g = quantize(w, 16, True, None)
     got = q4_repack.to_blocks(q4_repack.Int4Weight(q, s, z.to(torch.int16), g))
     assert isinstance(got, str) and "multiple of 32" in got
-    q, s, z, g = quantize(w, 32, False, True, gen)
+    q, s, z, g = quantize(w, 32, False, torch.randperm(64, generator=gen))
     blocks = q4_repack.to_blocks(q4_repack.Int4Weight(q, s, z.to(torch.int16), g))
     assert blocks.type_name == "Q4_1" and blocks.perm is not None
     deq = q4_repack.dequantize_q4(blocks.raw, blocks.ggml_type)

@@ -199,8 +199,10 @@ def describe_int4_paths(model: torch.nn.Module, fmt: Any, stats: dict, how: str)
     parts += [f"{n} dequantized to {str(model_dtype(model)).replace('torch.', '')} ({why})"
               for (why, k), n in sorted(stats.items()) if k == "dequantized"]
     kept, floats = resident_bytes(model)
+    mixed = [m for m in model.modules() if getattr(m, "gguf_types", None) and getattr(m, "gguf_bytes", None) is None]
     return (f"int4 checkpoint ({fmt.describe()}): linear weights " + ("; ".join(parts) or "none")
             + (f" | kernels: {how}" if kept else "")
+            + (f" | {len(mixed)} fused layers dequantized (parts quantized in different act orders)" if mixed else "")
             + f" | resident {kept / 2**20:.1f} MiB in blocks + {floats / 2**20:.1f} MiB float")
 
 

@@ -364,3 +364,19 @@ def test_int4_linear_group_not_a_multiple_of_32_is_dequantized():
     assert torch.allclose(torch.empty_like(deq).index_copy_(1, blocks.perm, deq), dequantize(q, s, z, g),
                           atol=float(s.float().max()) * 16 * 2.0 ** -11)
     assert torch.equal(blocks.dequantize(), dequantize(q, s, z, g))
+
+
+def test_int4_checkpoint_tensor_parallel(tmp_path):
+    """Two tensor-parallel ranks: the blocks path is one rank only, so each rank dequantizes at load
+    and its float layers take their slices as from a float checkpoint (act order and zero points
+    included): greedy ids equal transformers'."""
+    qdir, odir, _ = write_int4(str(tmp_path), "qwen2", "gptq", 32, False, True, v1=False)
+    hf = _hf(odir)
+    llm = LLM(qdir, tensor_parallel_size=2, kv_cache_memory=2 << 20, max_model_len=256)
+    try:
+        prompts = make_prompts(llm.llm_engine.vocab_size, [5, 40], seed=2)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == [hf_greedy(hf, p, 8)[0] for p in prompts]
+        assert_pool_empty(llm)
+    finally:
+        del llm

@@ -9,6 +9,11 @@ matter for speed), norms and q/k/v biases F32, token embedding Q4_K/Q8_0 and an 
 matrix Q6_K (as in a Q4_K_M file), a byte-level BPE tokenizer (``model_shapes.build_tokenizer``).
 
     pagedllm bench gguf-decode --qtype Q4_K --rounds 2 --tokens 32
+
+``--qtype GPTQ`` writes a GPTQ int4 checkpoint of the shape instead (a Hugging Face folder: config.json
+with its ``quantization_config``, symmetric, group 128; random codes, small fp16 scales; embedding and
+LM head float16), which the loader repacks into Q4_0 blocks for the same kernels (``=1``) or
+dequantizes (``=0``): ``--shape qwen2-0.5b --qtype GPTQ``.
 """
 from __future__ import annotations
 
@@ -103,6 +108,57 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
     return path
 
 
+def write_gptq(out_dir: str, shape: str, group: int = 128) -> str:
+    """Write the random-weight ``shape`` model as a GPTQ int4 checkpoint (symmetric, ``group``) into
+    ``out_dir`` (once): ``int4_formats``' GPTQ layout, qzeros 0x77777777 (v1: z - 1 = 7)."""
+    from safetensors.torch import save_file  # lazily: only to write the checkpoint
+
+    from pagedllm.benchmarks.model_shapes import write_model_shape
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    write_model_shape(out_dir, shape)
+    spec = SHAPES[shape]
+    h, layers, inter, vocab = spec["hidden_size"], spec["num_hidden_layers"], spec["intermediate_size"], spec["vocab_size"]
+    hd = h // spec["num_attention_heads"]
+    q_out, kv_out = spec["num_attention_heads"] * hd, spec["num_key_value_heads"] * hd
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": (torch.randn(vocab, h, generator=gen) * 0.02).half(),
+               "model.norm.weight": torch.ones(h, dtype=torch.float16)}
+    if not spec["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = (torch.randn(vocab, h, generator=gen) * 0.02).half()
+
+    def linear(name: str, n: int, k: int) -> None:
+        groups = -(-k // group)
+        tensors[name + ".qweight"] = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=gen)
+        tensors[name + ".qzeros"] = torch.full((groups, n // 8), 0x77777777, dtype=torch.int32)
+        tensors[name + ".scales"] = (torch.rand(groups, n, generator=gen) * 9e-4 + 1e-4).half()
+        tensors[name + ".g_idx"] = (torch.arange(k) // group).int()
+
+    for i in range(layers):
+        b = f"model.layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            tensors[b + n + ".weight"] = torch.ones(h, dtype=torch.float16)
+        for n, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            linear(b + "self_attn." + n, rows, h)
+            if spec["arch"] == "qwen2":
+                tensors[b + "self_attn." + n + ".bias"] = (torch.randn(rows, generator=gen) * 0.01).half()
+        linear(b + "self_attn.o_proj", h, q_out)
+        linear(b + "mlp.gate_proj", inter, h)
+        linear(b + "mlp.up_proj", inter, h)
+        linear(b + "mlp.down_proj", h, inter)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors.part"))
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                                  "desc_act": False, "checkpoint_format": "gptq"}
+    cfg["torch_dtype"] = "float16"
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    os.replace(os.path.join(out_dir, "model.safetensors.part"), os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """GB/s of ``torch.sum`` over ``gib`` GiB of float32 (best of ``repeats``; torch's threads)."""
     x = torch.ones(int(gib * 2**30) // 4)
@@ -131,7 +187,7 @@ def run_one(path: str, tokens: int, prompt_len: int) -> dict:
 
     base = _rss_mib()
     t = time.perf_counter()
-    llm = LLM(path, tokenizer=path + ".tokenizer", max_model_len=prompt_len + tokens + 16,
+    llm = LLM(path, tokenizer=path if os.path.isdir(path) else path + ".tokenizer", max_model_len=prompt_len + tokens + 16,
               kv_cache_memory=64 << 20, max_num_seqs=1)
     load_s = time.perf_counter() - t
     loaded = _rss_mib()
@@ -148,7 +204,8 @@ def run_one(path: str, tokens: int, prompt_len: int) -> dict:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
-    p.add_argument("--qtype", default="Q4_K", choices=["Q4_K", "Q8_0"])
+    p.add_argument("--qtype", default="Q4_K", choices=["Q4_K", "Q8_0", "GPTQ"],
+                   help="GGUF type of the linear weights, or GPTQ: an int4 GPTQ checkpoint folder")
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="alternated kernels/dequantized rounds")
@@ -163,8 +220,12 @@ def main(a: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(run_one(a.path, a.tokens, a.prompt_len)), flush=True)
         return
     os.makedirs(os.path.join(a.output_dir, "models"), exist_ok=True)
-    path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
-    size = os.path.getsize(path)
+    if a.qtype == "GPTQ":
+        path = write_gptq(os.path.join(a.output_dir, "models", f"{a.shape}-GPTQ"), a.shape)
+        size = os.path.getsize(os.path.join(path, "model.safetensors"))
+    else:
+        path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
+        size = os.path.getsize(path)
     bw = read_bandwidth()
     print(f"file {size / 2**20:.1f} MiB; read bandwidth {bw:.1f} GB/s; floor {size / bw / 1e6:.1f} ms a token "
           f"({bw * 1e9 / size:.1f} tok/s)", flush=True)

@@ -240,3 +240,23 @@ def http(server, request):
     with httpx.Client(base_url=server.url, timeout=120,
                       headers={"Authorization": f"Bearer {key}"} if key else {}) as c:
         yield c
+
+
+def greedy_up_to_near_ties(hf, prompts, ids, near_tie: float = 0.1) -> int:
+    """Teacher-forced on our greedy ``ids``: each token is transformers' best or within ``near_tie``
+    of it, and the best wherever the top-2 gap exceeds ``near_tie`` (0.1 by default: on the tiny random
+    models, whose logits have a std of about 1.2, int8 activations (the GGUF kernels) moved near-ties of
+    0.01-0.03; a wrong kernel picks tokens a std or more below). Returns the number of such clear
+    steps (a caller asserts there are enough for the check to have teeth)."""
+    clear_steps = 0
+    for p, got in zip(prompts, ids):
+        got = list(got)
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + got])).logits[0, len(p) - 1:-1]
+        top2 = logits.topk(2, dim=-1).values
+        ours = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+        assert torch.all(top2[:, 0] - ours <= near_tie), (top2[:, 0] - ours).tolist()
+        clear = top2[:, 0] - top2[:, 1] > near_tie
+        assert torch.equal(ours[clear], top2[clear, 0])
+        clear_steps += int(clear.sum())
+    return clear_steps

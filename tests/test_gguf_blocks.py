@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_pool_empty, build_checkpoint
+from conftest import assert_pool_empty, build_checkpoint, greedy_up_to_near_ties
 from pagedllm import LLM, SamplingParams
 from pagedllm.platforms import ops
 from pagedllm.platforms.cpu import gguf_gemm
@@ -100,17 +100,7 @@ def test_blocks_greedy_equal_transformers_and_dequantized(block_gguf, monkeypatc
     ids = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert_pool_empty(llm)
     hf = _hf_from_gguf(path)
-    same = 0
-    for p, got in zip(prompts, ids):
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + list(got)])).logits[0, len(p) - 1:-1]
-        top2 = logits.topk(2, dim=-1).values
-        ours = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
-        assert torch.all(top2[:, 0] - ours <= NEAR_TIE), (top2[:, 0] - ours).tolist()
-        clear = top2[:, 0] - top2[:, 1] > NEAR_TIE
-        assert torch.equal(ours[clear], top2[clear, 0])
-        same += int(clear.sum())
-    assert same >= 12  # most steps are clear choices, so the check above has teeth
+    assert greedy_up_to_near_ties(hf, prompts, ids) >= 12  # most steps are clear choices: the check has teeth
     del llm
     # the dequantized path (no kernels) on the same file: transformers' ids exactly
     monkeypatch.setattr(ops, "gguf_kernel_types", lambda: (frozenset(), "off for the test"))

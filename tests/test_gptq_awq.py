@@ -34,7 +34,7 @@ from pagedllm.platforms import ops
 from test_correctness import hf_greedy, make_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a packed int32 holds output 8c + AWQ_ORDER[i]
 
 
@@ -48,7 +48,7 @@ def quantize(w: torch.Tensor, group: int, sym: bool, order: "torch.Tensor | None
     order = torch.arange(k) if order is None else order
     g_idx = torch.empty(k, dtype=torch.int64)
     g_idx[order] = torch.arange(k) // group
-    G = k // group
+    G = -(-k // group)  # (the last group may be shorter)
     s = torch.empty(n, G)
     z = torch.empty(n, G, dtype=torch.int64)
     for g in range(G):
@@ -116,8 +116,12 @@ def write_int4(root: str, arch: str, method: str, group: int, sym: bool, act_ord
                v1: bool = True, scale_dtype=torch.float16, shared_order: bool = True) -> tuple[str, str, dict]:
     """(quantized checkpoint dir, float oracle dir, {layer: (q, s, z, g_idx)}). ``shared_order``
     False gives every matrix its own act order (the fused layers' parts then differ)."""
-    float_dir = build_checkpoint(os.path.join(root, "float"), arch, seed=seed, hidden_size=128,
-                                 intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    if arch in ("qwen2_moe", "mixtral"):  # hidden 64: group 32 only
+        from test_models_moe import build_moe_checkpoint
+        float_dir = build_moe_checkpoint(os.path.join(root, "float"), arch, seed=seed)
+    else:
+        float_dir = build_checkpoint(os.path.join(root, "float"), arch, seed=seed, hidden_size=128,
+                                     intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     tensors = load_file(os.path.join(float_dir, "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     quant, oracle, parts, orders = {}, dict(tensors), {}, {}
@@ -363,3 +367,29 @@ def test_int4_checkpoint_tensor_parallel(tmp_path):
         assert_pool_empty(llm)
     finally:
         del llm
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_int4_moe_checkpoint(tmp_path, monkeypatch, arch):
+    """A MoE quantized per expert (as GPTQ releases of Qwen-MoE and Mixtral are): the experts are
+    dequantized at load (their stacked loaders take floats), the attention (and a shared expert's)
+    linears go to the kernels; greedy = transformers on the dequantized path, up to near-ties on the
+    kernel path."""
+    qdir, odir, parts = write_int4(str(tmp_path), arch, "gptq", 32, True, False)
+    assert any(".experts." in name for name in parts)
+    hf = _hf(odir)
+    llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    prompts = make_prompts(llm.llm_engine.vocab_size, [4, 33], seed=1)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == [hf_greedy(hf, p, 8)[0] for p in prompts]
+    del llm
+    from pagedllm.models import loader
+    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
+    with pagedllm_logs() as records:
+        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    line = next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
+    assert "Q4_0 in blocks" in line and "dequantized to float32 (not a linear layer that takes blocks)" in line, line
+    assert _block_layers(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert greedy_up_to_near_ties(hf, prompts, got) >= 4
+    assert_pool_empty(llm)

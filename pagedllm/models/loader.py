@@ -155,10 +155,12 @@ def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
 
 
 def _block_weights(hf_config: Any):
-    """Which checkpoint names may stay in GGUF blocks: the linear layers' weights, and an untied
-    LM head's (a tied one is the embedding's table, which the lookup reads as floats)."""
+    """Which checkpoint names may stay in GGUF blocks: the linear layers' weights (not a MoE's
+    experts, whose stacked loaders take floats), and an untied LM head's (a tied one is the
+    embedding's table, which the lookup reads as floats)."""
     tied = getattr(hf_config, "tie_word_embeddings", False)
-    return lambda name: _LINEAR_WEIGHT.search(name) is not None or (name == "lm_head.weight" and not tied)
+    return lambda name: ((_LINEAR_WEIGHT.search(name) is not None and ".experts." not in name)
+                         or (name == "lm_head.weight" and not tied))
 
 
 def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, how: str) -> str:
@@ -274,7 +276,8 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                 if not blocks:
                     why_not = why_not or "no Q4 kernels on this platform"
                 int4_stats: dict = {}
-                raw = int4_weights(fp8.refuse_float8(raw), int4, set(shapes), bool(blocks), int4_stats, why_not)
+                raw = int4_weights(fp8.refuse_float8(raw), int4, set(shapes), bool(blocks), int4_stats, why_not,
+                                   keep=_block_weights(model_config.hf_config))
             else:
                 raw = fp8.refuse_float8(raw)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))

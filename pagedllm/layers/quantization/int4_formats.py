@@ -28,7 +28,7 @@ shape or dtype that does not fit the others, a layer missing a part).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -245,7 +245,8 @@ _READERS = {"gptq": read_gptq, "awq": read_awq, "compressed-tensors": read_compr
 
 
 def int4_weights(weights: Iterable[tuple[str, Any]], fmt: Int4Format, names: set[str], blocks: bool,
-                 stats: dict, why_not: str = "the kernels are off") -> Iterator[tuple[str, Any]]:
+                 stats: dict, why_not: str = "the kernels are off",
+                 keep: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) pairs with each quantized layer's tensors replaced by
     ``<layer>.weight``: ``q4_repack.Int4Blocks`` when ``blocks`` and the groups fill whole blocks, else
     the float32 weight; other tensors unchanged.
@@ -254,6 +255,8 @@ def int4_weights(weights: Iterable[tuple[str, Any]], fmt: Int4Format, names: set
         names: every tensor name of the checkpoint (which optional parts a layer has).
         stats: filled with ("Q4_0" | "Q4_1", "blocks") or (why, "dequantized") -> layer count.
         why_not: the reason counted for each layer when ``blocks`` is False.
+        keep: which ``<layer>.weight`` names may be given as blocks (the linear layers whose loaders
+            take them, ``layers/quantization/gguf.py``); the others (e.g. MoE experts) are dequantized.
 
     Raises:
         ValueError: a layer's tensors do not fit together, or a part is missing (named).
@@ -274,7 +277,12 @@ def int4_weights(weights: Iterable[tuple[str, Any]], fmt: Int4Format, names: set
             continue
         del pending[base]
         unpacked = read(_Parts(base, fmt.method, got), fmt)
-        packed = to_blocks(unpacked) if blocks else why_not
+        if not blocks:
+            packed = why_not
+        elif keep is not None and not keep(base + ".weight"):
+            packed = "not a linear layer that takes blocks"
+        else:
+            packed = to_blocks(unpacked)
         if isinstance(packed, str):
             stats[(packed, "dequantized")] = stats.get((packed, "dequantized"), 0) + 1
             yield base + ".weight", unpacked.dequantize()

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.benchmarks.model_shapes import SHAPES, build_tokenizer
+from pagedllm.benchmarks.model_shapes import SHAPES, build_tokenizer, write_model_shape
 
 _BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
           "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,))}
@@ -112,8 +112,6 @@ def write_gptq(out_dir: str, shape: str, group: int = 128) -> str:
     """Write the random-weight ``shape`` model as a GPTQ int4 checkpoint (symmetric, ``group``) into
     ``out_dir`` (once): ``int4_formats``' GPTQ layout, qzeros 0x77777777 (v1: z - 1 = 7)."""
     from safetensors.torch import save_file  # lazily: only to write the checkpoint
-
-    from pagedllm.benchmarks.model_shapes import write_model_shape
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir

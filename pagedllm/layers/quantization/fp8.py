@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from pagedllm.layers.linear import load_full
+from pagedllm.layers.quantization.int4_formats import int4_format
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n))
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -54,7 +55,6 @@ def checkpoint_quantization(hf_config: Any) -> Optional[dict]:
     if method == "fp8" and str(q.get("fmt", "e4m3")).lower() != "e4m3":
         raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (e4m3 only)")
     if method in ("gptq", "awq", "compressed-tensors"):
-        from pagedllm.layers.quantization.int4_formats import int4_format  # (it imports layers.linear, as this does)
         int4_format({**q, "quant_method": method})  # a clear error for settings it cannot read
     return {**q, "quant_method": method}
 

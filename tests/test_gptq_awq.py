@@ -113,9 +113,11 @@ def quant_config(method: str, group: int, sym: bool, act_order: bool, v1: bool =
 
 
 def write_int4(root: str, arch: str, method: str, group: int, sym: bool, act_order: bool, seed: int = 3,
-               v1: bool = True, scale_dtype=torch.float16, shared_order: bool = True) -> tuple[str, str, dict]:
+               v1: bool = True, scale_dtype=torch.float16, shared_order: bool = True,
+               lm_head: bool = False) -> tuple[str, str, dict]:
     """(quantized checkpoint dir, float oracle dir, {layer: (q, s, z, g_idx)}). ``shared_order``
-    False gives every matrix its own act order (the fused layers' parts then differ)."""
+    False gives every matrix its own act order (the fused layers' parts then differ); ``lm_head``
+    quantizes the (untied) LM head too (GPTQModel's ``lm_head: true``)."""
     if arch in ("qwen2_moe", "mixtral"):  # hidden 64: group 32 only
         from test_models_moe import build_moe_checkpoint
         float_dir = build_moe_checkpoint(os.path.join(root, "float"), arch, seed=seed)
@@ -126,7 +128,7 @@ def write_int4(root: str, arch: str, method: str, group: int, sym: bool, act_ord
     gen = torch.Generator().manual_seed(seed)
     quant, oracle, parts, orders = {}, dict(tensors), {}, {}
     for name, w in tensors.items():
-        if not any(f".{p}.weight" in name for p in LINEARS):
+        if not any(f".{p}.weight" in name for p in LINEARS) and not (lm_head and name == "lm_head.weight"):
             quant[name] = w
             continue
         base = name[:-len(".weight")]
@@ -150,6 +152,8 @@ def write_int4(root: str, arch: str, method: str, group: int, sym: bool, act_ord
     with open(os.path.join(qdir, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = quant_config(method, group, sym, act_order, v1)
+    if lm_head:
+        cfg["quantization_config"]["lm_head"] = True
     with open(os.path.join(qdir, "config.json"), "w") as f:
         json.dump(cfg, f)
     return qdir, odir, parts
@@ -390,6 +394,34 @@ def test_int4_moe_checkpoint(tmp_path, monkeypatch, arch):
     line = next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
     assert "Q4_0 in blocks" in line and "dequantized to float32 (not a linear layer that takes blocks)" in line, line
     assert _block_layers(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert greedy_up_to_near_ties(hf, prompts, got) >= 4
+    assert_pool_empty(llm)
+
+
+def test_int4_quantized_lm_head_in_blocks(tmp_path, monkeypatch):
+    """GPTQModel's ``lm_head: true`` (an untied head quantized in act order): on the kernel path the
+    head is a block layer too (its input gathered by its own order); greedy = transformers on the
+    dequantized path, up to near-ties on the kernel path."""
+    qdir, odir, parts = write_int4(str(tmp_path), "llama", "gptq", 32, False, True, lm_head=True)
+    assert "lm_head" in parts
+    hf = _hf(odir)
+    llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    prompts = make_prompts(llm.llm_engine.vocab_size, [4, 33], seed=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [hf_greedy(hf, p, 8)[0] for p in prompts]
+    del llm
+    kinds, _ = ops.gguf_kernel_types()
+    if not {"Q4_0", "Q4_1"} <= kinds:
+        pytest.skip("no Q4 kernels on this platform")
+    from pagedllm.models import loader
+    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
+    llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    head = dict(_block_layers(llm)).get("lm_head")
+    assert head is not None and head.gguf_perm is not None
+    x = torch.randn(3, 128)
+    want = dequantize(*parts["lm_head"])
+    assert torch.allclose(head.compute_logits(x), x @ want.t(), atol=0.05)  # (8-bit activations)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert greedy_up_to_near_ties(hf, prompts, got) >= 4
     assert_pool_empty(llm)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_pool_empty, build_checkpoint
+from conftest import assert_pool_empty, build_checkpoint, greedy_up_to_near_ties
 from pagedllm import LLM, SamplingParams
 from test_correctness import hf_greedy, make_prompts
 
@@ -281,18 +281,7 @@ def test_smollm2_gguf_kernels_near_transformers(monkeypatch):
                         use_tqdm=False)
     assert_pool_empty(llm)
     hf = _hf_from_gguf(SMOLLM2)
-    clear_steps = 0
-    for o, p in zip(outs, ids):
-        got = list(o.outputs[0].token_ids)
-        with torch.no_grad():
-            logits = hf(torch.tensor([p + got])).logits[0, len(p) - 1:len(p) - 1 + len(got)]
-        top2 = logits.topk(2, dim=-1).values
-        ours = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
-        assert torch.all(top2[:, 0] - ours <= SMOLLM2_NEAR_TIE), (top2[:, 0] - ours).tolist()
-        clear = top2[:, 0] - top2[:, 1] > SMOLLM2_NEAR_TIE
-        assert torch.equal(ours[clear], top2[clear, 0])
-        clear_steps += int(clear.sum())
-    assert clear_steps >= 40
+    assert greedy_up_to_near_ties(hf, ids, [o.outputs[0].token_ids for o in outs], SMOLLM2_NEAR_TIE) >= 40
 
 
 @needs_smollm2

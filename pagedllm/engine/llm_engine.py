@@ -168,7 +168,9 @@ class LLMEngine:
             "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache%s: %d blocks x %d tokens = %.1f MiB "
             "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences%s | weights %.1f MiB%s | "
             "prefix caching %s%s",
-            mc.model, mc.architecture + (f" (the text model of {text_of}; images are not supported)"
+            mc.model, mc.architecture + ((f" (the text model of {text_of}; images in with its vision tower)"
+                                          if mc.is_multimodal else f" (the text model of {text_of}; images are "
+                                                                   f"not supported)")
                                          if (text_of := getattr(mc.hf_config, "text_only_of", None)) else "")
             + (" runner=pooling (embeddings)" if mc.runner == "pooling" else ""),
             str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",

@@ -20,8 +20,9 @@ LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['conte
 GEMMA3_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
 
 
-def build_tokenizer(out_dir: str, extra: list[str], template: str, vocab_size: int = 400):
-    """A byte-level BPE tokenizer whose special tokens include ``extra`` (the image tokens)."""
+def build_tokenizer(out_dir: str, extra: list[str], template: str, vocab_size: int = 400, named=None):
+    """A byte-level BPE tokenizer whose special tokens include ``extra`` (the image tokens); ``named``:
+    model-specific special tokens by attribute name (Gemma 3's boi_token, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -32,7 +33,7 @@ def build_tokenizer(out_dir: str, extra: list[str], template: str, vocab_size: i
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(4000).split("\n"), trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                pad_token="<pad>")
+                                                pad_token="<pad>", extra_special_tokens=named or None)
     fast.chat_template = template
     fast.save_pretrained(out_dir)
     return fast
@@ -80,16 +81,16 @@ def build_gemma3(d: str, seed: int = 0):
     """(transformers model, processor) of a tiny Gemma 3 (SigLIP 28x28, patch 7 -> 16 patches pooled to
     4 image tokens, Gemma 3 text)."""
     extra = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-    tok = build_tokenizer(d, extra, GEMMA3_CHAT_TEMPLATE)
-    tok.boi_token, tok.eoi_token, tok.image_token = extra  # (Gemma3Processor reads them off its tokenizer)
-    text = _text_config(tok, sliding_window=16, query_pre_attn_scalar=16)
+    tok = build_tokenizer(d, extra, GEMMA3_CHAT_TEMPLATE,  # (Gemma3Processor reads them off its tokenizer)
+                          named=dict(zip(("boi_token", "eoi_token", "image_token"), extra)))
+    text = _text_config(tok, sliding_window=16, query_pre_attn_scalar=16, tie_word_embeddings=False)
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=28, patch_size=7)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        boi_token_index=tok.convert_tokens_to_ids(extra[0]),
                                        eoi_token_index=tok.convert_tokens_to_ids(extra[1]),
                                        image_token_index=tok.convert_tokens_to_ids(extra[2]),
-                                       initializer_range=0.15)
+                                       initializer_range=0.15, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     _randomize(model, seed)

@@ -119,6 +119,7 @@ class LLMEngine:
         self.mm_processor = make_mm_processor(config)
         if self.mm_processor is not None:
             self.input_batch.encoder_cache = EncoderCacheManager(encoder_cache_capacity(config))
+            self.input_batch.mm_bidirectional = self.mm_processor.tower_cls.bidirectional_image_attention
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":

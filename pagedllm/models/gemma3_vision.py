@@ -26,6 +26,8 @@ _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
 class Gemma3VisionTower(VisionTower):
+    bidirectional_image_attention = True  # an image's soft tokens see each other (token_type_ids)
+
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         vc = hf_config.vision_config

@@ -33,6 +33,11 @@ class VisionTower(nn.Module):
     methods below have defaults that fit LLaVA and Gemma 3 (override where a family differs).
     """
 
+    # Whether an image's placeholder tokens attend to each other both ways in the language model
+    # (Gemma 3: transformers' token_type_ids mask); the engine then marks each image span of a prefill
+    # chunk (``PrefillSeq.bidirectional``) and keeps it in one chunk. False: plain causal attention.
+    bidirectional_image_attention = False
+
     # ---- API server side (class methods: no weights) --------------------------------------
     @classmethod
     def image_token_id(cls, hf_config: Any) -> int:

@@ -210,7 +210,8 @@ class LLMEngine:
         """(prompt text or None, token ids, its images processed or None). A prompt dict may carry
         images as vLLM takes them, ``{"prompt": text, "multi_modal_data": {"image": PIL image or list}}``
         (the text holds one placeholder per image, or none: they go first), or already processed
-        (``{"mm_inputs": MultiModalInputs}``, from the API server's front end).
+        (``{"mm_inputs": MultiModalInputs}``, from the API server's front end). ``"add_special_tokens":
+        False`` in the dict: the text is a rendered chat (its template wrote the special tokens).
 
         Raises:
             ValueError: what ``tokenize_prompt`` raises; images for a text-only model, more images than
@@ -233,7 +234,7 @@ class LLMEngine:
                 raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
             if not isinstance(text, str):
                 raise ValueError("a prompt with images needs its text under 'prompt' (token ids cannot be expanded)")
-            mm = self.mm_processor.process(text, images)
+            mm = self.mm_processor.process(text, images, bool(prompt.get("add_special_tokens", True)))
         if self.mm_processor is None:
             raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
         budget = self.config.scheduler_config.max_num_batched_tokens

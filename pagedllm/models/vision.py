@@ -70,10 +70,12 @@ class VisionTower(nn.Module):
         return token
 
     @classmethod
-    def process(cls, processor: Any, text: str, images: list) -> dict[str, torch.Tensor]:
+    def process(cls, processor: Any, text: str, images: list, add_special_tokens: bool = True
+                ) -> dict[str, torch.Tensor]:
         """Run the processor on the prompt ``text`` (one placeholder per image) and the PIL images:
-        {"input_ids": [1, L], "pixel_values": [n, 3, H, W], ...} (transformers' BatchFeature as a dict)."""
-        out = processor(text=[text], images=images, return_tensors="pt")
+        {"input_ids": [1, L], "pixel_values": [n, 3, H, W], ...} (transformers' BatchFeature as a dict).
+        ``add_special_tokens``: as the tokenizer's (False for a rendered chat, whose template wrote them)."""
+        out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         return dict(out)
 
     @classmethod

@@ -57,6 +57,36 @@ def _t(a: np.ndarray, device: str) -> torch.Tensor:
     return t if device == "cpu" else t.to(device)
 
 
+def mrope_positions(positions: np.ndarray, decodes: list[Request], prefills: list[tuple[Request, int]],
+                    n: int) -> np.ndarray:
+    """``positions`` [N] as they are, unless a request of the step carries M-RoPE positions (Qwen2-VL's
+    images: ``Request.mrope_positions`` [3, L]): then [3, N] int64, where a prompt token at p takes its
+    request's column p, a later token p + ``mrope_position_delta`` on every row, and a request without
+    them p on every row (text only: the three streams agree)."""
+    if not any(r.mrope_positions is not None for r in decodes) and \
+            not any(r.mrope_positions is not None for r, _ in prefills):
+        return positions
+    out = np.broadcast_to(positions, (3, len(positions))).copy()
+
+    def fill(r: Request, row: int, k: int) -> None:
+        mp = r.mrope_positions
+        if mp is None:
+            return
+        ps = positions[row:row + k]
+        inside = ps < mp.shape[1]
+        block = out[:, row:row + k]  # (a view)
+        block[:, inside] = mp.numpy()[:, ps[inside]]
+        block[:, ~inside] = ps[~inside] + r.mrope_position_delta
+
+    for i, r in enumerate(decodes):
+        fill(r, i, 1)
+    row = n
+    for r, k in prefills:
+        fill(r, row, k)
+        row += k
+    return out
+
+
 class InputBatch:
     """The decode rows of the running sequences, kept across steps, and the step's batch built from them.
 
@@ -288,6 +318,8 @@ class InputBatch:
             slot_mapping=_t(slots, device), num_decode_tokens=n, prefills=prefill_seqs,
             block_tables=_t(tables, device), seq_lens=_t(seq_lens, device), query_start_loc=_t(qsl, device),
             block_size=bs, max_decode_seq_len=int(pos.max()) + 1 if n else 0)
+        if self.encoder_cache is not None:  # an M-RoPE model's image requests: 3-row positions [3, N]
+            positions = mrope_positions(positions, decodes, prefills, n)
         model_input = ModelInput(
             input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
             logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())

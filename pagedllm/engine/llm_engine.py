@@ -120,6 +120,9 @@ class LLMEngine:
         if self.mm_processor is not None:
             self.input_batch.encoder_cache = EncoderCacheManager(encoder_cache_capacity(config))
             self.input_batch.mm_bidirectional = self.mm_processor.tower_cls.bidirectional_image_attention
+            if self.speculator is not None:  # its verification batches carry prompt chunks' images too
+                self.speculator.encoder_cache = self.input_batch.encoder_cache
+                self.speculator.mm_bidirectional = self.input_batch.mm_bidirectional
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":

@@ -1,7 +1,8 @@
 """Image input, end to end offline, on tiny random-weight LLaVA (LlavaForConditionalGeneration: CLIP +
-projector + Llama) and Gemma 3 (Gemma3ForConditionalGeneration: SigLIP + projector + Gemma 3 text) checkpoints built here with transformers and the real processor
-classes: greedy ids with one and two images equal transformers' ``generate`` on the processor's
-inputs (fp32), in one batch with text-only requests, through chunked prefill (an image never split),
+projector + Llama) and Gemma 3 (Gemma3ForConditionalGeneration: SigLIP + projector + Gemma 3 text)
+checkpoints built here with transformers and the real processor classes: greedy ids with one and
+two images equal transformers' ``generate`` on the processor's inputs (fp32), in one batch with
+text-only requests, through chunked prefill (an image never split),
 prefix caching (on == off with different images behind the same text) and the encoder cache (a
 repeated image is not encoded again, counted); every block back in the pool afterwards."""
 from __future__ import annotations

@@ -228,7 +228,8 @@ class LLMEngine:
         if mm is None:
             data = prompt["multi_modal_data"] or {}
             if not isinstance(data, dict) or set(data) - {"image"}:
-                raise ValueError(f"multi_modal_data takes 'image' only, got {list(data) if isinstance(data, dict) else type(data).__name__}")
+                got = list(data) if isinstance(data, dict) else type(data).__name__
+                raise ValueError(f"multi_modal_data takes 'image' only, got {got}")
             images = data.get("image")
             images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
             if not images:

@@ -18,7 +18,7 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import run_metadata, summarize, write_result
+from pagedllm.benchmarks.common import describe_on_off, on_off_ratios, run_metadata, summarize, write_result
 from pagedllm.engine.arg_utils import resolve_model_path
 from pagedllm.llm import LLM
 from pagedllm.sampling_params import SamplingParams
@@ -99,12 +99,10 @@ def run(args: argparse.Namespace) -> dict:
     same = on.pop("output_token_ids") == off.pop("output_token_ids")
     result = {**run_metadata(), "bench": "image", "num_prompts": args.num_prompts, "image_size": args.image_size,
               "distinct_images": args.distinct_images, "output_len": args.output_len, "arrival": args.arrival,
-              "cache_off": off, "cache_on": on, "outputs_identical": same,
-              "ttft_speedup_mean": off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"],
-              "throughput_ratio": on["total_throughput_tok_s"] / off["total_throughput_tok_s"]}
-    print(f"encoder cache off: TTFT mean {off['ttft_ms']['mean']:.0f} ms, {off['total_throughput_tok_s']:.1f} tok/s, "
-          f"{off['mm_cache_hits']}/{off['mm_cache_queries']} hits | on: TTFT mean {on['ttft_ms']['mean']:.0f} ms, "
-          f"{on['total_throughput_tok_s']:.1f} tok/s, {on['mm_cache_hits']}/{on['mm_cache_queries']} hits | TTFT "
-          f"{result['ttft_speedup_mean']:.2f}x, throughput {result['throughput_ratio']:.2f}x, outputs identical: {same}")
+              "cache_off": off, "cache_on": on, "outputs_identical": same}
+    result.update(on_off_ratios(off, on))
+    print(describe_on_off("encoder cache", off, on, result, f", hits off {off['mm_cache_hits']}/"
+                          f"{off['mm_cache_queries']}, on {on['mm_cache_hits']}/{on['mm_cache_queries']}, "
+                          f"outputs identical: {same}"))
     write_result(args.output_dir, "image", result)
     return result

@@ -8,7 +8,6 @@ repeated image is not encoded again, counted); every block back in the pool afte
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import assert_pool_empty, record_schedule
 from pagedllm import LLM, SamplingParams

@@ -92,6 +92,8 @@ class Gemma2Attention(nn.Module):
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
         self.logits_soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.backend = backend
+        # steps with image spans that attend both ways, on a backend that cannot (PrefillSeq.bidirectional)
+        self.reference_backend = TorchPagedAttention()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -102,8 +104,11 @@ class Gemma2Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
         q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
-                                 logits_soft_cap=self.logits_soft_cap)
+        backend = self.backend
+        if not backend.supports_bidirectional and meta.has_bidirectional:  # images of Gemma 3 (a GPU kernel)
+            backend = self.reference_backend
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -193,17 +198,23 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cls.__name__}: use_bidirectional_attention=True (an embedding model) is not supported")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata, intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                meta: AttentionMetadata, intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                inputs_embeds: Optional[torch.Tensor] = None):
         """``intermediate``: the previous pipeline stage's (residual stream, the same) (every stage
         but the first); a stage but the last returns that pair for the next (the stream is all
-        Gemma's layers pass on; the pair keeps the stages' protocol)."""
-        if intermediate is None:
-            x = self.embed_tokens(input_ids) * self.normalizer  # a new tensor: the layers update it in place
+        Gemma's layers pass on; the pair keeps the stages' protocol). ``inputs_embeds`` [N, hidden]:
+        the first layer's input in place of ``embed_input(input_ids)`` (images' rows scattered in by
+        the model runner; updated in place)."""
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        elif intermediate is None:
+            x = self.embed_input(input_ids)  # a new tensor: the layers update it in place
         else:
             x = intermediate[0]
         cos_sin = self.cos_sin(positions)
         # the model runner's fused stack (the CPU layer runner: all layers in one C call), else the loop
-        ran = None if self.layer_stack is None else self.layer_stack(x, None, cos_sin, kv_caches, meta)
+        ran = (None if self.layer_stack is None or meta.has_bidirectional  # (the C runner's attention is causal)
+               else self.layer_stack(x, None, cos_sin, kv_caches, meta))
         if ran is None:
             for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
                                        kv_caches[self.start_layer:self.end_layer]):
@@ -211,6 +222,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if isinstance(self.norm, PPMissingLayer):
             return x, x
         return self.norm(x)
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> the token embeddings times sqrt(hidden_size) [N, hidden] (a new tensor)."""
+        return self.embed_tokens(input_ids) * self.normalizer
 
     def rotary_embs(self) -> list:
         """The RotaryEmbeddings whose tables ``cos_sin`` gathers: one per layer type."""

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -177,12 +177,28 @@ def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, 
             + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
 
 
+def checkpoint_tensors(model_config: ModelConfig, keep: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, Any]]:
+    """A safetensors checkpoint's (name, tensor or lazy slice) pairs as a model loads them: an image-text
+    checkpoint's language model only, FP8 blocks dequantized (other float8 refused); only the names
+    ``keep`` accepts where given (the others are not read). Raises ValueError as ``iterate_weights``."""
+    raw = iterate_weights(model_config.model)
+    if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
+        raw = text_only_weights(raw)
+    if keep is not None:
+        raw = ((name, w) for name, w in raw if keep(name))
+    checkpoint_quant = fp8.checkpoint_quantization(model_config.hf_config)
+    if checkpoint_quant and checkpoint_quant["quant_method"] == "fp8":
+        return fp8.dequantized(raw, checkpoint_quant)
+    return fp8.refuse_float8(raw)
+
+
 def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
     then let each layer's linear method process them (e.g. quantize them to int8)."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
-    checkpoint_quant = fp8.checkpoint_quantization(model_config.hf_config)  # raises for a format we cannot read
+    fp8.checkpoint_quantization(model_config.hf_config)  # raises early for a format we cannot read
     backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
                                     head_dim=model_config.head_dim, block_size=block_size)
     # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
@@ -213,13 +229,7 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                                        keep=_block_weights(model_config.hf_config), stats=gguf_stats)
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
-            raw = iterate_weights(path)
-            if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
-                raw = text_only_weights(raw)
-            if checkpoint_quant and checkpoint_quant["quant_method"] == "fp8":
-                raw = fp8.dequantized(raw, checkpoint_quant)
-            else:
-                raw = fp8.refuse_float8(raw)
+            raw = checkpoint_tensors(model_config)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)

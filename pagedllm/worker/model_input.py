@@ -26,3 +26,6 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Under --enable-lora: each token's adapter slot and the adapters the slots must hold (None: base only).
     lora: Optional[LoRABatch] = None
+    # Speculative decoding's mtp method: the runner returns (logits, hidden states [N, hidden] of every
+    # token after the final norm), the MTP layer's input at the next step (``spec_decode/mtp.py``).
+    return_hidden: bool = False

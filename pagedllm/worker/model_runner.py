@@ -187,15 +187,16 @@ class ModelRunner:
         return last_token_embeddings(hidden) if self.pooling else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """One forward pass; returns ``compute_output`` of the rows ``logits_indices`` names."""
+    def execute_model(self, model_input: ModelInput) -> Any:
+        """One forward pass; returns ``compute_output`` of the rows ``logits_indices`` names, or under
+        ``return_hidden`` (that, every token's final hidden states [N, hidden]), run without CUDA graphs."""
         if model_input.block_copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
                 cache[:, dst] = cache[:, src]
         if self.lora is not None:
             self.lora.prepare(model_input.lora)
-        if self.cuda_graphs is not None:  # a decode-only step replays its graph; None: it runs eagerly
+        if self.cuda_graphs is not None and not model_input.return_hidden:  # a decode-only step replays its graph; None: it runs eagerly
             meta = model_input.attn_metadata
             rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
                                         meta.block_tables, meta.seq_lens, meta.num_decode_tokens,
@@ -203,4 +204,5 @@ class ModelRunner:
             if rows is not None:  # the hidden states of the rows asked for
                 return self.compute_output(rows)
         hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
-        return self.compute_output(hidden[model_input.logits_indices])
+        out = self.compute_output(hidden[model_input.logits_indices])
+        return (out, hidden) if model_input.return_hidden else out

@@ -1,0 +1,292 @@
+"""Speculative decoding's mtp method (spec_decode/mtp.py, models/mtp.py) on tiny random DeepSeek-V3 and
+GLM-4.5 checkpoints with one multi-token-prediction layer written into their safetensors (transformers
+neither builds nor saves it): the layer's logits equal the formula computed with transformers' own
+decoder-layer class on the same weights; greedy output with mtp equals decoding without speculation and
+transformers' generate (through chunked prefill, n = 2, preemption and prefix caching); seeded samples
+keep the target's distribution (chi-square); pools empty after every run; clear errors where the
+checkpoint has no MTP layer."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from conftest import assert_pool_empty, pagedllm_logs
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.kv_cache_manager import cdiv
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.spec_decode.config import parse_speculative_config
+from test_correctness import make_prompts, reference
+from test_models_deepseek import build_checkpoint as build_deepseek
+from test_models_moe import build_moe_checkpoint
+from test_spec_decode import assert_sampled_distribution_unchanged
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+LAYER_CLS = {"v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
+             "glm4_moe": transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer}
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+    [E, H, I]) -> the checkpoints' ``experts.N.{gate,up,down}_proj.weight`` (what save_pretrained writes)."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, half = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``per_expert``."""
+    out, experts = {}, {}
+    for name, t in sd.items():
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            experts.setdefault(".".join(parts[:i + 1]), {})[(int(parts[i + 1]), parts[i + 2])] = t
+        else:
+            out[name] = t
+    for base, ts in experts.items():
+        n = max(e for e, _ in ts) + 1
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([ts[(e, "gate_proj")], ts[(e, "up_proj")]]) for e in range(n)])
+        out[f"{base}.down_proj"] = torch.stack([ts[(e, "down_proj")] for e in range(n)])
+    return out
+
+
+def add_mtp_layer(model_dir: str, arch: str, seed: int, echo: bool = False) -> dict[str, torch.Tensor]:
+    """Write one MTP layer (model.layers.{num_hidden_layers}.*) into ``model_dir``'s safetensors and set
+    num_nextn_predict_layers=1; returns its tensors. Random, or with ``echo`` one that proposes the
+    target's own last prediction again (block outputs zeroed, eh_proj passing hnorm(h), the LM head):
+    right wherever the output repeats a token."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    n, hsz = config.num_hidden_layers, config.hidden_size
+    torch.manual_seed(seed)
+    layer = LAYER_CLS[arch](config, layer_idx=n)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    mtp = {}
+    with torch.no_grad():
+        for name, p in [*layer.named_parameters(), *layer.named_buffers()]:
+            if name.endswith("layernorm.weight"):
+                p.copy_(torch.randn(p.shape) * 0.3 + 1)
+            elif name.endswith("e_score_correction_bias") or name.endswith("_proj.bias"):
+                p.copy_(torch.randn(p.shape) * 0.3)
+            elif name.endswith("mlp.gate.weight") or p.dim() >= 2:
+                p.copy_(torch.randn(p.shape) * (0.5 if name.endswith("mlp.gate.weight") else 0.15))
+            if echo and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.zero_()
+            mtp[name] = p.detach().clone().contiguous()
+    mtp["enorm.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
+    mtp["hnorm.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
+    mtp["eh_proj.weight"] = (torch.cat([torch.zeros(hsz, hsz), torch.eye(hsz)], 1) if echo
+                             else torch.randn(hsz, 2 * hsz) * 0.15)
+    mtp["shared_head.norm.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
+    mtp["shared_head.head.weight"] = (tensors["lm_head.weight"].clone() if echo
+                                      else torch.randn(config.vocab_size, hsz) * 0.15)
+    mtp["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()  # (DeepSeek-V3 ships a copy)
+    tensors.update({f"model.layers.{n}.{k}": v for k, v in per_expert(mtp).items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(model_dir, "config.json")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    raw["num_nextn_predict_layers"] = 1
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f)
+    return mtp
+
+
+def build(out_dir: str, arch: str, seed: int = 0, echo: bool = False) -> str:
+    if arch == "v3":
+        build_deepseek(out_dir, "v3", seed=seed)
+    else:
+        build_moe_checkpoint(out_dir, arch, seed=seed)
+    add_mtp_layer(out_dir, arch, seed + 100, echo=echo)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=["v3", "glm4_moe"])
+def mtp_dir(request, tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp(f"mtp_{request.param}")), request.param, seed=3)
+
+
+@pytest.fixture(scope="module", params=["v3", "glm4_moe"])
+def echo_dir(request, tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp(f"echo_{request.param}")), request.param, seed=5, echo=True)
+
+
+def engine(model: str, spec=None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 2 ** 22)
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(model, speculative_config=spec, **kw)
+
+
+def token_ids(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def mtp_state_empty(llm: LLM) -> None:
+    mtp = llm.llm_engine.speculator.mtp
+    assert not mtp.pending and not mtp.last_probs
+
+
+# ---- settings ----------------------------------------------------------------------------------------------
+def test_config_names_and_defaults(mtp_dir):
+    for alias in ("mtp", "deepseek_mtp", "glm4_moe_mtp", "mimo_mtp"):
+        assert parse_speculative_config({"method": alias, "num_speculative_tokens": 2}).method == "mtp"
+    # k defaults to the checkpoint's num_nextn_predict_layers, as vLLM's; the target may be named
+    cfg = EngineArgs(model=mtp_dir, speculative_config={"method": "mtp", "model": mtp_dir}).create_engine_config()
+    assert cfg.speculative_config.num_speculative_tokens == 1
+    with pytest.raises(ValueError, match="runs the target's own layers"):
+        EngineArgs(model=mtp_dir, speculative_config={"method": "mtp", "model": os.path.dirname(mtp_dir)}
+                   ).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineArgs(model=mtp_dir, tensor_parallel_size=2, speculative_config=MTP).create_engine_config()
+
+
+def test_checkpoints_without_mtp_layers_are_refused(llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers >= 1 in its config"):
+        EngineArgs(model=llama_dir, speculative_config=MTP).create_engine_config()
+    # DeepSeek-V3's config says one layer (transformers' default) but the file has none: named at load
+    bare = build_deepseek(str(tmp_path / "bare"), "v3", seed=1)
+    with pytest.raises(ValueError, match=r"lacks its multi-token-prediction layer \(model\.layers\.3\.\*\).*missing"):
+        engine(bare, MTP)
+    with open(os.path.join(bare, "config.json")) as f:
+        raw = json.load(f)
+    raw["num_nextn_predict_layers"] = 0
+    with open(os.path.join(bare, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM has none"):
+        engine(bare, MTP)
+
+
+# ---- the layer ------------------------------------------------------------------------------------------------
+def test_mtp_layer_logits_follow_the_formula(mtp_dir):
+    """Ours: the loaded layer over a 20-token sequence through the paged cache; reference: transformers'
+    decoder-layer class on the same weights, h_i from transformers' model, the formula in torch."""
+    arch = "v3" if "v3" in os.path.basename(mtp_dir) else "glm4_moe"
+    config = transformers.AutoConfig.from_pretrained(mtp_dir)
+    n, eps = config.num_hidden_layers, config.rms_norm_eps
+    tensors = {k[len(f"model.layers.{n}."):]: v for k, v in load_file(os.path.join(mtp_dir, "model.safetensors")).items()
+               if k.startswith(f"model.layers.{n}.")}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(make_prompts(config.vocab_size, [21], seed=5)[0])
+    length = len(ids) - 1  # positions 0 .. L-1 take h_i and the token i + 1
+    with torch.no_grad():
+        h = hf.model(input_ids=ids[None, :length]).last_hidden_state[0]
+        emb = hf.model.embed_tokens(ids[1:])
+        emb[0] = 0
+        x = torch.cat([rms(emb, tensors["enorm.weight"], eps), rms(h, tensors["hnorm.weight"], eps)], -1)
+        x = x @ tensors["eh_proj.weight"].T
+        layer = LAYER_CLS[arch](config, layer_idx=n).eval()
+        block = {k: v for k, v in tensors.items() if k.split(".")[0] in ("self_attn", "mlp", "input_layernorm",
+                                                                          "post_attention_layernorm")}
+        layer.load_state_dict(fused_experts(block), strict=True)
+        pos = torch.arange(length)[None]
+        cos_sin = hf.model.rotary_emb(x[None], pos)
+        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        out = (out[0] if isinstance(out, tuple) else out)[0]
+        want = rms(out, tensors["shared_head.norm.weight"], eps) @ tensors["shared_head.head.weight"].T
+
+    llm = engine(mtp_dir, {"method": "mtp", "num_speculative_tokens": 1})
+    mtp = llm.llm_engine.speculator.mtp
+    bs = llm.llm_engine.config.cache_config.block_size
+    cache = torch.zeros_like(mtp.cache)
+    table = list(range(cdiv(length, bs)))
+    meta = AttentionMetadata.build(torch.arange(length), [table], [length], [length], bs, "cpu")
+    with torch.inference_mode():
+        got = mtp.layer.compute_logits(mtp.layer(ids[1:], torch.arange(length), h, cache, meta))
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+def test_greedy_with_random_mtp_equals_plain_decoding_and_transformers(mtp_dir):
+    """A random MTP layer (proposals mostly wrong), k = 3, 16-token steps (chunked prefill), n = 2."""
+    vocab = transformers.AutoConfig.from_pretrained(mtp_dir).vocab_size
+    ps = make_prompts(vocab, [3, 17, 40], seed=11)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = reference(mtp_dir, ps, 16)
+    llm = engine(mtp_dir, MTP, max_num_batched_tokens=16)
+    got = llm.generate(ps, sp)
+    assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
+    want = engine(mtp_dir, max_num_batched_tokens=16).generate(ps, SamplingParams(temperature=0, max_tokens=16, n=2,
+                                                                                ignore_eos=True))
+    assert token_ids(llm.generate(ps, SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True))) == \
+        token_ids(want)
+    st = llm.llm_engine.speculator.stats
+    assert st.num_drafts > 10 and st.num_draft_tokens > 30
+    assert_pool_empty(llm)
+    mtp_state_empty(llm)
+
+
+def test_start_up_line_names_the_method_and_k(mtp_dir):
+    with pagedllm_logs() as logs:
+        engine(mtp_dir, MTP)
+    line = [r.getMessage() for r in logs if r.getMessage().startswith("speculative decoding:")]
+    assert len(line) == 1 and "mtp (the checkpoint's multi-token-prediction layer (model.layers.3)), k=3" in line[0]
+
+
+def test_echo_mtp_is_accepted_and_changes_nothing(echo_dir):
+    """An MTP layer that proposes the target's last prediction again: accepted wherever the output repeats
+    a token (a logit bias makes it repeat); greedy output as without speculation, again with prefix-cache
+    hits (the prompts twice)."""
+    vocab = transformers.AutoConfig.from_pretrained(echo_dir).vocab_size
+    ps = make_prompts(vocab, [5, 19, 33, 8, 26, 12], seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={20: 8.0})
+    want = engine(echo_dir).generate(ps, sp)
+    llm = engine(echo_dir, MTP)
+    got = llm.generate(ps, sp)
+    assert token_ids(got) == token_ids(want)
+    st = llm.llm_engine.speculator.stats
+    repeats = sum(a == b for o in want for a, b in zip(o.outputs[0].token_ids, o.outputs[0].token_ids[1:]))
+    assert repeats > 20 and st.num_accepted_tokens > 0.3 * repeats
+    assert sum(st.accepted_per_pos) == st.num_accepted_tokens and st.accepted_per_pos[2] > 0
+    assert_pool_empty(llm)
+    mtp_state_empty(llm)
+    # the prompts again: prefix-cache hits bring the MTP entries of their blocks along
+    assert token_ids(llm.generate(ps, sp)) == token_ids(want)
+    assert_pool_empty(llm)
+    mtp_state_empty(llm)
+
+
+def test_echo_mtp_under_preemption(echo_dir):
+    vocab = transformers.AutoConfig.from_pretrained(echo_dir).vocab_size
+    ps = make_prompts(vocab, [5, 19, 33, 8, 26, 12], seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logit_bias={20: 8.0})
+    base = engine(echo_dir, max_model_len=128)
+    per_block = base.llm_engine.executor.runner.bytes_per_block()
+    want = base.generate(ps, sp)
+    # the MTP layer's cache adds one layer a block: 12 blocks of both
+    llm = engine(echo_dir, MTP, max_model_len=128, kv_cache_memory=12 * (per_block + per_block // 3))
+    assert llm.llm_engine.config.cache_config.num_blocks == 12
+    got = llm.generate(ps, sp)
+    assert token_ids(got) == token_ids(want)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
+    assert_pool_empty(llm)
+    mtp_state_empty(llm)
+
+
+def test_sampled_tokens_follow_the_target_distribution(mtp_dir):
+    """tests/test_spec_decode.py's chi-square check with the random MTP layer proposing."""
+    llm = assert_sampled_distribution_unchanged(mtp_dir, MTP, min_accepted=50)
+    mtp_state_empty(llm)

@@ -1,6 +1,6 @@
-"""Speculative decoding's mtp method (spec_decode/mtp.py, models/mtp.py) on tiny random DeepSeek-V3 and
-GLM-4.5 checkpoints with one multi-token-prediction layer written into their safetensors (transformers
-neither builds nor saves it): the layer's logits equal the formula computed with transformers' own
+"""Speculative decoding's mtp method (spec_decode/mtp.py, models/mtp.py) on tiny random DeepSeek-V3,
+GLM-4.5 and MiMo (Qwen2) checkpoints with one multi-token-prediction layer written into their safetensors
+(transformers neither builds nor saves it): the layer's logits equal the formula computed with transformers' own
 decoder-layer class on the same weights; greedy output with mtp equals decoding without speculation and
 transformers' generate (through chunked prefill, n = 2, preemption and prefix caching); seeded samples
 keep the target's distribution (chi-square); pools empty after every run; clear errors where the
@@ -15,20 +15,25 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_pool_empty, pagedllm_logs
+from conftest import assert_pool_empty, build_checkpoint, pagedllm_logs
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.kv_cache_manager import cdiv
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.spec_decode.config import parse_speculative_config
-from test_correctness import make_prompts, reference
+from test_correctness import hf_greedy, make_prompts
 from test_models_deepseek import build_checkpoint as build_deepseek
 from test_models_moe import build_moe_checkpoint
 from test_spec_decode import assert_sampled_distribution_unchanged
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 LAYER_CLS = {"v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
-             "glm4_moe": transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer}
+             "glm4_moe": transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer,
+             "mimo": transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer}
+ARCHS = list(LAYER_CLS)
+# the layer's own tensors by layout: (token norm, hidden norm, projection, final norm, head, block prefix)
+NAMES = {"deepseek": ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", ""),
+         "mimo": ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm", None, "mtp_block.")}
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,15 +75,31 @@ def fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def layout(arch: str) -> tuple[str, tuple]:
+    """(checkpoint prefix of the MTP layer's tensors, NAMES entry) for an architecture of 3 layers."""
+    return ("model.mtp_layers.0.", NAMES["mimo"]) if arch == "mimo" else ("model.layers.3.", NAMES["deepseek"])
+
+
+def hf_config(model_dir: str):
+    """transformers' config of a test checkpoint (MiMo's "mimo" type is remote code: Qwen2's reads it)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    if raw.get("model_type") == "mimo":
+        return transformers.Qwen2Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    return transformers.AutoConfig.from_pretrained(model_dir)
+
+
 def add_mtp_layer(model_dir: str, arch: str, seed: int, echo: bool = False) -> dict[str, torch.Tensor]:
-    """Write one MTP layer (model.layers.{num_hidden_layers}.*) into ``model_dir``'s safetensors and set
-    num_nextn_predict_layers=1; returns its tensors. Random, or with ``echo`` one that proposes the
-    target's own last prediction again (block outputs zeroed, eh_proj passing hnorm(h), the LM head):
-    right wherever the output repeats a token."""
+    """Write one MTP layer (DeepSeek's layout at model.layers.{num_hidden_layers}.*, MiMo's at
+    model.mtp_layers.0.*) into ``model_dir``'s safetensors and set num_nextn_predict_layers=1 (MiMo: its
+    architecture and model_type too); returns its tensors. Random, or with ``echo`` one that proposes the
+    target's own last prediction again (block outputs zeroed, the projection passing the normed hidden
+    state, the LM head): right wherever the output repeats a token."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     n, hsz = config.num_hidden_layers, config.hidden_size
+    prefix, (tnorm, hnorm, proj, fnorm, head, block) = layout(arch)
     torch.manual_seed(seed)
-    layer = LAYER_CLS[arch](config, layer_idx=n)
+    layer = LAYER_CLS[arch](config, layer_idx=n if arch != "mimo" else 0)
     path = os.path.join(model_dir, "model.safetensors")
     tensors = load_file(path)
     mtp = {}
@@ -92,21 +113,23 @@ def add_mtp_layer(model_dir: str, arch: str, seed: int, echo: bool = False) -> d
                 p.copy_(torch.randn(p.shape) * (0.5 if name.endswith("mlp.gate.weight") else 0.15))
             if echo and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.zero_()
-            mtp[name] = p.detach().clone().contiguous()
-    mtp["enorm.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
-    mtp["hnorm.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
-    mtp["eh_proj.weight"] = (torch.cat([torch.zeros(hsz, hsz), torch.eye(hsz)], 1) if echo
-                             else torch.randn(hsz, 2 * hsz) * 0.15)
-    mtp["shared_head.norm.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
-    mtp["shared_head.head.weight"] = (tensors["lm_head.weight"].clone() if echo
-                                      else torch.randn(config.vocab_size, hsz) * 0.15)
-    mtp["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()  # (DeepSeek-V3 ships a copy)
-    tensors.update({f"model.layers.{n}.{k}": v for k, v in per_expert(mtp).items()})
+            mtp[block + name] = p.detach().clone().contiguous()
+    for norm in (tnorm, hnorm, fnorm):
+        mtp[f"{norm}.weight"] = torch.ones(hsz) if echo else torch.randn(hsz) * 0.3 + 1
+    eye = [torch.eye(hsz), torch.zeros(hsz, hsz)] if arch == "mimo" else [torch.zeros(hsz, hsz), torch.eye(hsz)]
+    mtp[f"{proj}.weight"] = torch.cat(eye, 1) if echo else torch.randn(hsz, 2 * hsz) * 0.15
+    if head:
+        mtp[f"{head}.weight"] = (tensors["lm_head.weight"].clone() if echo
+                                 else torch.randn(config.vocab_size, hsz) * 0.15)
+        mtp["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()  # (DeepSeek-V3 ships a copy)
+    tensors.update({prefix + k: v for k, v in per_expert(mtp).items()})
     save_file(tensors, path, metadata={"format": "pt"})
     cfg_path = os.path.join(model_dir, "config.json")
     with open(cfg_path) as f:
         raw = json.load(f)
     raw["num_nextn_predict_layers"] = 1
+    if arch == "mimo":
+        raw.update(architectures=["MiMoForCausalLM"], model_type="mimo")
     with open(cfg_path, "w") as f:
         json.dump(raw, f)
     return mtp
@@ -115,18 +138,20 @@ def add_mtp_layer(model_dir: str, arch: str, seed: int, echo: bool = False) -> d
 def build(out_dir: str, arch: str, seed: int = 0, echo: bool = False) -> str:
     if arch == "v3":
         build_deepseek(out_dir, "v3", seed=seed)
+    elif arch == "mimo":
+        build_checkpoint(out_dir, "qwen2", seed=seed, num_hidden_layers=3)
     else:
         build_moe_checkpoint(out_dir, arch, seed=seed)
     add_mtp_layer(out_dir, arch, seed + 100, echo=echo)
     return out_dir
 
 
-@pytest.fixture(scope="module", params=["v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=ARCHS)
 def mtp_dir(request, tmp_path_factory):
     return build(str(tmp_path_factory.mktemp(f"mtp_{request.param}")), request.param, seed=3)
 
 
-@pytest.fixture(scope="module", params=["v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=ARCHS)
 def echo_dir(request, tmp_path_factory):
     return build(str(tmp_path_factory.mktemp(f"echo_{request.param}")), request.param, seed=5, echo=True)
 
@@ -177,33 +202,46 @@ def test_checkpoints_without_mtp_layers_are_refused(llama_dir, tmp_path):
 
 
 # ---- the layer ------------------------------------------------------------------------------------------------
+def arch_of(model_dir: str) -> str:
+    return next(a for a in ARCHS if os.path.basename(model_dir).startswith((f"mtp_{a}", f"echo_{a}")))
+
+
+def hf_model(model_dir: str):
+    """transformers' model of a test checkpoint, float32 (MiMo's: Qwen2's class, its MTP layer ignored)."""
+    config = hf_config(model_dir)
+    cls = transformers.Qwen2ForCausalLM if config.model_type == "qwen2" else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
+
+
 def test_mtp_layer_logits_follow_the_formula(mtp_dir):
     """Ours: the loaded layer over a 20-token sequence through the paged cache; reference: transformers'
     decoder-layer class on the same weights, h_i from transformers' model, the formula in torch."""
-    arch = "v3" if "v3" in os.path.basename(mtp_dir) else "glm4_moe"
-    config = transformers.AutoConfig.from_pretrained(mtp_dir)
-    n, eps = config.num_hidden_layers, config.rms_norm_eps
-    tensors = {k[len(f"model.layers.{n}."):]: v for k, v in load_file(os.path.join(mtp_dir, "model.safetensors")).items()
-               if k.startswith(f"model.layers.{n}.")}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32).eval()
+    arch = arch_of(mtp_dir)
+    config = hf_config(mtp_dir)
+    eps = config.rms_norm_eps
+    prefix, (tnorm, hnorm, proj, fnorm, head, block) = layout(arch)
+    tensors = {k[len(prefix):]: v for k, v in load_file(os.path.join(mtp_dir, "model.safetensors")).items()
+               if k.startswith(prefix)}
+    hf = hf_model(mtp_dir)
     ids = torch.tensor(make_prompts(config.vocab_size, [21], seed=5)[0])
     length = len(ids) - 1  # positions 0 .. L-1 take h_i and the token i + 1
     with torch.no_grad():
         h = hf.model(input_ids=ids[None, :length]).last_hidden_state[0]
         emb = hf.model.embed_tokens(ids[1:])
         emb[0] = 0
-        x = torch.cat([rms(emb, tensors["enorm.weight"], eps), rms(h, tensors["hnorm.weight"], eps)], -1)
-        x = x @ tensors["eh_proj.weight"].T
-        layer = LAYER_CLS[arch](config, layer_idx=n).eval()
-        block = {k: v for k, v in tensors.items() if k.split(".")[0] in ("self_attn", "mlp", "input_layernorm",
-                                                                          "post_attention_layernorm")}
-        layer.load_state_dict(fused_experts(block), strict=True)
+        parts = [rms(emb, tensors[f"{tnorm}.weight"], eps), rms(h, tensors[f"{hnorm}.weight"], eps)]
+        x = torch.cat(parts[::-1] if arch == "mimo" else parts, -1) @ tensors[f"{proj}.weight"].T
+        layer = LAYER_CLS[arch](config, layer_idx=0 if arch == "mimo" else config.num_hidden_layers).eval()
+        sd = {k[len(block):]: v for k, v in tensors.items()
+              if k.startswith(block) and k[len(block):].split(".")[0] in ("self_attn", "mlp", "input_layernorm",
+                                                                           "post_attention_layernorm")}
+        layer.load_state_dict(fused_experts(sd), strict=True)
         pos = torch.arange(length)[None]
         cos_sin = hf.model.rotary_emb(x[None], pos)
         mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
         out = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
-        out = (out[0] if isinstance(out, tuple) else out)[0]
-        want = rms(out, tensors["shared_head.norm.weight"], eps) @ tensors["shared_head.head.weight"].T
+        out = rms((out[0] if isinstance(out, tuple) else out)[0], tensors[f"{fnorm}.weight"], eps)
+        want = out @ (tensors[f"{head}.weight"] if head else hf.lm_head.weight).T
 
     llm = engine(mtp_dir, {"method": "mtp", "num_speculative_tokens": 1})
     mtp = llm.llm_engine.speculator.mtp
@@ -221,10 +259,11 @@ def test_mtp_layer_logits_follow_the_formula(mtp_dir):
 # ---- the engine ------------------------------------------------------------------------------------------------
 def test_greedy_with_random_mtp_equals_plain_decoding_and_transformers(mtp_dir):
     """A random MTP layer (proposals mostly wrong), k = 3, 16-token steps (chunked prefill), n = 2."""
-    vocab = transformers.AutoConfig.from_pretrained(mtp_dir).vocab_size
+    vocab = hf_config(mtp_dir).vocab_size
     ps = make_prompts(vocab, [3, 17, 40], seed=11)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = reference(mtp_dir, ps, 16)
+    hf = hf_model(mtp_dir)
+    ref = [hf_greedy(hf, p, 16) for p in ps]
     llm = engine(mtp_dir, MTP, max_num_batched_tokens=16)
     got = llm.generate(ps, sp)
     assert [o.outputs[0].token_ids for o in got] == [r[0] for r in ref]
@@ -242,14 +281,15 @@ def test_start_up_line_names_the_method_and_k(mtp_dir):
     with pagedllm_logs() as logs:
         engine(mtp_dir, MTP)
     line = [r.getMessage() for r in logs if r.getMessage().startswith("speculative decoding:")]
-    assert len(line) == 1 and "mtp (the checkpoint's multi-token-prediction layer (model.layers.3)), k=3" in line[0]
+    where = layout(arch_of(mtp_dir))[0].rstrip(".")
+    assert len(line) == 1 and f"mtp (the checkpoint's multi-token-prediction layer ({where})), k=3" in line[0]
 
 
 def test_echo_mtp_is_accepted_and_changes_nothing(echo_dir):
     """An MTP layer that proposes the target's last prediction again: accepted wherever the output repeats
     a token (a logit bias makes it repeat); greedy output as without speculation, again with prefix-cache
     hits (the prompts twice)."""
-    vocab = transformers.AutoConfig.from_pretrained(echo_dir).vocab_size
+    vocab = hf_config(echo_dir).vocab_size
     ps = make_prompts(vocab, [5, 19, 33, 8, 26, 12], seed=2)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={20: 8.0})
     want = engine(echo_dir).generate(ps, sp)
@@ -269,7 +309,7 @@ def test_echo_mtp_is_accepted_and_changes_nothing(echo_dir):
 
 
 def test_echo_mtp_under_preemption(echo_dir):
-    vocab = transformers.AutoConfig.from_pretrained(echo_dir).vocab_size
+    vocab = hf_config(echo_dir).vocab_size
     ps = make_prompts(vocab, [5, 19, 33, 8, 26, 12], seed=4)
     sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logit_bias={20: 8.0})
     base = engine(echo_dir, max_model_len=128)

@@ -274,6 +274,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     router (GLM-4.5's block); RoPE interleaved unless ``rope_interleave`` is false."""
 
     reads_rope_interleave = True
+    mtp_layout = "deepseek"  # its MTP layer at model.layers.{num_hidden_layers} (models/mtp.py)
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return Glm4MoeBlock(config, dtype) if self.is_moe_layer(config, layer_idx) else None

@@ -115,6 +115,8 @@ class Glm4MoeBlock(SharedExpertsMoeBlock):
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
+    mtp_layout = "deepseek"  # its MTP layer at model.layers.{num_hidden_layers} (models/mtp.py)
+
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         if not hasattr(config, "attention_out_bias"):
             config.attention_out_bias = False  # q/k/v have biases (attention_bias); o_proj never

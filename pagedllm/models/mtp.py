@@ -21,6 +21,15 @@ with the embedding zeroed at position 0 (vLLM's ``inputs_embeds[positions == 0] 
 attends over the layer's own paged KV cache of earlier positions (one layer's worth). Only the first
 of D layers is used (every released checkpoint has D = 1); k > 1 proposals reuse it autoregressively
 with h'_i as the next step's h, as vLLM does.
+
+Xiaomi's MiMo (``MiMoForCausalLM``, Qwen2's layers; vLLM's ``mimo_mtp.py``) keeps its layers at
+``model.mtp_layers.{i}``: ``token_layernorm``, ``hidden_layernorm``, ``input_proj`` over
+concat(hidden_layernorm(h), token_layernorm(emb)) (the hidden state first), ``mtp_block`` (a Qwen2
+decoder layer), ``final_layernorm``, and the model's own LM head: h' = final_layernorm(Block(...)), the
+logits lm_head(h'), and h' (normed) the next step's h (``MiMoMultiTokenPredictor``).
+
+A model class says which layout its checkpoints use in ``mtp_layout`` ("deepseek" or "mimo"; absent:
+no MTP support).
 """
 from __future__ import annotations
 
@@ -58,10 +67,10 @@ def _layer_index(name: str) -> int:
 
 
 def skip_mtp_layers(weights: Iterable[tuple[str, Any]], num_hidden_layers: int) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's tensors without the MTP layers (indices from ``num_hidden_layers`` on), which
-    the model itself does not hold (transformers does not load them either)."""
+    """The checkpoint's tensors without the MTP layers (indices from ``num_hidden_layers`` on, or MiMo's
+    ``model.mtp_layers.*``), which the model itself does not hold (transformers does not load them either)."""
     for name, w in weights:
-        if _layer_index(name) < num_hidden_layers:
+        if _layer_index(name) < num_hidden_layers and ".mtp_layers." not in f".{name}":
             yield name, w
 
 
@@ -75,6 +84,12 @@ class SharedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.compute_logits(self.norm(hidden)).float()
+
+
+def make_mtp_predictor(target: nn.Module, dtype: torch.dtype) -> "MultiTokenPredictor":
+    """The first MTP layer of ``target`` (a loaded model whose class has an ``mtp_layout``), unloaded."""
+    cls = MiMoMultiTokenPredictor if target.mtp_layout == "mimo" else MultiTokenPredictor
+    return cls(target, target.config.num_hidden_layers, dtype)
 
 
 class MultiTokenPredictor(nn.Module):
@@ -114,19 +129,32 @@ class MultiTokenPredictor(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head(hidden)
 
+    @property
+    def prefix(self) -> str:
+        """The checkpoint names' prefix of this layer's tensors."""
+        return f"model.layers.{self.layer_idx}."
+
+    def param_name(self, rest: str) -> str | None:
+        """A tensor's name after ``prefix`` -> our parameter's (None: not ours to load)."""
+        if rest.startswith("embed_tokens."):
+            return None  # the target's embedding is used
+        return rest if rest.split(".", 1)[0] in _OWN else f"block.{rest}"
+
+    def keeps(self, name: str) -> bool:
+        """Whether a checkpoint tensor is one of this layer's."""
+        return name.startswith(self.prefix)
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load the tensors of ``model.layers.{layer_idx}.*`` (others are skipped; they arrive through the
-        target's ``prepare_weights``). Raises ValueError naming what is missing."""
-        prefix = f"model.layers.{self.layer_idx}."
+        """Load the tensors of ``prefix`` (others are skipped; they arrive through the target's
+        ``prepare_weights``). Raises ValueError naming what is missing."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in weights:
-            if not name.startswith(prefix):
+            if not self.keeps(name):
                 continue
-            rest = name[len(prefix):]
-            if rest.startswith("embed_tokens."):
-                continue  # the target's embedding is used
-            pname = rest if rest.split(".", 1)[0] in _OWN else f"block.{rest}"
+            pname = self.param_name(name[len(self.prefix):])
+            if pname is None:
+                continue
             if not load_stacked(params, loaded, self.stacked_params, pname, w):
                 logger.info("MTP layer: checkpoint tensor %s not loaded (no parameter takes it)", name)
         check_all_loaded(params, loaded)
@@ -134,8 +162,50 @@ class MultiTokenPredictor(nn.Module):
         return loaded
 
 
+class MiMoMultiTokenPredictor(MultiTokenPredictor):
+    """MiMo's layout (module docstring): ``forward`` returns final_layernorm's output, ``compute_logits`` is
+    the target's LM head; the block is ``mtp_block``."""
+
+    def __init__(self, target: nn.Module, layer_idx: int, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        config = target.config
+        h = config.hidden_size
+        self.embed = target.embed_input
+        self.head = target.compute_logits  # (a method: the target's LM head, no parameter here)
+        self.token_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
+        self.hidden_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
+        self.input_proj = ReplicatedLinear(2 * h, h, bias=False, dtype=dtype)
+        qkv_bias = target.qkv_bias or getattr(config, "attention_bias", False)
+        self.mtp_block = target.decoder_layer_cls(config, dtype, target.layers[0].self_attn.backend, qkv_bias,
+                                                  target.qk_norm, None, rotary_emb=target.rotary_emb)
+        self.final_layernorm = RMSNorm(h, config.rms_norm_eps, dtype)
+        self.layer_idx = 0  # model.mtp_layers.0
+        self.stacked_params = target.stacked_params
+
+    @property
+    def block(self) -> nn.Module:
+        return self.mtp_block
+
+    @property
+    def prefix(self) -> str:
+        return f"model.mtp_layers.{self.layer_idx}."
+
+    def param_name(self, rest: str) -> str | None:
+        return rest
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        emb = self.embed(input_ids)
+        emb[positions == 0] = 0
+        x = self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(emb)], dim=-1))
+        return self.final_layernorm(self.mtp_block(positions, x, kv_cache, meta))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
 def mtp_checkpoint_weights(iterate: Callable[[Callable[[str], bool]], Iterable[tuple[str, Any]]], target: nn.Module,
-                           layer_idx: int) -> Iterable[tuple[str, Any]]:
+                           layer: MultiTokenPredictor) -> Iterable[tuple[str, Any]]:
     """The MTP layer's tensors as the target's layers take them: ``iterate(keep)`` reads the checkpoint's
     tensors whose names ``keep`` accepts (``models/loader.checkpoint_tensors``)."""
-    return target.prepare_weights(iterate(lambda name: _layer_index(name) == layer_idx))
+    return target.prepare_weights(iterate(layer.keeps))

@@ -128,18 +128,14 @@ def parse_speculative_config(value: Any) -> Optional[SpeculativeConfig]:
                              draft_quantization=None if quant in (None, "none") else quant)
 
 
-# Model classes whose checkpoints carry MTP layers of the DeepSeek-V3 layout (and subclasses of them)
-MTP_FAMILIES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
-
-
 def check_mtp_checkpoint(hf_config, model_cls: type) -> None:
-    """Raise ValueError where the checkpoint has no MTP layer this proposer runs (no
-    ``num_nextn_predict_layers``, or a family without MTP support here)."""
+    """Raise ValueError where the checkpoint has no MTP layer the mtp method runs (no
+    ``num_nextn_predict_layers``, or a family without MTP support here: no ``mtp_layout``)."""
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if num_mtp_layers(hf_config) < 1:
         raise ValueError(f"speculative_config: method mtp needs a checkpoint with multi-token-prediction layers "
                          f"(num_nextn_predict_layers >= 1 in its config); {arch} has none (use ngram or "
                          f"draft_model)")
-    if not any(c.__name__ in MTP_FAMILIES for c in model_cls.__mro__):
-        raise ValueError(f"speculative_config: method mtp is supported for {', '.join(MTP_FAMILIES)} checkpoints, "
-                         f"not {arch}")
+    if getattr(model_cls, "mtp_layout", None) is None:
+        raise ValueError(f"speculative_config: method mtp runs the MTP layers of DeepSeek-V3/R1, GLM-4.5 and MiMo "
+                         f"checkpoints, not {arch}'s")

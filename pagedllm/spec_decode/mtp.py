@@ -39,7 +39,7 @@ from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import checkpoint_tensors
-from pagedllm.models.mtp import MultiTokenPredictor, mtp_checkpoint_weights, num_mtp_layers
+from pagedllm.models.mtp import make_mtp_predictor, mtp_checkpoint_weights, num_mtp_layers
 from pagedllm.spec_decode.drafting import draw_proposals
 
 logger = logging.getLogger("pagedllm")
@@ -58,15 +58,14 @@ class MTPProposer:
         self.device = config.device
         self.block_size = config.cache_config.block_size
         self.max_num_seqs = config.scheduler_config.max_num_seqs
-        layer_idx = mc.hf_config.num_hidden_layers
         with torch.device(self.device):
-            self.layer = MultiTokenPredictor(target, layer_idx, mc.dtype)
+            self.layer = make_mtp_predictor(target, mc.dtype)
         try:
             self.layer.load_weights(mtp_checkpoint_weights(lambda keep: checkpoint_tensors(mc, keep), target,
-                                                           layer_idx))
+                                                           self.layer))
         except ValueError as e:
             raise ValueError(f"speculative_config: method mtp: {mc.model} lacks its multi-token-prediction layer "
-                             f"(model.layers.{layer_idx}.*): {e}") from None
+                             f"({self.layer.prefix}*): {e}") from None
         process_weights_after_loading(self.layer, get_quantization_config(mc.quantization))
         self.layer.eval()
         self.kv_shape = (runner.kv_planes, runner.kv_block_rows, runner.num_kv_heads, runner.head_dim)
@@ -82,7 +81,7 @@ class MTPProposer:
 
     def describe(self) -> str:
         extra = f", the first of {self.num_layers}" if self.num_layers > 1 else ""
-        return f"the checkpoint's multi-token-prediction layer (model.layers.{self.layer.layer_idx}{extra})"
+        return f"the checkpoint's multi-token-prediction layer ({self.layer.prefix.rstrip('.')}{extra})"
 
     def bytes_per_block(self) -> int:
         planes, rows, heads, dim = self.kv_shape

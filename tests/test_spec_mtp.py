@@ -24,7 +24,7 @@ from pagedllm.spec_decode.config import parse_speculative_config
 from test_correctness import hf_greedy, make_prompts
 from test_models_deepseek import build_checkpoint as build_deepseek
 from test_models_moe import build_moe_checkpoint
-from test_spec_decode import assert_sampled_distribution_unchanged
+from test_spec_decode import assert_sampled_distribution_unchanged, engine, token_ids
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 LAYER_CLS = {"v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
@@ -154,16 +154,6 @@ def mtp_dir(request, tmp_path_factory):
 @pytest.fixture(scope="module", params=ARCHS)
 def echo_dir(request, tmp_path_factory):
     return build(str(tmp_path_factory.mktemp(f"echo_{request.param}")), request.param, seed=5, echo=True)
-
-
-def engine(model: str, spec=None, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 2 ** 22)
-    kw.setdefault("max_num_seqs", 8)
-    return LLM(model, speculative_config=spec, **kw)
-
-
-def token_ids(outs) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in outs]
 
 
 def mtp_state_empty(llm: LLM) -> None:

@@ -20,9 +20,8 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import get_pp_state, get_tp_rank, get_tp_size, set_pp_state, set_tp_state
-from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler
-from pagedllm.spec_decode.drafting import draw_proposals
+from pagedllm.spec_decode.drafting import draw_proposals, proposer_batch
 from pagedllm.worker.model_input import ModelInput
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -87,25 +86,10 @@ class DraftModelProposer:
     def _forward(self, seqs: list[tuple[str, list[int], int]]) -> torch.Tensor:
         """One draft pass: ``seqs`` = (request id, new tokens, first position), one-token ones first ->
         float32 logits [len(seqs), V] at each sequence's last new token."""
-        bs = self.block_size
-        ids, pos, slots, tables, seq_lens, qlens, last = [], [], [], [], [], [], []
-        for rid, toks, start in seqs:
-            table = self.kv.get_block_ids(rid)
-            n = len(toks)
-            ids.extend(toks)
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            tables.append(table)
-            seq_lens.append(start + n)
-            qlens.append(n)
-            last.append(len(ids) - 1)
-        dev = self.device
-        meta = AttentionMetadata.build(torch.tensor(slots, dtype=torch.long, device=dev), tables, seq_lens, qlens,
-                                       bs, dev)
-        return self.runner.execute_model(ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev), attn_metadata=meta,
-            logits_indices=torch.tensor(last, dtype=torch.long, device=dev))).float()
+        ids, pos, meta, last = proposer_batch([(toks, start, self.kv.get_block_ids(rid)) for rid, toks, start in seqs],
+                                              self.block_size, self.device)
+        return self.runner.execute_model(ModelInput(input_ids=ids, positions=pos, attn_metadata=meta,
+                                                    logits_indices=last)).float()
 
     def propose(self, wants: list) -> list[list[int]]:
         """``wants``: (request, k) of sequences in decode state -> their proposals (up to k each; none

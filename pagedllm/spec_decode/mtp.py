@@ -35,12 +35,11 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request
-from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import checkpoint_tensors
 from pagedllm.models.mtp import make_mtp_predictor, mtp_checkpoint_weights, num_mtp_layers
-from pagedllm.spec_decode.drafting import draw_proposals
+from pagedllm.spec_decode.drafting import draw_proposals, proposer_batch
 
 logger = logging.getLogger("pagedllm")
 
@@ -121,22 +120,9 @@ class MTPProposer:
     def _forward(self, seqs: list[tuple[Request, list[int], int, torch.Tensor, list[int]]]) -> torch.Tensor:
         """One MTP pass: ``seqs`` = (request, tokens t_{p+1}, first position p, hidden [len, H], block
         table), one-token ones first -> h' [sum of lengths, H]."""
-        bs = self.block_size
-        ids, pos, slots, tables, seq_lens, qlens, hidden = [], [], [], [], [], [], []
-        for _, toks, start, h, table in seqs:
-            n = len(toks)
-            ids.extend(toks)
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            tables.append(table)
-            seq_lens.append(start + n)
-            qlens.append(n)
-            hidden.append(h)
-        dev = self.device
-        meta = AttentionMetadata.build(torch.tensor(slots, dtype=torch.long, device=dev), tables, seq_lens, qlens,
-                                       bs, dev)
-        return self.layer(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(pos, dtype=torch.long, device=dev), torch.cat(hidden), self.cache, meta)
+        ids, pos, meta, _ = proposer_batch([(toks, start, table) for _, toks, start, _, table in seqs],
+                                           self.block_size, self.device)
+        return self.layer(ids, pos, torch.cat([h for _, _, _, h, _ in seqs]), self.cache, meta)
 
     @torch.inference_mode()
     def propose(self, eligible: list[Request], wants: list[tuple[Request, int]]) -> list[list[int]]:

@@ -70,7 +70,8 @@ def fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = t
     for base, ts in experts.items():
         n = max(e for e, _ in ts) + 1
-        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([ts[(e, "gate_proj")], ts[(e, "up_proj")]]) for e in range(n)])
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([ts[(e, "gate_proj")], ts[(e, "up_proj")]])
+                                                   for e in range(n)])
         out[f"{base}.down_proj"] = torch.stack([ts[(e, "down_proj")] for e in range(n)])
     return out
 

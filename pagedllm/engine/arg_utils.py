@@ -290,9 +290,9 @@ class EngineArgs(CliArgs):
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4} (proposals copied from the request's own prompt and output) or "
               "{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 4} (a smaller model "
-              "of the same vocabulary) or {\"method\": \"mtp\", \"num_speculative_tokens\": 3} (the checkpoint's own "
-              "multi-token-prediction layer: DeepSeek-V3/R1, GLM-4.5); \"disable_by_batch_size\": N turns proposals off in steps with more "
-              "than N running sequences. The output follows the model's distribution exactly (greedy: the "
+              "of the same vocabulary) or {\"method\": \"mtp\", \"num_speculative_tokens\": 3} (the checkpoint's "
+              "own multi-token-prediction layer: DeepSeek-V3/R1, GLM-4.5, MiMo); \"disable_by_batch_size\": N "
+              "turns proposals off in steps with more than N running sequences. The output follows the model's distribution exactly (greedy: the "
               "same tokens): speed only", type=parse_json_setting, merge=True)
     max_logprobs: int = setting(
         20, "the most logprobs (top_logprobs on chat) or prompt_logprobs a request may ask for; more "

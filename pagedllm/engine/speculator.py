@@ -5,9 +5,9 @@ A step with speculation (vLLM v1's design, ``vllm/v1/spec_decode`` and its sched
 
 1. ``propose`` (before ``Scheduler.schedule``): every running sequence in decode state whose sampling
    can be served exactly gets up to k proposals in ``Request.spec_token_ids`` (the n-gram proposer, the
-   draft model's k autoregressive steps, or the checkpoint's MTP layer fed the target's hidden states). The scheduler gives it 1 + k new tokens (its last sampled
-   token and the proposals), so ``allocate_slots`` holds slots for them; the prefix cache hashes only
-   ``all_token_ids``, never proposals.
+   draft model's k autoregressive steps, or the checkpoint's MTP layer fed the target's hidden states).
+   The scheduler gives it 1 + k new tokens (its last sampled token and the proposals), so
+   ``allocate_slots`` holds slots for them; the prefix cache hashes only ``all_token_ids``, never proposals.
 2. ``prepare_inputs``: one target forward pass over the whole batch; a sequence with proposals is a
    query of 1 + k tokens over its cached prefix (the paged backends' chunked-prefill path), with a
    logits row at every one of its positions.
@@ -197,7 +197,8 @@ class Speculator:
         self.propose_seconds += time.perf_counter() - t0
 
     def release_finished(self) -> None:
-        """Free the draft cache's blocks of sequences no longer running (after a step's updates)."""
+        """Free the draft cache's blocks (forget the MTP layer's pending hidden states) of sequences no
+        longer running (after a step's updates)."""
         if self.draft is not None and self.draft.fed:
             self.draft.free_others({r.request_id for r in self.scheduler.running})
         if self.mtp is not None and self.mtp.pending:

@@ -71,6 +71,9 @@ class ModelRunner:
             pooling=self.pooling)
         if self.graphs_off is None and self.lora is not None:
             self.graphs_off = "LoRA adapters (the batched op's grouping changes every step)"
+        spec = config.speculative_config
+        if self.graphs_off is None and spec is not None and spec.method == "mtp":
+            self.graphs_off = "speculative decoding's mtp method (every step returns the hidden states)"
         # () -> a maker of graph objects (capture(fn), replay()); tests put a fake graph's here
         self.graph_factory: Callable[[], Callable[[], Any]] = torch_graph_factory
         self.cuda_graphs: Optional[CudaGraphRunner] = None
@@ -196,7 +199,8 @@ class ModelRunner:
                 cache[:, dst] = cache[:, src]
         if self.lora is not None:
             self.lora.prepare(model_input.lora)
-        if self.cuda_graphs is not None and not model_input.return_hidden:  # a decode-only step replays its graph; None: it runs eagerly
+        # a decode-only step replays its graph (None: it runs eagerly); not where the hidden states are returned
+        if self.cuda_graphs is not None and not model_input.return_hidden:
             meta = model_input.attn_metadata
             rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
                                         meta.block_tables, meta.seq_lens, meta.num_decode_tokens,

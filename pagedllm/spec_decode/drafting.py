@@ -9,12 +9,16 @@ from q with the request's own generator where it is seeded, and q goes to the re
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from pagedllm.engine.request import Request
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplingRow, target_probs
 from pagedllm.platforms import ops
+
+if TYPE_CHECKING:
+    from pagedllm.engine.request import Request
 
 
 def proposer_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int, device: str
@@ -38,10 +42,11 @@ def proposer_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int
             meta, torch.tensor(last, dtype=torch.long, device=device))
 
 
-def draw_proposals(sampler: Sampler, logits: torch.Tensor, requests: list[Request], out: dict[str, list[int]],
+def draw_proposals(sampler: Sampler, logits: torch.Tensor, requests: list["Request"], out: dict[str, list[int]],
                    probs: dict[str, list[torch.Tensor]]) -> None:
-    """One proposal per request, appended to ``out[request_id]`` (its proposals so far, which count as
-    output for the penalties); for a sampled request q [V] float32 is appended to ``probs[request_id]``.
+    """One proposal per request, appended to ``out[request_id]`` (its proposals
+    so far, which count as output for the penalties); for a sampled request q [V] float32 is appended to
+    ``probs[request_id]``.
 
     Args:
         logits: [len(requests), V] float32, the proposer's raw logits at each request's next position.

@@ -27,21 +27,21 @@ output: it is verified).
 """
 from __future__ import annotations
 
-import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagedllm.engine.request import Request
 from pagedllm.layers.quantization import get_quantization_config, process_weights_after_loading
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import checkpoint_tensors
 from pagedllm.models.mtp import make_mtp_predictor, mtp_checkpoint_weights, num_mtp_layers
 from pagedllm.spec_decode.drafting import draw_proposals, proposer_batch
 
-logger = logging.getLogger("pagedllm")
+if TYPE_CHECKING:
+    from pagedllm.engine.kv_cache_manager import KVCacheManager
+    from pagedllm.engine.request import Request
+
 
 class MTPProposer:
     """Args: config: the engine's; target: the loaded target model (this process's ``ModelRunner.model``);
@@ -69,10 +69,10 @@ class MTPProposer:
         self.layer.eval()
         self.kv_shape = (runner.kv_planes, runner.kv_block_rows, runner.num_kv_heads, runner.head_dim)
         self.kv_dtype = runner.kv_cache_dtype
-        self.kv: Optional[KVCacheManager] = None  # the target's (set by the speculator)
+        self.kv: Optional["KVCacheManager"] = None  # the target's (set by the speculator: its tables index this cache)
         self.cache: Optional[torch.Tensor] = None
         self.scratch_base = 0
-        self.scratch_per_seq = cdiv(self.k, self.block_size) + 1  # blocks past a sequence's own for the chain
+        self.scratch_per_seq = -(-self.k // self.block_size) + 1  # blocks past a sequence's own for the chain
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (first position, hidden rows)
         self.last_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] float32 of its last proposals
         self.sampler = Sampler()
@@ -101,7 +101,7 @@ class MTPProposer:
             self.cache[:, dst] = self.cache[:, src]
 
     # ---- the target's hidden states ----------------------------------------------------------------
-    def keep_hidden(self, r: Request, start: int, rows: torch.Tensor) -> None:
+    def keep_hidden(self, r: "Request", start: int, rows: torch.Tensor) -> None:
         """``rows`` [m, H]: the target's final hidden states of positions start .. start + m - 1 of ``r``, made
         final by the last pass (appended to what is pending; after a rollback or a recompute, from there)."""
         held = self.pending.get(r.request_id)
@@ -117,7 +117,7 @@ class MTPProposer:
                 del d[rid]
 
     # ---- proposals ------------------------------------------------------------------------------------
-    def _forward(self, seqs: list[tuple[Request, list[int], int, torch.Tensor, list[int]]]) -> torch.Tensor:
+    def _forward(self, seqs: list[tuple]) -> torch.Tensor:
         """One MTP pass: ``seqs`` = (request, tokens t_{p+1}, first position p, hidden [len, H], block
         table), one-token ones first -> h' [sum of lengths, H]."""
         ids, pos, meta, _ = proposer_batch([(toks, start, table) for _, toks, start, _, table in seqs],
@@ -125,7 +125,7 @@ class MTPProposer:
         return self.layer(ids, pos, torch.cat([h for _, _, _, h, _ in seqs]), self.cache, meta)
 
     @torch.inference_mode()
-    def propose(self, eligible: list[Request], wants: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose(self, eligible: list["Request"], wants: list[tuple["Request", int]]) -> list[list[int]]:
         """Feed the pending hidden states of ``eligible`` (running sequences that may propose, now or once
         their prefill is done), and make up to k proposals for each of ``wants`` ((request, k), in decode
         state) -> their proposals, in order (none for a sequence without new hidden states)."""

@@ -51,7 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the bundled SmolLM2 GGUF, else the demo model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "mtp"],
-                   help="mtp: the model's own multi-token-prediction layer (DeepSeek-V3/R1, GLM-4.5 checkpoints)")
+                   help="mtp: the model's own multi-token-prediction layer (DeepSeek-V3/R1, GLM-4.5, MiMo)")
     p.add_argument("--draft-model", default=None, help="draft_model: the draft (default: the model itself)")
     p.add_argument("--draft-quantization", default=None, help="draft_model: the draft's quantization (int8)")
     p.add_argument("--num-speculative-tokens", type=int, default=5)

@@ -268,12 +268,22 @@ def test_greedy_with_random_mtp_equals_plain_decoding_and_transformers(mtp_dir):
     mtp_state_empty(llm)
 
 
-def test_start_up_line_names_the_method_and_k(mtp_dir):
+def test_start_up_line_and_unservable_requests(mtp_dir):
+    """The start-up line names the method, the layer and k; requests with stop strings decode without
+    proposals (said once), their output as without speculation."""
     with pagedllm_logs() as logs:
-        engine(mtp_dir, MTP)
-    line = [r.getMessage() for r in logs if r.getMessage().startswith("speculative decoding:")]
+        llm = engine(mtp_dir, MTP)
+        ps = make_prompts(hf_config(mtp_dir).vocab_size, [6, 14], seed=8)
+        sp = SamplingParams(temperature=0, max_tokens=12, stop=["zzzz"], ignore_eos=True)
+        got = llm.generate(ps, sp)
+    line = [r.getMessage() for r in logs if r.getMessage().startswith("speculative decoding: mtp")]
     where = layout(arch_of(mtp_dir))[0].rstrip(".")
     assert len(line) == 1 and f"mtp (the checkpoint's multi-token-prediction layer ({where})), k=3" in line[0]
+    assert sum("no proposals for requests with stop strings" in r.getMessage() for r in logs) == 1
+    assert llm.llm_engine.speculator.stats.num_drafts == 0
+    assert token_ids(got) == token_ids(engine(mtp_dir).generate(ps, sp))
+    assert_pool_empty(llm)
+    mtp_state_empty(llm)
 
 
 def test_echo_mtp_is_accepted_and_changes_nothing(echo_dir):

@@ -80,7 +80,7 @@ def test_config_parsing_and_refusals(llama_dir):
     assert parse_speculative_config({"model": "/x", "num_speculative_tokens": 2}).method == "draft_model"
     assert parse_speculative_config(None) is None and parse_speculative_config({}) is None
     for bad, msg in [({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not supported"),
-                     ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not supported"),
+                     ({"method": "medusa", "num_speculative_tokens": 1}, "'medusa' is not supported"),
                      ({"method": "ngram"}, "num_speculative_tokens is required"),
                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "x"},
@@ -246,27 +246,35 @@ def test_sampled_tokens_follow_the_target_distribution(llama_dir, draft_dir, met
     a logit bias and top-k: output tokens 1-3 (verified by rejection sampling) have the same distribution
     per position (two-sample chi-square, p > 1e-3). The draft model is the random one: some proposals are
 rejected, so the residual distribution is drawn from too."""
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    llm = assert_sampled_distribution_unchanged(llama_dir, spec)
+    draft_pool_empty(llm)
+
+
+def assert_sampled_distribution_unchanged(model: str, spec: dict, min_accepted: int = 100, **kw) -> LLM:
+    """The chi-square check above for any model and method (``tests/test_spec_mtp.py`` runs it for mtp):
+    returns the speculating engine (its pool checked empty)."""
     allowed = [11, 12, 13, 14, 15]
     n = 600
     ps = [{"prompt_token_ids": [11, 12, 13, 11, 12, 13, 11, 12]}] * n
     sps = [SamplingParams(temperature=1.5, max_tokens=4, seed=1000 + i, allowed_token_ids=allowed,
                           repetition_penalty=1.2, logit_bias={12: 0.7}, top_k=4, ignore_eos=True) for i in range(n)]
-    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
-    want = engine(llama_dir, max_num_seqs=128, kv_cache_memory=2 ** 24).generate(ps, sps)
-    llm = engine(llama_dir, spec, max_num_seqs=128, kv_cache_memory=2 ** 24)
+    kw = {"max_num_seqs": 128, "kv_cache_memory": 2 ** 24, **kw}
+    want = engine(model, **kw).generate(ps, sps)
+    llm = engine(model, spec, **kw)
     got = llm.generate(ps, sps)
     st = llm.llm_engine.speculator.stats
-    assert st.num_accepted_tokens > 100 and st.num_accepted_tokens < st.num_draft_tokens
+    assert st.num_accepted_tokens > min_accepted and st.num_accepted_tokens < st.num_draft_tokens
     for pos in (1, 2, 3):
         a = Counter(o.outputs[0].token_ids[pos] for o in want)
         b = Counter(o.outputs[0].token_ids[pos] for o in got)
         assert set(b) <= set(allowed)
         assert two_sample_p(a, b) > 1e-3, (pos, a, b)
     # seeded requests are reproducible with speculation too
-    again = engine(llama_dir, spec, max_num_seqs=128, kv_cache_memory=2 ** 24).generate(ps[:50], sps[:50])
+    again = engine(model, spec, **kw).generate(ps[:50], sps[:50])
     assert token_ids(again) == token_ids(got[:50])
     assert_pool_empty(llm)
-    draft_pool_empty(llm)
+    return llm
 
 
 def test_unservable_requests_decode_without_proposals(llama_dir):

@@ -5,7 +5,8 @@ GGUF, loaded as pagedllm loads any GGUF; its module is not imported, only its fi
 ``--model``. The workload is copy-heavy: each prompt asks the chat model to repeat a passage of
 English prose word for word (the docstrings of pagedllm's own modules: no data file needed), greedy,
 where prompt lookup (``ngram``) proposals are right most of the time. ``--method draft_model`` needs
-``--draft-model`` (e.g. the same GGUF with ``--draft-quantization int8``).
+``--draft-model`` (e.g. the same GGUF with ``--draft-quantization int8``); ``--method mtp`` a ``--model``
+that ships multi-token-prediction layers.
 
 Both engines are built and warmed first; then, per batch size, runs alternate off / on / off / on
 (``--repeats`` pairs) and the best of each is kept (the host is shared: ratios, not lone times).
@@ -49,7 +50,8 @@ def bundled_smollm2() -> Optional[str]:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the bundled SmolLM2 GGUF, else the demo model)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    p.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "mtp"],
+                   help="mtp: the model's own multi-token-prediction layer (DeepSeek-V3/R1, GLM-4.5, MiMo)")
     p.add_argument("--draft-model", default=None, help="draft_model: the draft (default: the model itself)")
     p.add_argument("--draft-quantization", default=None, help="draft_model: the draft's quantization (int8)")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     if args.method == "ngram":
         spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
-    else:
+    elif args.method == "draft_model":
         spec.update(model=args.draft_model or model, quantization=args.draft_quantization)
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size

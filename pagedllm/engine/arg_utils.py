@@ -27,11 +27,12 @@ from pagedllm.layers.attention.kv_quant import CHOICES as KV_CACHE_DTYPES
 from pagedllm.layers.attention.selector import CHOICES as ATTENTION_BACKENDS
 from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.models.checkpoint import load_hf_config, local_model_path, looks_like_local_path
-from pagedllm.models.gguf import one_line
+from pagedllm.models.gguf import is_gguf_file, one_line
+from pagedllm.models.mtp import num_mtp_layers
 from pagedllm.models.registry import get_model_class
 from pagedllm.platforms.cpu.cpu_info import cpu_bf16_gemm, cpu_has_native_bf16
 from pagedllm.platforms.cpu.threads import resolve_num_threads
-from pagedllm.spec_decode.config import parse_json_setting, parse_speculative_config
+from pagedllm.spec_decode.config import check_mtp_checkpoint, parse_json_setting, parse_speculative_config
 from pagedllm.worker.kv_cache_budget import cpu_kv_cache_space_bytes
 
 RUNNERS = ("generate", "pooling")
@@ -289,8 +290,9 @@ class EngineArgs(CliArgs):
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4} (proposals copied from the request's own prompt and output) or "
               "{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": 4} (a smaller model "
-              "of the same vocabulary); \"disable_by_batch_size\": N turns proposals off in steps with more "
-              "than N running sequences. The output follows the model's distribution exactly (greedy: the "
+              "of the same vocabulary) or {\"method\": \"mtp\", \"num_speculative_tokens\": 3} (the checkpoint's "
+              "own multi-token-prediction layer: DeepSeek-V3/R1, GLM-4.5, MiMo); \"disable_by_batch_size\": N "
+              "turns proposals off in steps with more than N running sequences. The output follows the model's distribution exactly (greedy: the "
               "same tokens): speed only", type=parse_json_setting, merge=True)
     limit_mm_per_prompt: Optional[dict] = setting(
         None, "the most images one prompt may carry, as JSON ('{\"image\": 2}') or image=2; a request with "
@@ -478,7 +480,25 @@ class EngineArgs(CliArgs):
             spec.draft_model_config = dataclasses.replace(
                 target, model=path, tokenizer=target.tokenizer, hf_config=hf, served_model_name=spec.model,
                 quantization=spec.draft_quantization, dtype_reason="the target's")
+        elif spec.method == "mtp":
+            self._check_mtp(spec, target)
         return spec
+
+    def _check_mtp(self, spec: SpeculativeConfig, target: ModelConfig) -> None:
+        """The mtp method: the target checkpoint's own MTP layer, beside the unsharded model (k defaults to
+        its ``num_nextn_predict_layers``, as vLLM's). Raises ValueError for what it cannot serve."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method mtp with tensor_parallel_size > 1 is not supported")
+        if is_gguf_file(target.model):
+            raise ValueError("speculative_config: method mtp reads the MTP layer from safetensors checkpoints, "
+                             "not GGUF files")
+        check_mtp_checkpoint(target.hf_config, get_model_class(target.hf_config, target.max_model_len))
+        if spec.model is not None and os.path.realpath(resolve_model_path(spec.model)) != os.path.realpath(
+                target.model):
+            raise ValueError(f"speculative_config: method mtp runs the target's own layers; model "
+                             f"{spec.model!r} is another checkpoint (leave it out, or use draft_model)")
+        if not spec.num_speculative_tokens:
+            spec.num_speculative_tokens = num_mtp_layers(target.hf_config)
 
 # ---- the server's settings -----------------------------------------------------------------------
 @dataclass

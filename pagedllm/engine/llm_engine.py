@@ -71,9 +71,9 @@ class LLMEngine:
         self.generation_eos_ids = _generation_eos_ids(mc.model)
         self.vocab_size = mc.hf_config.vocab_size
         self.executor = make_executor(config)
-        # Speculative decoding's draft model, loaded before the KV budget is set (its cache shares it).
-        self.draft = make_draft_proposer(config) if config.speculative_config is not None else None
+        # Speculative decoding's draft model or MTP layer, loaded before the KV budget is set (its cache shares it).
         try:
+            self.draft = make_draft_proposer(config, self.executor) if config.speculative_config is not None else None
             self._init_kv_cache()
         except BaseException:
             self.executor.shutdown()
@@ -133,7 +133,7 @@ class LLMEngine:
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         budget, how = self.executor.determine_kv_budget()
         per_block = self.executor.bytes_per_block()
-        if self.draft is not None:  # the draft's cache has as many blocks, from the same budget
+        if self.draft is not None:  # the draft's (MTP layer's) cache has as many blocks, from the same budget
             per_block += self.draft.bytes_per_block()
         num_blocks = budget // per_block if budget > 0 else 0
         windows = self.executor.sliding_windows()
@@ -437,6 +437,8 @@ class LLMEngine:
         if plan is None:
             plan = self.input_batch.prepare(sched_out, self.scheduler.forks)
         logits = self.executor.execute_model(plan.model_input)
+        if plan.model_input.return_hidden:  # mtp: the target's hidden states, the MTP layer's next input
+            logits, plan.hidden = logits
         return self._process_output(sched_out, plan, logits)
 
     def _step_pipelined(self) -> list[RequestOutput]:

@@ -4,10 +4,10 @@ verification batch, the rejection sampling of its rows, rolling back what was re
 A step with speculation (vLLM v1's design, ``vllm/v1/spec_decode`` and its scheduler):
 
 1. ``propose`` (before ``Scheduler.schedule``): every running sequence in decode state whose sampling
-   can be served exactly gets up to k proposals in ``Request.spec_token_ids`` (the n-gram proposer, or
-   the draft model's k autoregressive steps). The scheduler gives it 1 + k new tokens (its last sampled
-   token and the proposals), so ``allocate_slots`` holds slots for them; the prefix cache hashes only
-   ``all_token_ids``, never proposals.
+   can be served exactly gets up to k proposals in ``Request.spec_token_ids`` (the n-gram proposer, the
+   draft model's k autoregressive steps, or the checkpoint's MTP layer fed the target's hidden states).
+   The scheduler gives it 1 + k new tokens (its last sampled token and the proposals), so
+   ``allocate_slots`` holds slots for them; the prefix cache hashes only ``all_token_ids``, never proposals.
 2. ``prepare_inputs``: one target forward pass over the whole batch; a sequence with proposals is a
    query of 1 + k tokens over its cached prefix (the paged backends' chunked-prefill path), with a
    logits row at every one of its positions.
@@ -15,7 +15,9 @@ A step with speculation (vLLM v1's design, ``vllm/v1/spec_decode`` and its sched
    tokens it emits (accepted proposals, then one more); they are appended as if sampled in turn (the
    stop checks run token by token, so nothing past a stop is kept), ``num_computed_tokens`` advances
    by what was accepted only, and the blocks that held only rejected positions go back to the pool at
-   once (``KVCacheManager.trim``).
+   once (``KVCacheManager.trim``). Under mtp every step's batch is built here, with the target's hidden
+   states returned (``ModelInput.return_hidden``), and the rows of the positions made final are handed to
+   the MTP proposer (``spec_decode/mtp.py``).
 
 Sequences whose sampling cannot be served exactly decode without proposals, said once in the log:
 structured outputs (the grammar state does not roll back here) and stop strings (text past a stop
@@ -41,6 +43,7 @@ from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplingRow, target_probs, topk_logprobs
 from pagedllm.platforms import ops
 from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.mtp import MTPProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import rejection_sample
 from pagedllm.worker.model_input import ModelInput
@@ -65,12 +68,20 @@ class SpecStepPlan:
     spec: list[tuple[Request, list[int], int]] = field(default_factory=list)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k, V] (draft model)
     fresh: list[tuple[Request, int]] = field(default_factory=list)  # every scheduled (request, tokens), as StepPlan's
+    # mtp: (request, first position, tokens, first row of the pass, fork children) of every scheduled
+    # sequence, and the pass's hidden states [N, hidden] (set by the engine)
+    layout: list[tuple[Request, int, int, int, list[Request]]] = field(default_factory=list)
+    hidden: Optional[torch.Tensor] = None
 
 
-def make_draft_proposer(config: EngineConfig) -> Optional[DraftModelProposer]:
-    """The draft model (loaded now) for method draft_model, with a block manager of its own (no prefix
-    caching); None for ngram."""
-    if config.speculative_config.method != "draft_model":
+def make_draft_proposer(config: EngineConfig, executor) -> Optional[DraftModelProposer | MTPProposer]:
+    """The proposer with a KV cache of its own, loaded now: the draft model for method draft_model (with a
+    block manager of its own, no prefix caching), the checkpoint's MTP layer for mtp (beside the target
+    model of ``executor``, a ``UniProcExecutor``); None for ngram."""
+    method = config.speculative_config.method
+    if method == "mtp":
+        return MTPProposer(config, executor.runner.model, executor.runner)
+    if method != "draft_model":
         return None
     return DraftModelProposer(config, lambda n: KVCacheManager(n, config.cache_config.block_size,
                                                                enable_caching=False))
@@ -99,7 +110,7 @@ class SpecDecodeStats:
 class Speculator:
     """Args: config (with ``speculative_config`` set); kv: the target's KV-cache manager; scheduler;
     sampler: the engine's (its ``process`` gives the target's processed logits); eos_token_id;
-    draft: the draft-model proposer (``spec_decode/draft_model.py``) for method draft_model, else None."""
+    draft: ``make_draft_proposer``'s (the draft model's or the MTP layer's proposer), None for ngram."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, scheduler: Scheduler, sampler: Sampler,
                  eos_token_id: Optional[int], draft=None) -> None:
@@ -113,7 +124,10 @@ class Speculator:
         self.max_model_len = config.scheduler_config.max_model_len
         self.device = config.device
         self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
-        self.draft = draft
+        self.draft = draft if spec.method == "draft_model" else None
+        self.mtp: Optional[MTPProposer] = draft if spec.method == "mtp" else None
+        if self.mtp is not None:
+            self.mtp.kv = kv  # its cache is indexed by the target's block tables
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._said: set[str] = set()
         self.propose_seconds = 0.0
@@ -125,8 +139,12 @@ class Speculator:
 
     def startup_line(self) -> str:
         s = self.spec
-        how = (f"n-gram prompt lookup, n={s.prompt_lookup_max}..{s.prompt_lookup_min}" if s.method == "ngram"
-               else f"draft model {s.model}" + (f" ({s.draft_quantization})" if s.draft_quantization else ""))
+        if s.method == "ngram":
+            how = f"n-gram prompt lookup, n={s.prompt_lookup_max}..{s.prompt_lookup_min}"
+        elif s.method == "mtp":
+            how = self.mtp.describe()
+        else:
+            how = f"draft model {s.model}" + (f" ({s.draft_quantization})" if s.draft_quantization else "")
         off = (f"; off in steps with more than {s.disable_by_batch_size} running sequences"
                if s.disable_by_batch_size else "")
         return (f"speculative decoding: {s.method} ({how}), k={self.k} proposals a sequence a step, verified in one "
@@ -148,8 +166,11 @@ class Speculator:
         limit = self.spec.disable_by_batch_size
         off = limit is not None and self.scheduler.num_running_seqs() > limit
         wants: list[tuple[Request, int]] = []
+        eligible: list[Request] = []  # (mtp: sequences whose MTP entries are fed, proposing now or later)
         for r in running:
             r.spec_token_ids = []
+            if self.mtp is not None and self._why_not(r) is None:
+                eligible.append(r)
             if off:
                 continue
             num = len(r.all_token_ids)
@@ -175,17 +196,24 @@ class Speculator:
             if wants:
                 for (r, _), drafts in zip(wants, self.draft.propose(wants)):
                     r.spec_token_ids = drafts
+        elif self.mtp is not None:
+            self.mtp.free_others({r.request_id for r in eligible})
+            for (r, _), drafts in zip(wants, self.mtp.propose(eligible, wants)):
+                r.spec_token_ids = drafts
         self.propose_seconds += time.perf_counter() - t0
 
     def release_finished(self) -> None:
-        """Free the draft cache's blocks of sequences no longer running (after a step's updates)."""
+        """Free the draft cache's blocks (forget the MTP layer's pending hidden states) of sequences no
+        longer running (after a step's updates)."""
         if self.draft is not None and self.draft.fed:
             self.draft.free_others({r.request_id for r in self.scheduler.running})
+        if self.mtp is not None and self.mtp.pending:
+            self.mtp.free_others({r.request_id for r in self.scheduler.running})
 
     # ---- 2. the verification batch -------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput, forks: dict[str, list[Request]]) -> Optional[SpecStepPlan]:
-        """The step's flat batch where some scheduled sequence verifies proposals (None: none does; the
-        engine's ``prepare_inputs`` then builds it). Rows: sampling rows of the others (as
+        """The step's flat batch where some scheduled sequence verifies proposals, or under mtp every
+        step's (None: the engine's ``prepare_inputs`` builds it). Rows: sampling rows of the others (as
         ``engine/input_batch.py``), their prompt-logprob rows, then k + 1 rows per verifying sequence."""
         entries = []
         any_spec = False
@@ -194,7 +222,7 @@ class Speculator:
             drafts = r.spec_token_ids[:n - pending] if r.spec_token_ids and n > pending else []
             any_spec |= bool(drafts)
             entries.append((r, n, drafts))
-        if not any_spec:
+        if not any_spec and self.mtp is None:
             return None
         bs = self.kv.block_size
         entries.sort(key=lambda e: e[1] != 1)  # one-token sequences first (stable)
@@ -208,9 +236,11 @@ class Speculator:
         plp_spans = []
         spec_idx: list[int] = []
         spec = []
+        layout = []
         for r, n, drafts in entries:
             start = r.num_computed_tokens
             offset = len(input_ids)
+            layout.append((r, start, n, offset, forks.get(r.request_id, [])))
             table = self.kv.get_block_ids(r.request_id)
             toks = r.all_token_ids[start:start + n] if not drafts else r.all_token_ids[start:] + drafts
             if drafts:
@@ -240,7 +270,9 @@ class Speculator:
         model_input = ModelInput(
             input_ids=_tensor(input_ids, torch.long, dev), positions=_tensor(positions, torch.long, dev),
             attn_metadata=meta, logits_indices=_tensor(sample_idx + plp_idx + spec_idx, torch.long, dev),
-            block_copies=self.kv.take_pending_copies())
+            block_copies=self.kv.take_pending_copies(), return_hidden=self.mtp is not None)
+        if self.mtp is not None:
+            self.mtp.copy_blocks(model_input.block_copies)
         if self.lora_slots is not None:  # each token's adapter slot (proposals verify under their adapter)
             model_input.lora = self.lora_slots.batch([(r, n) for r, n, _ in entries], dev)
         if self.encoder_cache is not None:  # image tokens of the prompt chunks beside the verifications
@@ -259,11 +291,12 @@ class Speculator:
             if pos3.ndim == 2:  # an M-RoPE request among them
                 model_input.positions = torch.from_numpy(pos3).to(dev)
         draft_probs = {}
-        if self.draft is not None:
-            draft_probs = {r.request_id: self.draft.last_probs[r.request_id][:len(d)] for r, d, _ in spec
-                           if r.request_id in self.draft.last_probs}
+        proposer = self.draft or self.mtp
+        if proposer is not None:
+            draft_probs = {r.request_id: proposer.last_probs[r.request_id][:len(d)] for r, d, _ in spec
+                           if r.request_id in proposer.last_probs}
         return SpecStepPlan(model_input, sampling_requests, plp_spans, spec=spec, draft_probs=draft_probs,
-                            fresh=[(r, n) for r, n, _ in entries])
+                            fresh=[(r, n) for r, n, _ in entries], layout=layout if self.mtp is not None else [])
 
     # ---- 3. verification --------------------------------------------------------------------------
     def _banned(self, r: Request, num_out: int) -> Optional[list[int]]:
@@ -277,8 +310,12 @@ class Speculator:
         Appends each sequence's accepted tokens but the last emitted one, which is returned as its sampled
         token for ``Scheduler.update_from_output`` (with the schedule adjusted to advance
         ``num_computed_tokens`` by the accepted tokens only), and frees the blocks that held only rejected
-        positions. Returns (adjusted schedule, request id -> last token, tokens appended here).
+        positions; under mtp hands the hidden states of the positions made final to the MTP proposer.
+        Returns (adjusted schedule, request id -> last token, tokens appended here).
         """
+        if not plan.spec:  # (mtp: a step without proposals)
+            self._keep_hidden(plan, {})
+            return out, {}, 0
         rows: list[SamplingRow] = []
         for r, drafts, _ in plan.spec:
             out_ids = r.output_token_ids
@@ -336,4 +373,16 @@ class Speculator:
                                    total_num_scheduled_tokens=out.total_num_scheduled_tokens)
         for r, _, _ in plan.spec:
             r.spec_token_ids = []
+        self._keep_hidden(plan, new_n)
         return adjusted, sampled, appended
+
+    def _keep_hidden(self, plan: SpecStepPlan, new_n: dict[str, int]) -> None:
+        """mtp: each scheduled sequence's hidden rows of the positions the pass made final (all of them,
+        or a verifying sequence's ``new_n``) to the MTP proposer, for its fork children too."""
+        if self.mtp is None or plan.hidden is None:
+            return
+        for r, start, n, offset, children in plan.layout:
+            rows = plan.hidden[offset:offset + new_n.get(r.request_id, n)]
+            for s in (r, *children):
+                self.mtp.keep_hidden(s, start, rows)
+        plan.hidden = None

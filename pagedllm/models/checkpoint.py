@@ -34,8 +34,8 @@ def local_model_path(path: str) -> str:
 
 
 # model_type of checkpoints whose config.json names remote code (``auto_map``) for a configuration
-# transformers has under another name: read with that class, no code run (Kimi K2 is DeepSeek-V3).
-REMOTE_CODE_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
+# transformers has under another name: read with that class, no code run (Kimi K2 is DeepSeek-V3, MiMo Qwen2).
+REMOTE_CODE_MODEL_TYPES = {"kimi_k2": "deepseek_v3", "mimo": "qwen2"}
 
 
 def load_hf_config(path: str) -> Any:

@@ -24,7 +24,8 @@ RoPE: V2 rotates interleaved pairs (complex multiplication); V3 too where ``rope
 default): the RoPE rows of the query and latent projections are moved to the rotate-half layout at
 load (scores are unchanged by reordering both sides alike). YaRN with DeepSeek's ``mscale`` /
 ``mscale_all_dim``; the softmax scale is (qk_nope + qk_rope)^-0.5 times mscale(factor,
-mscale_all_dim)^2. The multi-token-prediction layer V3 checkpoints carry is not loaded.
+mscale_all_dim)^2. The multi-token-prediction layer V3 checkpoints carry is loaded apart, by speculative
+decoding's ``mtp`` method (``models/mtp.py``).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.rotary_longrope import LONGROPE_TYPES, get_phi3_rope
 from pagedllm.models.glm4_moe import Glm4MoeBlock, Glm4MoeRouter, SharedExpertsMoeBlock
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, make_rotary_embedding
+from pagedllm.models.mtp import skip_mtp_layers
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not the config's
 _LATENT_NORM_EPS = 1e-6
@@ -237,33 +239,24 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def is_moe_layer(config: Any, layer_idx: int) -> bool:
         types = getattr(config, "mlp_layer_types", None)  # GLM-4.7-Flash's
-        if types:
-            return types[layer_idx] == "sparse"
+        if types:  # (an MTP layer, past the list, is sparse)
+            return layer_idx >= len(types) or types[layer_idx] == "sparse"
         return layer_idx >= (config.first_k_dense_replace or 0)
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return DeepseekV2MoeBlock(config, dtype) if self.is_moe_layer(config, layer_idx) else None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        weights = self._skip_mtp_layers(weights)
+        # (the multi-token-prediction layers go to spec_decode's MTP proposer, not here: models/mtp.py)
+        return super().load_weights(self.prepare_weights(skip_mtp_layers(weights, self.config.num_hidden_layers)))
+
+    def prepare_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The RoPE rows of the query and latent projections moved to the rotate-half layout where the
+        checkpoint interleaves them (the MTP layer's too: ``models/mtp.py``)."""
         interleaved = self.rope_interleave_default
         if self.reads_rope_interleave:
             interleaved = getattr(self.config, "rope_interleave", interleaved)
-        if interleaved:
-            weights = self._interleaved_rope_to_half(weights)
-        return super().load_weights(weights)
-
-    def _skip_mtp_layers(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Drops the multi-token-prediction layers (indices from num_hidden_layers on), which
-        transformers does not load either."""
-        n = self.config.num_hidden_layers
-        for name, w in weights:
-            parts = name.split(".")
-            if "layers" in parts:
-                i = parts.index("layers")
-                if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= n:
-                    continue
-            yield name, w
+        return self._interleaved_rope_to_half(weights) if interleaved else weights
 
     def _interleaved_rope_to_half(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         c = self.config
@@ -281,6 +274,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     router (GLM-4.5's block); RoPE interleaved unless ``rope_interleave`` is false."""
 
     reads_rope_interleave = True
+    mtp_layout = "deepseek"  # its MTP layer at model.layers.{num_hidden_layers} (models/mtp.py)
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return Glm4MoeBlock(config, dtype) if self.is_moe_layer(config, layer_idx) else None

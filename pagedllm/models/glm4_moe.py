@@ -12,11 +12,12 @@ Models"; transformers' ``modeling_glm4_moe.py``): Llama-style pre-norm blocks wi
 
 Checkpoint names: ``mlp.gate.weight`` / ``mlp.gate.e_score_correction_bias`` (the router, kept in
 float32 as transformers keeps it), ``mlp.experts.N.{gate,up,down}_proj``, ``mlp.shared_experts.*``.
-The multi-token-prediction layer some checkpoints carry (index ``num_hidden_layers``) is not loaded.
+The multi-token-prediction layer GLM-4.5 checkpoints carry (index ``num_hidden_layers``) is loaded apart, by
+speculative decoding's ``mtp`` method (``models/mtp.py``).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.models.mtp import skip_mtp_layers
 
 
 def grouped_topk(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int, topk_group: int,
@@ -113,6 +115,8 @@ class Glm4MoeBlock(SharedExpertsMoeBlock):
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
+    mtp_layout = "deepseek"  # its MTP layer at model.layers.{num_hidden_layers} (models/mtp.py)
+
     def __init__(self, config: Any, dtype: torch.dtype, backend: Optional[AttentionBackend] = None) -> None:
         if not hasattr(config, "attention_out_bias"):
             config.attention_out_bias = False  # q/k/v have biases (attention_bias); o_proj never
@@ -127,3 +131,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, config: Any, layer_idx: int, dtype: torch.dtype) -> Optional[nn.Module]:
         return None if layer_idx < config.first_k_dense_replace else Glm4MoeBlock(config, dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        # (the multi-token-prediction layer goes to spec_decode's MTP proposer, not here: models/mtp.py)
+        return super().load_weights(skip_mtp_layers(weights, self.config.num_hidden_layers))

@@ -24,10 +24,10 @@ from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, Torch
 from pagedllm.layers.attention.backend import SlidingWindowBackend
 from pagedllm.layers.fused_moe import verify_experts_loaded
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                    default_weight_loader)
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.weights import load_stacked
 from pagedllm.platforms.layout import DecoderLayout, norm_paths
 
 
@@ -319,6 +319,11 @@ class LlamaForCausalLM(nn.Module):
         families return their sparse block here)."""
         return None
 
+    def prepare_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """Checkpoint tensors -> as our layers take them (a family whose layout differs rewrites them:
+        DeepSeek's interleaved RoPE rows); ``load_weights`` and an MTP layer's loader read through it."""
+        return weights
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load (checkpoint name, tensor or safetensors slice) pairs; returns the parameter names
         loaded. Raises ValueError on a shape mismatch or a missing weight."""
@@ -334,22 +339,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if tied and name == "embed_tokens.weight" and name not in params:
                 name = "lm_head.weight"  # the last pipeline stage holds the tied head without the embedding
-            for frag, fused, shard in self.stacked_params:
-                if f".{frag}." in name:
-                    pname = name.replace(frag, fused)
-                    if pname in params:
-                        params[pname].weight_loader(params[pname], w, shard)
-                        loaded.add(pname)
-                    else:
-                        unused.append(name)
-                    break
-            else:
-                if name in params:
-                    param = params[name]
-                    getattr(param, "weight_loader", default_weight_loader)(param, w)
-                    loaded.add(name)
-                else:
-                    unused.append(name)
+            if not load_stacked(params, loaded, self.stacked_params, name, w):
+                unused.append(name)
         if tied and "lm_head.weight" in params and "embed_tokens.weight" in params:
             loaded.add("lm_head.weight")
         self._log_unused(unused)

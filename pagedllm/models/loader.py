@@ -226,12 +226,35 @@ def checkpoint_names(model_dir: str) -> dict[str, list[int]]:
     return shapes
 
 
+def language_model_tensors(model_config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """A safetensors checkpoint's (name, tensor or lazy slice) pairs, of an image-text checkpoint its
+    language model's only (under the text model's names). Raises ValueError as ``iterate_weights``."""
+    raw = iterate_weights(model_config.model)
+    if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
+        raw = text_only_weights(raw)
+    return raw
+
+
+def checkpoint_tensors(model_config: ModelConfig, keep: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, Any]]:
+    """A safetensors checkpoint's (name, tensor or lazy slice) pairs as a model loads them: an image-text
+    checkpoint's language model only, FP8 blocks dequantized (other float8 refused); only the names
+    ``keep`` accepts where given (the others are not read). Raises ValueError as ``iterate_weights``."""
+    raw = language_model_tensors(model_config)
+    if keep is not None:
+        raw = ((name, w) for name, w in raw if keep(name))
+    checkpoint_quant = fp8.checkpoint_quantization(model_config.hf_config)
+    if checkpoint_quant and checkpoint_quant["quant_method"] == "fp8":
+        return fp8.dequantized(raw, checkpoint_quant)
+    return fp8.refuse_float8(raw)
+
+
 def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch.nn.Module:
     """Instantiate the registered architecture on ``device`` in ``model_config.dtype``, with the
     attention backend ``model_config.attention_backend`` selects for it, load its weights,
     then let each layer's linear method process them (e.g. quantize them to int8)."""
     cls = get_model_class(model_config.hf_config, model_config.max_model_len)
-    checkpoint_quant = fp8.checkpoint_quantization(model_config.hf_config)  # raises for a format we cannot read
+    checkpoint_quant = fp8.checkpoint_quantization(model_config.hf_config)  # raises early for a format we cannot read
     backend = get_attention_backend(model_config.attention_backend, device=device, dtype=model_config.dtype,
                                     head_dim=model_config.head_dim, block_size=block_size)
     # A model whose layers depend on the engine's context length (e.g. Phi-3's LongRoPE) asks for it.
@@ -263,12 +286,7 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                                        keep=_block_weights(model_config.hf_config), stats=gguf_stats)
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
-            raw = iterate_weights(path)
-            if getattr(model_config.hf_config, "text_only_of", None):  # an image-text checkpoint's language model
-                raw = text_only_weights(raw)
-            if checkpoint_quant and checkpoint_quant["quant_method"] == "fp8":
-                raw = fp8.dequantized(raw, checkpoint_quant)
-            elif checkpoint_quant and checkpoint_quant["quant_method"] in INT4_METHODS:
+            if checkpoint_quant and checkpoint_quant["quant_method"] in INT4_METHODS:
                 int4 = int4_format(checkpoint_quant)
                 shapes = checkpoint_names(path)
                 packed = [s for n, s in shapes.items() if n.endswith("." + int4.required[0])]
@@ -277,10 +295,10 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                 if not blocks:
                     why_not = why_not or "no Q4 kernels on this platform"
                 int4_stats: dict = {}
-                raw = int4_weights(fp8.refuse_float8(raw), int4, set(shapes), bool(blocks), int4_stats, why_not,
-                                   keep=_block_weights(model_config.hf_config))
+                raw = int4_weights(fp8.refuse_float8(language_model_tensors(model_config)), int4, set(shapes),
+                                   bool(blocks), int4_stats, why_not, keep=_block_weights(model_config.hf_config))
             else:
-                raw = fp8.refuse_float8(raw)
+                raw = checkpoint_tensors(model_config)
         weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)

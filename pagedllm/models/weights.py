@@ -25,6 +25,18 @@ def load_param(params: dict[str, nn.Parameter], loaded: set[str], name: str, w: 
     return True
 
 
+def load_stacked(params: dict[str, nn.Parameter], loaded: set[str], stacked_params: list[tuple[str, str, Any]],
+                 name: str, w: Any) -> bool:
+    """Load one checkpoint tensor by our parameter names: the first ``(fragment, fused parameter
+    fragment, shard id)`` of ``stacked_params`` whose fragment ``name`` holds routes it into that shard
+    of the fused parameter (q/k/v into qkv_proj, an expert's matrices into the stacked experts), else
+    it loads into ``params[name]``. False when no parameter takes it."""
+    for frag, fused, shard in stacked_params:
+        if f".{frag}." in name:
+            return load_param(params, loaded, name.replace(frag, fused), w, shard)
+    return load_param(params, loaded, name, w)
+
+
 def check_all_loaded(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
     """Raises ValueError naming (up to 8) parameters the checkpoint did not provide."""
     missing = set(params) - loaded

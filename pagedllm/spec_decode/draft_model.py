@@ -8,10 +8,8 @@ tokens are new), then k - 1 one-token steps. The draft's K/V is right for a posi
 it was fed there is still the sequence's token: the first ``min(fed, target num_computed_tokens)``
 positions, as the target's computed tokens never change; the rest is simply written again.
 
-Proposals are drawn from the draft's distribution under the request's sampling parameters (penalties,
-logit_bias, allowed and bad tokens, then temperature, top-k, top-p and min-p: ``Sampler.process`` and
-``target_probs``; its argmax for a greedy request), with the request's own generator where it is seeded; that distribution goes to the rejection
-sampler as q (``last_probs``).
+Proposals are drawn from the draft's distribution under the request's sampling parameters
+(``spec_decode/drafting.py``); that distribution goes to the rejection sampler as q (``last_probs``).
 """
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import get_pp_state, get_tp_rank, get_tp_size, set_pp_state, set_tp_state
-from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.sampler import Sampler, SamplingRow, target_probs
-from pagedllm.platforms import ops
+from pagedllm.layers.sampler import Sampler
+from pagedllm.spec_decode.drafting import draw_proposals, proposer_batch
 from pagedllm.worker.model_input import ModelInput
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -89,25 +86,10 @@ class DraftModelProposer:
     def _forward(self, seqs: list[tuple[str, list[int], int]]) -> torch.Tensor:
         """One draft pass: ``seqs`` = (request id, new tokens, first position), one-token ones first ->
         float32 logits [len(seqs), V] at each sequence's last new token."""
-        bs = self.block_size
-        ids, pos, slots, tables, seq_lens, qlens, last = [], [], [], [], [], [], []
-        for rid, toks, start in seqs:
-            table = self.kv.get_block_ids(rid)
-            n = len(toks)
-            ids.extend(toks)
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            tables.append(table)
-            seq_lens.append(start + n)
-            qlens.append(n)
-            last.append(len(ids) - 1)
-        dev = self.device
-        meta = AttentionMetadata.build(torch.tensor(slots, dtype=torch.long, device=dev), tables, seq_lens, qlens,
-                                       bs, dev)
-        return self.runner.execute_model(ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev), attn_metadata=meta,
-            logits_indices=torch.tensor(last, dtype=torch.long, device=dev))).float()
+        ids, pos, meta, last = proposer_batch([(toks, start, self.kv.get_block_ids(rid)) for rid, toks, start in seqs],
+                                              self.block_size, self.device)
+        return self.runner.execute_model(ModelInput(input_ids=ids, positions=pos, attn_metadata=meta,
+                                                    logits_indices=last)).float()
 
     def propose(self, wants: list) -> list[list[int]]:
         """``wants``: (request, k) of sequences in decode state -> their proposals (up to k each; none
@@ -137,21 +119,7 @@ class DraftModelProposer:
                     batch.append((r, out[rid][-1:], len(r.all_token_ids) + step - 1))
             batch.sort(key=lambda b: len(b[1]) != 1)
             logits = self._forward([(r.request_id, toks, start) for r, toks, start in batch])
-            greedy = [r.sampling_params.greedy for r, _, _ in batch]
-            # the draft's logits under the request's penalties, logit_bias, allowed / bad tokens (as the
-            # target's will be): proposals the target would never take are not made
-            rows = [SamplingRow(r.sampling_params, None, r.prompt_token_ids, r.output_token_ids + out[r.request_id])
-                    for r, _, _ in batch]
-            logits = self.sampler.process(logits, rows)
-            tokens = ops.argmax_rows(logits).tolist()
-            if not all(greedy):  # the draft's distribution under the request's temperature, top-k/p, min-p
-                q = target_probs(logits, rows)
-                for i, (r, _, _) in enumerate(batch):
-                    if not greedy[i]:
-                        tokens[i] = int(torch.multinomial(q[i], 1, generator=r.generator))
-                        probs[r.request_id].append(q[i])
-            for (r, _, _), tok in zip(batch, tokens):
-                out[r.request_id].append(tok)
+            draw_proposals(self.sampler, logits, [r for r, _, _ in batch], out, probs)
         for r, k, _ in live:
             rid = r.request_id
             self.fed[rid] = len(r.all_token_ids) + k - 1

@@ -30,3 +30,6 @@ class ModelInput:
     # Images in this step (multimodal/encoder_cache.py): what to encode or drop, and where their
     # embedding rows replace the placeholder tokens' embeddings (None: no image token in the step).
     mm: Optional[MultiModalStep] = None
+    # Speculative decoding's mtp method: the runner returns (logits, hidden states [N, hidden] of every
+    # token after the final norm), the MTP layer's input at the next step (``spec_decode/mtp.py``).
+    return_hidden: bool = False

@@ -75,6 +75,9 @@ class ModelRunner:
             pooling=self.pooling)
         if self.graphs_off is None and self.lora is not None:
             self.graphs_off = "LoRA adapters (the batched op's grouping changes every step)"
+        spec = config.speculative_config
+        if self.graphs_off is None and spec is not None and spec.method == "mtp":
+            self.graphs_off = "speculative decoding's mtp method (every step returns the hidden states)"
         # () -> a maker of graph objects (capture(fn), replay()); tests put a fake graph's here
         self.graph_factory: Callable[[], Callable[[], Any]] = torch_graph_factory
         self.cuda_graphs: Optional[CudaGraphRunner] = None
@@ -214,8 +217,9 @@ class ModelRunner:
         return x
 
     @torch.inference_mode()
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """One forward pass; returns ``compute_output`` of the rows ``logits_indices`` names."""
+    def execute_model(self, model_input: ModelInput) -> Any:
+        """One forward pass; returns ``compute_output`` of the rows ``logits_indices`` names, or under
+        ``return_hidden`` (that, every token's final hidden states [N, hidden]), run without CUDA graphs."""
         if model_input.block_copies:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*model_input.block_copies))
             for cache in self.kv_caches[self.start_layer:self.end_layer]:
@@ -225,13 +229,16 @@ class ModelRunner:
         if model_input.mm is not None:  # image tokens in the step: their embeddings scattered in
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
                                 model_input.attn_metadata, inputs_embeds=self.embed_with_images(model_input))
-            return self.compute_output(hidden[model_input.logits_indices])
-        if self.cuda_graphs is not None:  # a decode-only step replays its graph; None: it runs eagerly
-            meta = model_input.attn_metadata
-            rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
-                                        meta.block_tables, meta.seq_lens, meta.num_decode_tokens,
-                                        model_input.logits_indices)
-            if rows is not None:  # the hidden states of the rows asked for
-                return self.compute_output(rows)
-        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
-        return self.compute_output(hidden[model_input.logits_indices])
+        else:
+            # a decode-only step replays its graph (None: it runs eagerly); not where the hidden states are returned
+            if self.cuda_graphs is not None and not model_input.return_hidden:
+                meta = model_input.attn_metadata
+                rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,
+                                            meta.block_tables, meta.seq_lens, meta.num_decode_tokens,
+                                            model_input.logits_indices)
+                if rows is not None:  # the hidden states of the rows asked for
+                    return self.compute_output(rows)
+            hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
+                                model_input.attn_metadata)
+        out = self.compute_output(hidden[model_input.logits_indices])
+        return (out, hidden) if model_input.return_hidden else out

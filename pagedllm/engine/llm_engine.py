@@ -85,7 +85,7 @@ class LLMEngine:
         # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
         self._inflight: deque = deque()
         self.max_inflight_batches = 0  # the most batches ever in flight at once (0: never pipelined)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.sampler = Sampler()
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
         self.speculator: Optional[Speculator] = None
@@ -446,6 +446,8 @@ class LLMEngine:
                    else dict.fromkeys(r.parent_id for r in updated))
         for parent_id in parents:
             if self.final_outputs_only and not self.output_processor.is_finished(parent_id):
+                continue
+            if not self.output_processor.output_due(parent_id):  # --stream-interval
                 continue
             out_ = self.output_processor.make_output(parent_id)
             if out_ is not None:

@@ -201,6 +201,11 @@ class Scheduler:
             num_new = len(req.all_token_ids) - req.num_computed_tokens + len(req.spec_token_ids)  # (+ proposals)
             if num_new > budget:
                 num_new = budget
+            if req.num_computed_tokens + num_new <= req.kv_free_end:  # (most decodes: nothing to allocate)
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
             ok = True
             while not allocate_slots(req, num_new):
                 victim = self._pop_victim(i)

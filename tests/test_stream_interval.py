@@ -12,7 +12,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
-from server_utils import RemoteServer
+from server_utils import RemoteServer, metric
 
 PROMPT = [10, 11, 12, 13]
 
@@ -103,6 +103,8 @@ def stream_chunks(url: str, **body) -> list[dict]:
 
 
 def test_streamed_text_equals_the_whole_answer(server, every_token):
+    itl = "pagedllm:inter_token_latency_seconds_count"
+    before = metric(httpx.get(server.url + "/metrics", timeout=10).text, itl, model_name="tiny")
     body = dict(prompt=PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     whole = httpx.post(server.url + "/v1/completions", timeout=120, json={"model": "tiny", **body}).json()
     (ref,) = every_token.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=10,
@@ -119,6 +121,9 @@ def test_streamed_text_equals_the_whole_answer(server, every_token):
     assert counts[-1] == 10 and set(counts) <= {1, 4, 7, 10}, counts
     assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 10 == whole["usage"]["completion_tokens"]
+    # inter-token latency is still observed once a token after the first (9 a request), as with N = 1
+    after = metric(httpx.get(server.url + "/metrics", timeout=10).text, itl, model_name="tiny")
+    assert after - before == 2 * 9
 
 
 def test_streamed_n2_and_a_stop_string(server, every_token):

@@ -151,6 +151,9 @@ class SchedulerConfig:
     # --scheduling-policy); see engine/scheduler.py
     policy: str = "fcfs"
     max_loras: int = 0  # adapters one step may use (--max-loras under --enable-lora); 0: LoRA off
+    # tokens a request gathers between two of its outputs to callers (vLLM's stream_interval; 1: every
+    # token; engine/output_processor.OutputProcessor.output_due)
+    stream_interval: int = 1
 
 
 @dataclass

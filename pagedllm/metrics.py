@@ -155,8 +155,11 @@ class _EngineCollector:
 class ServerMetrics:
     """All collectors of one server. ``record_outputs`` / ``record_abort`` run on the engine thread."""
 
-    def __init__(self, get_snapshot: Callable, model_name: str) -> None:
+    def __init__(self, get_snapshot: Callable, model_name: str, stream_interval: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # --stream-interval N > 1: one output carries up to N steps' tokens (see record_outputs)
+        self.stream_interval = stream_interval
+        self._last_count: dict[str, int] = {}
         labels = ["model_name"]
         self.model_name = model_name
         # registry=None: _WithVllmNames registers them, each followed by its vllm: copy.
@@ -187,11 +190,19 @@ class ServerMetrics:
                     self.ttft.observe(ttft)
                     self.latencies.append((time.monotonic(), "ttft", ttft))
             elif m.last_token_time > prev:
-                self.itl.observe(m.last_token_time - prev)
-                self.latencies.append((time.monotonic(), "itl", m.last_token_time - prev))
+                gap, k = m.last_token_time - prev, 1
+                if self.stream_interval > 1:  # the output's k new tokens (of its longest sample): k gaps, the mean
+                    k = max(1, max(len(c.token_ids) for c in out.outputs) - self._last_count.get(out.request_id, 0))
+                    gap /= k
+                for _ in range(k):
+                    self.itl.observe(gap)
+                    self.latencies.append((time.monotonic(), "itl", gap))
             self._last_token_time[out.request_id] = m.last_token_time
+            if self.stream_interval > 1:
+                self._last_count[out.request_id] = max((len(c.token_ids) for c in out.outputs), default=0)
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
+                self._last_count.pop(out.request_id, None)
                 end = m.finished_time or m.last_token_time
                 self.e2e.observe(max(0.0, end - m.arrival_time))
                 for c in out.outputs:
@@ -200,6 +211,7 @@ class ServerMetrics:
     def record_abort(self, request_id: str, finish_reasons: Sequence[Optional[str]] = (None,)) -> None:
         """An aborted request: one count per choice, by its finish reason (None: aborted)."""
         self._last_token_time.pop(request_id, None)
+        self._last_count.pop(request_id, None)
         for reason in finish_reasons:
             self.request_success.labels(self.model_name, reason or "abort").inc()
 

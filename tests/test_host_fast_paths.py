@@ -234,11 +234,54 @@ def test_persistent_batch_matches_the_list_built_batch(seed):
     over the run and stop at random lengths, so sequences join and leave at every row; a small pool
     forces preemption and resume; a small token budget chunks prefills (one-token chunks included).
     Every step's batch equals the original list-built one, and the pool is empty at the end."""
+    drive_random_scheduler(seed, KVCacheManager)
+
+
+class AlwaysAsked(KVCacheManager):
+    """allocate_slots never promises free tokens (Request.kv_free_end stays 0): the scheduler calls it
+    for every running request, as before the skip."""
+
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
+        ok = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
+        request.kv_free_end = 0
+        return ok
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_skipped_allocations_change_nothing(seed):
+    """The scheduler skips allocate_slots where Request.kv_free_end says it has nothing to do: the same
+    random workloads (forks, copy-on-write, prefix hits, preemption, chunked prefill, sliding windows,
+    caching on and off) give the same schedule, block tables, reference counts, free queue, cached
+    hashes and copies after every step as with every call made; and the skip is taken."""
+    a, b = [], []
+    calls_skipping, bs = drive_random_scheduler(seed, KVCacheManager, a)
+    calls_all, _ = drive_random_scheduler(seed, AlwaysAsked, b)
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert x == y, step
+    if seed % 4 != 3 and bs >= 4:  # (under a sliding window none is skipped; nor, with caching, at 1-2 a block)
+        assert calls_skipping < calls_all
+    else:
+        assert calls_skipping <= calls_all
+
+
+def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None) -> tuple[int, int]:
+    """The random workload of test_persistent_batch_matches_the_list_built_batch; with ``trace``, each
+    step's (scheduled (id, tokens), preempted, KV state, table changes) is appended to it. Returns the
+    number of allocate_slots calls (counted with ``trace`` only) and the block size."""
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 16])
     priority = seed % 3 == 2
-    kv = KVCacheManager(rng.choice([12, 24, 64]) * (16 // bs if bs < 16 else 1), bs,
-                        enable_caching=seed % 4 != 1, sliding_window=3 * bs + 1 if seed % 4 == 3 else None)
+    kv = kv_cls(rng.choice([12, 24, 64]) * (16 // bs if bs < 16 else 1), bs,
+                enable_caching=seed % 4 != 1, sliding_window=3 * bs + 1 if seed % 4 == 3 else None)
+    calls = [0]
+    if trace is not None:
+        real = kv.allocate_slots
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            return real(*a, **kw)
+        kv.allocate_slots = counted
     max_len = 96
     cfg = SchedulerConfig(max_num_batched_tokens=rng.choice([17, 33, 64]), max_num_seqs=rng.choice([3, 8, 32]),
                           max_model_len=max_len, policy="priority" if priority else "fcfs")
@@ -265,6 +308,9 @@ def test_persistent_batch_matches_the_list_built_batch(seed):
                 break
             continue
         out = sched.schedule()
+        if trace is not None:
+            trace.append(([(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted],
+                          kv_state(kv, list(sched.requests)), {r.request_id: f for r, f in kv.table_changes.items()}))
         if out.is_empty:
             continue
         steady_steps += bool(batch.rows) and bool(batch.steady[:len(batch.rows)].all())
@@ -283,6 +329,7 @@ def test_persistent_batch_matches_the_list_built_batch(seed):
     pool = kv.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks if b is not pool.null_block)
+    return calls[0], bs
 
 
 def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):

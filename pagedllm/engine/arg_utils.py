@@ -271,6 +271,11 @@ class EngineArgs(CliArgs):
     num_threads: Optional[int] = setting(
         None, "CPU threads for the model (default: OMP_NUM_THREADS if set, else the physical cores)")
     max_num_seqs: int = setting(256, "maximum sequences in the running batch")
+    stream_interval: int = setting(
+        1, "tokens a streamed request gathers before its next output (vLLM's --stream-interval): an output "
+           "goes out for a request's first token, when it finishes, and whenever one of its samples has this "
+           "many tokens more than at its last output; 1 = every token. Larger values send several tokens per "
+           "SSE event: less HTTP, JSON and client work per token, the same text")
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs of decode steps (on CUDA with a graph-safe attention "
                "backend, triton or flash-attn, decode batches up to max_num_seqs (at most 512) are captured at "
@@ -335,6 +340,9 @@ class EngineArgs(CliArgs):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or \
+                self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.tensor_parallel_size < 1:
@@ -429,6 +437,7 @@ class EngineArgs(CliArgs):
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
                 max_loras=lora_config.max_loras if lora_config else 0,
+                stream_interval=self.stream_interval,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            pipeline_parallel_size=self.pipeline_parallel_size,

@@ -47,13 +47,15 @@ def _logprob_rows(position: Optional[dict]) -> Optional[list]:
 
 
 class _Sent:
-    __slots__ = ("tokens", "logprobs", "finished", "prompt_logprobs")
+    __slots__ = ("tokens", "logprobs", "finished", "prompt_logprobs", "plain")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, plain: bool = False) -> None:
         self.tokens = [0] * n        # output tokens already sent, per sample
         self.logprobs = [0] * n      # logprob positions already sent, per sample
         self.finished = [False] * n
         self.prompt_logprobs = False
+        # one sample, no logprobs, no prompt logprobs, not pooled: DeltaCollector._plain_delta
+        self.plain = plain
 
 
 class DeltaCollector(OutputProcessor):
@@ -62,15 +64,18 @@ class DeltaCollector(OutputProcessor):
     the last one. Logprob entries keep their token text (decoded here, cached per token id), as
     the in-process engine makes them."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, pooling: bool = False) -> None:
         super().__init__(tokenizer)
+        self.pooling = pooling  # the pooling runner's requests carry an embedding: never the plain path
         self._sent: dict[str, _Sent] = {}
         self._changed: set[str] = set()
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: list[Request]) -> None:
         self.states[request_id] = _CoreState(children)  # (no detokenizers)
-        self._sent[request_id] = _Sent(len(children))
+        sp = children[0].sampling_params
+        self._sent[request_id] = _Sent(len(children), plain=len(children) == 1 and sp.logprobs is None
+                                       and sp.prompt_logprobs is None and not self.pooling)
 
     def process(self, updated: list[Request]) -> list[str]:
         return []
@@ -80,6 +85,8 @@ class DeltaCollector(OutputProcessor):
         if state is None:
             return None
         sent = self._sent[request_id]
+        if sent.plain:
+            return self._plain_delta(request_id, state.children[0], sent)
         seqs = []
         for req in state.children:
             i = req.index
@@ -113,6 +120,28 @@ class DeltaCollector(OutputProcessor):
             del self._sent[request_id]
         return P.RequestDelta(request_id, first.metrics.arrival_time, seqs, max(0, first.num_cached_tokens),
                               plp, pooled)
+
+
+    def _plain_delta(self, request_id: str, req: Request, sent: _Sent) -> P.RequestDelta:
+        """make_output of a one-sample request without logprobs or pooling (most requests, every step):
+        the same delta, without the general path's per-sample loop and checks."""
+        out = req.output_token_ids
+        num, status = len(out), req.status
+        finished = status.finished
+        seqs = []
+        if num != sent.tokens[0] or finished != sent.finished[0]:
+            new = out[sent.tokens[0]:]
+            sent.tokens[0] = num
+            sent.finished[0] = finished
+            m = req.metrics
+            seqs.append(P.SeqDelta(req.index, new, status.finish_reason, req.stop_reason if finished else None, None,
+                                   float(req.cumulative_logprob), m.first_scheduled_time, m.first_token_time,
+                                   m.last_token_time, m.finished_time))
+        if finished:
+            del self.states[request_id]
+            del self._sent[request_id]
+        cached = req.num_cached_tokens
+        return P.RequestDelta(request_id, req.metrics.arrival_time, seqs, cached if cached > 0 else 0)
 
 
 class _CoreState:
@@ -172,7 +201,7 @@ def core_main(engine_args: Any, index: int, num_threads: int, input_addr: str, o
         out.close()
         ctx.term()  # (waits up to LINGER for the message to leave: os._exit would drop it)
         os._exit(1)
-    engine.output_processor = DeltaCollector(engine.tokenizer)
+    engine.output_processor = DeltaCollector(engine.tokenizer, engine.pooling)
     cc = engine.config.cache_config
     out.send(encoder.encode(P.Ready(index, os.getpid(), cc.num_blocks, num_threads, cc.sliding_window)))
     EngineCore(engine, index, inp, out, encoder, decoder).run()

@@ -80,7 +80,7 @@ class FrontEngine:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.vocab_size = config.model_config.hf_config.vocab_size
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
         self.pooling = config.model_config.runner == "pooling"  # (as LLMEngine.pooling)
         self.mm_processor = make_mm_processor(config)  # images are processed here, encoded in the core
@@ -522,6 +522,8 @@ class CoreClient(AsyncLLM):
                     m.status = RequestStatus.FINISHED_STOPPED
                     m.metrics.finished_time = time.time()
                     stopped.append(sid)
+                if not op.output_due(d.request_id):
+                    continue  # --stream-interval: its tokens wait for the next output
                 out = op.make_output(d.request_id)
                 if out is None:
                     continue

@@ -182,8 +182,18 @@ class KVCacheManager:
             if num_new_blocks > 0:
                 blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
             self._table_changed(request, first_changed)
-        if self.enable_caching and end // bs > self.num_cached_blocks.get(rid, 0):
+        num_cached = self.num_cached_blocks.get(rid, 0)
+        if self.enable_caching and end // bs > num_cached:
             self._cache_full_blocks(request, blocks, end)
+            num_cached = self.num_cached_blocks[rid]
+        # The tokens the next calls may add with nothing to do (see Request.kv_free_end): up to the end of
+        # the blocks held and, with caching, short of filling the next block (it is then hashed); none
+        # while the block written next is shared (copy-on-write) or under a sliding window.
+        if self.sliding_window is None and not (end % bs and blocks[end // bs].ref_cnt > 1):
+            limit = len(blocks) * bs
+            request.kv_free_end = min(limit, (num_cached + 1) * bs - 1) if self.enable_caching else limit
+        else:
+            request.kv_free_end = 0
         return True
 
     def _table_changed(self, request: Request, first: int) -> None:
@@ -230,6 +240,7 @@ class KVCacheManager:
             if b is not self.null_block:
                 b.ref_cnt += 1
         self.req_to_blocks[child.request_id] = blocks
+        parent.kv_free_end = child.kv_free_end = 0  # their block written next is shared now
         self._table_changed(child, 0)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
@@ -242,6 +253,7 @@ class KVCacheManager:
             return
         tail = blocks[num_blocks:]
         del blocks[num_blocks:]
+        request.kv_free_end = 0
         self._block_ids.pop(request.request_id, None)
         self._table_changed(request, num_blocks)
         self.block_pool.free_blocks(b for b in reversed(tail) if b is not self.null_block)
@@ -253,6 +265,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return every block of ``request`` to the pool (cached ones stay reusable)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        request.kv_free_end = 0
         self.num_cached_blocks.pop(request.request_id, None)
         self._block_ids.pop(request.request_id, None)
         self.table_changes.pop(request, None)

@@ -88,7 +88,7 @@ class LLMEngine:
         # Pipeline parallelism: (schedule, plan, future) of each batch in flight, oldest first.
         self._inflight: deque = deque()
         self.max_inflight_batches = 0  # the most batches ever in flight at once (0: never pipelined)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.sampler = Sampler()
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
         self.speculator: Optional[Speculator] = None
@@ -499,16 +499,24 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.release_finished()
         outputs = []
+        op = self.output_processor
+        make_output = op.make_output
         # Only requests with a sequence that finished this step can be finished (so only those are
         # looked at when only final outputs are wanted).
-        parents = (dict.fromkeys(r.parent_id for r in updated if r.status.finished) if self.final_outputs_only
-                   else dict.fromkeys(r.parent_id for r in updated))
-        for parent_id in parents:
-            if self.final_outputs_only and not self.output_processor.is_finished(parent_id):
-                continue
-            out_ = self.output_processor.make_output(parent_id)
-            if out_ is not None:
-                outputs.append(out_)
+        if self.final_outputs_only:
+            for parent_id in dict.fromkeys(r.parent_id for r in updated if r.status.finished):
+                if op.is_finished(parent_id):
+                    out_ = make_output(parent_id)
+                    if out_ is not None:
+                        outputs.append(out_)
+        else:
+            due = op.output_due if op.stream_interval > 1 else None  # --stream-interval
+            for parent_id in dict.fromkeys(r.parent_id for r in updated):
+                if due is not None and not due(parent_id):
+                    continue
+                out_ = make_output(parent_id)
+                if out_ is not None:
+                    outputs.append(out_)
         if self.log_stats and time.time() - self._last_log > 10.0:
             self._log_stats()
         return outputs

@@ -18,11 +18,19 @@ class RequestState:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     num_detokenized: list[int] = field(default_factory=list)
+    # What the last output carried, per sample: (output tokens, finished); None before the first output
+    # (read by OutputProcessor.output_due under a stream interval).
+    last_output: Optional[list[tuple[int, bool]]] = None
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    """``stream_interval`` N (vLLM's ``--stream-interval``): the engine loops ask ``output_due`` before
+    making a running request's output, so a caller gets one every N tokens of a sample (plus the first
+    and the finishing one) instead of one a step; detokenization and stop strings still run every step."""
+
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}
         self._token_text_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
@@ -87,6 +95,23 @@ class OutputProcessor:
                     stopped.append(req.request_id)
         return stopped
 
+    def output_due(self, request_id: str) -> bool:
+        """Whether ``request_id``'s next output should be made now under ``stream_interval`` N (vLLM's
+        ``RequestState.make_request_output`` rule): always with N = 1; else when it has had no output
+        yet (its first token: time to first token is kept), when a sample finished since its last
+        output, or when a sample has N or more tokens beyond what its last output carried. An unknown
+        id is due (``make_output`` answers None for it)."""
+        n = self.stream_interval
+        if n <= 1:
+            return True
+        state = self.states.get(request_id)
+        if state is None or state.last_output is None:
+            return True
+        for req, (num, finished) in zip(state.children, state.last_output):
+            if req.status.finished != finished or len(req.output_token_ids) - num >= n:
+                return True
+        return False
+
     def is_finished(self, request_id: str) -> bool:
         state = self.states.get(request_id)
         return state is not None and all(c.is_finished for c in state.children)
@@ -123,4 +148,6 @@ class OutputProcessor:
                                pooled=first.pooled)
         if finished:
             del self.states[request_id]
+        elif self.stream_interval > 1:
+            state.last_output = [(len(c.token_ids), c.finish_reason is not None) for c in outs]
         return output

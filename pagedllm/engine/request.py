@@ -78,6 +78,9 @@ class Request:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(sampling_params.seed)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (prefix caching)
+        # Set by KVCacheManager.allocate_slots: allocating up to this many computed + new tokens changes
+        # nothing (no block to add, none to hash, none to copy), so the scheduler skips the call; 0: ask it.
+        self.kv_free_end = 0
         self.grammar = None  # structured outputs: GrammarMatcher over output_token_ids
         self.sampling_row = None  # the sampler's view of it, kept by the engine once it stops changing
         # Set by the scheduler on add_request (Scheduler._set_stop_filter): token ids that can stop it,

@@ -209,6 +209,11 @@ class Scheduler:
                 if num_new == 0:  # its next image does not fit this step's budget
                     i += 1
                     continue
+            if req.num_computed_tokens + num_new <= req.kv_free_end:  # (most decodes: nothing to allocate)
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
             ok = True
             while not allocate_slots(req, num_new):
                 victim = self._pop_victim(i)

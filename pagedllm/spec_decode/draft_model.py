@@ -29,13 +29,14 @@ from pagedllm.worker.model_runner import ModelRunner
 class DraftSeq:
     """What the draft's block manager reads of a sequence (``KVCacheManager`` takes any such object)."""
 
-    __slots__ = ("request_id", "num_computed_tokens", "all_token_ids", "block_hashes")
+    __slots__ = ("request_id", "num_computed_tokens", "all_token_ids", "block_hashes", "kv_free_end")
 
     def __init__(self, request_id: str, num_computed_tokens: int = 0) -> None:
         self.request_id = request_id
         self.num_computed_tokens = num_computed_tokens
         self.all_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
+        self.kv_free_end = 0  # (written by KVCacheManager.allocate_slots: Request.kv_free_end)
 
     @property
     def num_tokens(self) -> int:

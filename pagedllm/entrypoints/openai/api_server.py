@@ -224,7 +224,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     served = served_model_name or llm.model_config.served_model_name
     models = OpenAIServingModels(llm, served, lora_modules,
                                  allow_runtime_lora_updating or envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING)
-    metrics = ServerMetrics(lambda: llm.snapshot, served)
+    metrics = ServerMetrics(lambda: llm.snapshot, served, llm.engine.config.scheduler_config.stream_interval)
     llm.on_outputs = metrics.record_outputs
     llm.on_abort = metrics.record_abort
     completions = OpenAIServingCompletion(llm, served, chat_template)

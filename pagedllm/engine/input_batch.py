@@ -18,6 +18,12 @@ So a decode step whose sequences all stay is a few array operations and one list
 large the batch; the per-sequence Python is O(changed sequences). The tensors handed to the model are
 fresh copies (a batch in flight never sees the next step's writes). Prefill chunks are built from
 their requests as before (their cost is in proportion to their tokens anyway).
+
+M-RoPE (Qwen2-VL's image positions, ``layers/mrope.py``): a request whose prompt holds images carries its
+prompt's positions [3, L] and a ``delta``. The model sees a decode row at position + delta (the three
+streams agree past the prompt: plain RoPE, shifted), so a decode-only step keeps [N] positions; a step
+with a prefill chunk of such a prompt gets [3, N] positions (each stream a row). The slots, sequence
+lengths and block tables always follow the token's index.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.layers.mrope import mrope_positions_at
 from pagedllm.lora.slots import LoRASlotTable
 from pagedllm.worker.model_input import ModelInput
 
@@ -67,7 +74,8 @@ class InputBatch:
 
     Arrays (row i = the i-th one-token sequence of the last step): ``token`` [R] int64 next input token,
     ``pos`` [R] int64 its position, ``tables`` [R, W] int32 block table (0 past ``num_blocks``),
-    ``num_blocks`` [R] int32, ``steady`` [R] bool (the row sampled last step and the arrays are current).
+    ``num_blocks`` [R] int32, ``steady`` [R] bool (the row sampled last step and the arrays are current),
+    ``delta`` [R] int64 what the model's position differs from ``pos`` by (M-RoPE's; 0 for most).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_model_len: int, device: str) -> None:
@@ -80,6 +88,7 @@ class InputBatch:
         self.tables = np.zeros((rows, width), np.int32)
         self.num_blocks = np.zeros(rows, np.int32)
         self.steady = np.zeros(rows, bool)
+        self.delta = np.zeros(rows, np.int64)
         self.rows: list[Request] = []  # the requests of the rows, in batch order
         self.row_of: dict[Request, int] = {}
         self.generation = 0
@@ -102,7 +111,7 @@ class InputBatch:
     def _grow(self, rows: int, width: int) -> None:
         rows = max(rows, len(self.token))
         width = max(width, self.tables.shape[1])
-        for name in ("token", "pos", "num_blocks", "steady"):
+        for name in ("token", "pos", "num_blocks", "steady", "delta"):
             old = getattr(self, name)
             new = np.zeros(rows, old.dtype)
             new[:len(old)] = old
@@ -138,6 +147,7 @@ class InputBatch:
             used = int(self.num_blocks[:len(self.rows)].max()) if self.rows else 0
             self.token[:n] = self.token[src]
             self.pos[:n] = self.pos[src]
+            self.delta[:n] = self.delta[src]
             self.num_blocks[:n] = self.num_blocks[src]  # (a joining row's is rewritten by _refresh)
             self.steady[:n] = self.steady[src] & kept
             if used:
@@ -154,6 +164,7 @@ class InputBatch:
         start = r.num_computed_tokens
         self.token[i] = r.all_token_ids[start]
         self.pos[i] = start
+        self.delta[i] = r.mrope_delta
         self._write_table(i, self.kv.get_block_ids(r.request_id), 0)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -232,8 +243,9 @@ class InputBatch:
         block_idx, offset = np.divmod(pos, bs)
         dec_slots = self.tables[self._arange[:n], block_idx] * np.int64(bs) + offset  # (int64: no overflow)
         max_blocks = int(self.num_blocks[:n].max()) if n else 0
+        model_pos = pos + self.delta[:n]  # (a new array)
         if not prefills:
-            input_ids, positions, slots = self.token[:n].copy(), pos.copy(), dec_slots
+            input_ids, positions, slots = self.token[:n].copy(), model_pos, dec_slots
             tables = self.tables[:n, :max_blocks].copy()
             seq_lens = (pos + 1).astype(np.int32)
             qsl = self._arange[:n + 1].astype(np.int32)
@@ -245,18 +257,25 @@ class InputBatch:
             p_tables: list[list[int]] = []
             p_lens: list[int] = []
             starts = [n]
+            p_mrope: list[tuple[int, torch.Tensor]] = []  # (batch offset, [3, k] positions) of M-RoPE chunks
             for r, k in prefills:
                 start = r.num_computed_tokens
                 table = kv.get_block_ids(r.request_id)
                 note_outputs(r, start, k, starts[-1])
                 p_ids.extend(r.all_token_ids[start:start + k])
-                p_pos.extend(range(start, start + k))
+                if r.mrope_positions is not None:
+                    p_mrope.append((starts[-1], mrope_positions_at(r.mrope_positions, r.mrope_delta, start, start + k)))
+                p_pos.extend(range(start + r.mrope_delta, start + k + r.mrope_delta))
                 p_slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + k))
                 p_tables.append(table)
                 p_lens.append(start + k)
                 starts.append(starts[-1] + k)
             input_ids = np.concatenate([self.token[:n], np.array(p_ids, np.int64)])
-            positions = np.concatenate([pos, np.array(p_pos, np.int64)])
+            positions = np.concatenate([model_pos, np.array(p_pos, np.int64)])
+            if p_mrope:  # three streams: t, h, w (equal but on image tokens)
+                positions = np.repeat(positions[None], 3, axis=0)
+                for at, p3 in p_mrope:
+                    positions[:, at:at + p3.shape[1]] = p3.numpy()
             slots = np.concatenate([dec_slots, np.array(p_slots, np.int64)])
             max_blocks = max(max_blocks, max(map(len, p_tables)))
             tables = np.zeros((n + len(prefills), max_blocks), np.int32)

@@ -88,6 +88,11 @@ class Request:
         # Speculative decoding: this step's proposed next tokens (engine/speculator.py), scheduled after
         # the last sampled token and verified in the same forward pass; never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+        # M-RoPE (Qwen2-VL's three position streams, layers/mrope.py): the prompt's positions [3, L] int64
+        # when it holds images (None: plain positions), and the offset of every later token's position
+        # from its index (0 for a text-only prompt).
+        self.mrope_positions: Optional[torch.Tensor] = None
+        self.mrope_delta = 0
 
     @property
     def priority_key(self) -> tuple[int, float]:

@@ -73,6 +73,22 @@ class ModelConfig:
     # LoRA adapters are served (--enable-lora): the loader then leaves SmoothQuant out, whose factors,
     # folded into the norms and weights, would change the inputs the adapters' A matrices were trained on.
     lora_enabled: bool = False
+    # Image inputs (multimodal/): the most images one prompt may carry ({"image": N}; None: the
+    # family's default, vLLM's --limit-mm-per-prompt), the folder file:// URLs may name (None: none),
+    # whether http(s) image URLs are fetched.
+    limit_mm_per_prompt: Optional[dict] = None
+    allowed_local_media_path: Optional[str] = None
+    allow_remote_media: bool = False
+
+    @property
+    def multimodal_config(self) -> Any:
+        """The whole config of an image-text checkpoint whose vision tower is served (its vision tower
+        is built from it; ``models/checkpoint.py``), else None (text only)."""
+        return getattr(self.hf_config, "multimodal_config", None)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.multimodal_config is not None
 
     @property
     def architecture(self) -> str:

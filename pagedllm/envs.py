@@ -84,6 +84,18 @@ def _smoothquant_alpha(raw: Optional[str]) -> Optional[float]:
 
 
 ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
+    # --- image inputs (multimodal/media.py) ---
+    "PAGEDLLM_MAX_IMAGE_BYTES": EnvVar(
+        "int (bytes)", str(20 * 2**20), int,
+        "The largest encoded image a request may carry or name (data: URL payload, local file, remote "
+        "fetch); a larger one is refused with 400 before it is decoded."),
+    "PAGEDLLM_MAX_IMAGE_PIXELS": EnvVar(
+        "int (pixels)", "40000000", int,
+        "The most pixels (width x height) of one decoded image; a larger one is refused with 400 (read from "
+        "the image header, before its pixels are decoded)."),
+    "PAGEDLLM_IMAGE_FETCH_TIMEOUT_S": EnvVar(
+        "float (seconds)", "10", float,
+        "How long fetching one http(s) image URL may take (only under --allow-remote-media)."),
     # --- start-up and distributed timeouts (seconds; float() of the text) ---
     "PAGEDLLM_DP_STARTUP_TIMEOUT_S": EnvVar(
         "float (seconds)", "600", float,

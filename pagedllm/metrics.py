@@ -42,6 +42,8 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pagedllm:num_preemptions": ("vllm:num_preemptions",),
     "pagedllm:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "pagedllm:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "pagedllm:mm_cache_queries": ("vllm:mm_cache_queries",),
+    "pagedllm:mm_cache_hits": ("vllm:mm_cache_hits",),
     "pagedllm:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
     "pagedllm:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
                                              "vllm:time_per_output_token_seconds"),
@@ -130,6 +132,10 @@ class _EngineCollector:
                       lambda sn: sn.stats.prefix_cache_queries)
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       lambda sn: sn.stats.prefix_cache_hits)
+        yield counter("pagedllm:mm_cache_queries", "Images a step needed the encoder output of.",
+                      lambda sn: sn.stats.mm_cache_queries)
+        yield counter("pagedllm:mm_cache_hits", "Images whose encoder output was in the encoder cache (not "
+                      "encoded again).", lambda sn: sn.stats.mm_cache_hits)
         spec = getattr(snap, "spec_decode", None)
         if spec is not None and not replicas:  # speculative decoding on (vLLM's spec_decode_* counters)
             yield counter("pagedllm:spec_decode_num_drafts", "Sequence-steps that verified proposed tokens.",

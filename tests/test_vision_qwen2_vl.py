@@ -157,3 +157,96 @@ def test_mrope_cos_sin_equals_transformers(version):
     assert torch.equal(mrope_cos_sin(table, positions[0], streams), table.cos_sin(positions[0]))
     with pytest.raises(ValueError, match="adds up to"):
         mrope_channel_streams([4, 6, 4], head_dim)
+
+
+# ------------------------------------------------------------------ the engine against transformers' generate
+
+MAX_NEW = 8
+
+
+def build_vl_checkpoint(out_dir: str, version: str, seed: int = 0) -> str:
+    """A tiny random Qwen2-VL / Qwen2.5-VL checkpoint (language model, vision tower, image processor config,
+    tokenizer with Qwen's vision tokens) saved with save_pretrained."""
+    from conftest import build_tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = build_tokenizer(out_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                         "<|video_pad|>"]})
+    tok.save_pretrained(out_dir)
+    ids = dict(zip(["vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"],
+                   tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])))
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, rope_scaling={"type": "mrope",
+                                                                                   "mrope_section": [2, 3, 3]},
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                tie_word_embeddings=False, initializer_range=0.15)
+    vision = _vision_config(version).to_dict()
+    vision["out_hidden_size" if version == "2.5" else "hidden_size"] = 64
+    if version == "2":
+        from transformers import Qwen2VLConfig as C, Qwen2VLForConditionalGeneration as M
+    else:
+        from transformers import Qwen2_5_VLConfig as C, Qwen2_5_VLForConditionalGeneration as M
+    config = C(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    torch.manual_seed(seed)
+    model = M(config).eval()
+    with torch.no_grad():  # transformers zero-initializes biases and sets norms to 1: random ones show up
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name or "ln_q" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 20).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=["2", "2.5"])
+def vl_checkpoint(request, tmp_path_factory):
+    d = build_vl_checkpoint(str(tmp_path_factory.mktemp(f"qwen{request.param}vl")), request.param)
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    return d, model
+
+
+def _images(seed: int, sizes=((60, 90), (100, 45))):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def hf_generate(d: str, model, text: str, images: list) -> list[int]:
+    """transformers' greedy generate on the prompt our processor expands (the same ids, pixels and grids)."""
+    from pagedllm.models.qwen2_vl_vision import Qwen2VLVisionTower
+    proc = Qwen2VLVisionTower.make_processor(d, model.config)
+    if images:
+        inputs = proc(text, images)
+        ids = inputs["input_ids"]
+        extra = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                     mm_token_type_ids=(ids == model.config.image_token_id).int())
+    else:
+        ids, extra = proc.tokenizer([text], return_tensors="pt")["input_ids"], {}
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
+                         max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def test_greedy_with_images_equals_transformers(vl_checkpoint):
+    from pagedllm import LLM, SamplingParams
+    d, model = vl_checkpoint
+    imgs = _images(0) + _images(1, ((50, 50),))
+    prompts = [
+        (f"Describe {PH} briefly please", [imgs[0]]),
+        (f"one {PH} and two {PH} compared", [imgs[1], imgs[2]]),
+        ("text only, no image here at all", []),
+        (f"{PH}{PH} back to back", [imgs[2], imgs[0]]),
+    ]
+    want = [hf_generate(d, model, t, ims) for t, ims in prompts]
+    llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts], sp,
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == want
+    assert len({t for g in got for t in g}) > 4  # not a degenerate model

@@ -292,6 +292,15 @@ class EngineArgs(CliArgs):
               "of the same vocabulary); \"disable_by_batch_size\": N turns proposals off in steps with more "
               "than N running sequences. The output follows the model's distribution exactly (greedy: the "
               "same tokens): speed only", type=parse_json_setting, merge=True)
+    limit_mm_per_prompt: Optional[dict] = setting(
+        None, "the most images one prompt may carry, as JSON ('{\"image\": 2}') or image=2; a request with "
+              "more is refused (400). Default: 4 images for an image-text model; 0 refuses images",
+        type=parse_json_setting, merge=True)
+    allowed_local_media_path: Optional[str] = setting(
+        None, "a folder whose files image URLs may name as file:// (default: none, file:// URLs are refused)")
+    allow_remote_media: bool = setting(
+        False, "fetch http(s) image URLs named in requests (default: off, only data: and file:// URLs); "
+               "size and pixel limits: PAGEDLLM_MAX_IMAGE_BYTES, PAGEDLLM_MAX_IMAGE_PIXELS")
     max_logprobs: int = setting(
         20, "the most logprobs (top_logprobs on chat) or prompt_logprobs a request may ask for; more "
             "is refused (400). The default, 20, is OpenAI's cap (default: 20)")
@@ -395,6 +404,9 @@ class EngineArgs(CliArgs):
             max_logprobs=self.max_logprobs,
             runner=self.runner,
             lora_enabled=lora_config is not None,
+            limit_mm_per_prompt=self.limit_mm_per_prompt,
+            allowed_local_media_path=self.allowed_local_media_path,
+            allow_remote_media=self.allow_remote_media,
         )
         speculative = self._speculative_config(model_config)
         return EngineConfig(

@@ -25,6 +25,12 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
+def hash_block_extra(block_hash: bytes, extra: bytes) -> bytes:
+    """A block's hash with more keys than its tokens mixed in (the identifiers of the images whose
+    placeholder tokens it holds; vLLM's ``extra_keys``): sha256(hash || 0xff || extra)."""
+    return hashlib.sha256(block_hash + b"\xff" + extra).digest()
+
+
 def lora_root_hash(lora_int_id: int) -> bytes:
     """The chain's root for a request run with LoRA adapter ``lora_int_id``: its blocks' K/V differ from
     the base model's (and another adapter's) for the same tokens, so their hashes must too (vLLM

@@ -200,7 +200,8 @@ class EngineCore:
         return P.CoreSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
                               s.prefix_cache_queries, s.prefix_cache_hits, e.num_prompt_tokens_total,
                               e.num_generation_tokens_total, pool.num_usable_blocks, pool.get_num_free_blocks(),
-                              pool.num_cached_free_blocks, self._spec_counters())
+                              pool.num_cached_free_blocks, self._spec_counters(),
+                              (s.mm_cache_queries, s.mm_cache_hits))
 
     def _spec_counters(self) -> Optional[tuple[int, int, int, list[int]]]:
         sp = self.engine.speculator
@@ -217,7 +218,9 @@ class EngineCore:
         engine = self.engine
         if isinstance(msg, P.AddRequest):
             try:
-                engine.add_request(msg.request_id, {"prompt_token_ids": msg.prompt_token_ids}, msg.params,
+                prompt = ({"prompt_token_ids": msg.prompt_token_ids} if msg.mm_inputs is None
+                          else {"mm_inputs": msg.mm_inputs})
+                engine.add_request(msg.request_id, prompt, msg.params,
                                    arrival_time=msg.arrival_time, priority=msg.priority,
                                    lora_request=msg.lora_request)
             except Exception as e:  # noqa: BLE001 - a bad request must not stop the core

@@ -49,6 +49,7 @@ from pagedllm.engine.request import RequestStatus
 from pagedllm.engine.scheduler import SchedulerStats
 from pagedllm.engine.speculator import SpecDecodeStats
 from pagedllm.models.checkpoint import load_tokenizer
+from pagedllm.multimodal.processor import make_mm_processor
 from pagedllm.outputs import Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
@@ -69,6 +70,7 @@ class FrontEngine:
     output processor (detokenization, stop strings, the token-text cache)."""
 
     tokenize_prompt = LLMEngine.tokenize_prompt
+    preprocess_prompt = LLMEngine.preprocess_prompt
     verify_logits_fields = LLMEngine.verify_logits_fields
     check_priority = LLMEngine.check_priority
     bad_words_token_ids = LLMEngine.bad_words_token_ids
@@ -81,6 +83,7 @@ class FrontEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = make_compiler(self.tokenizer, self.vocab_size)
         self.pooling = config.model_config.runner == "pooling"  # (as LLMEngine.pooling)
+        self.mm_processor = make_mm_processor(config)  # images are processed here, encoded in the core
 
 
 class _Mirror:
@@ -153,7 +156,7 @@ def _empty_snapshot() -> EngineSnapshot:
 
 def _snapshot(s: P.CoreSnapshot) -> EngineSnapshot:
     return EngineSnapshot(SchedulerStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
-                                         s.prefix_cache_queries, s.prefix_cache_hits),
+                                         s.prefix_cache_queries, s.prefix_cache_hits, *s.mm_cache),
                           s.prompt_tokens_total, s.generation_tokens_total, s.num_blocks, s.num_free_blocks,
                           s.num_cached_free_blocks,
                           spec_decode=SpecDecodeStats(*s.spec_decode[:3], list(s.spec_decode[3]))
@@ -170,7 +173,8 @@ def combine_snapshots(snaps: list[EngineSnapshot], num_blocks: list[int]) -> Eng
         kv_cache_usage=sum(x.kv_cache_usage * b for x, b in zip(s, num_blocks)) / total_blocks,
         num_preemptions=sum(x.num_preemptions for x in s),
         prefix_cache_queries=sum(x.prefix_cache_queries for x in s),
-        prefix_cache_hits=sum(x.prefix_cache_hits for x in s))
+        prefix_cache_hits=sum(x.prefix_cache_hits for x in s),
+        mm_cache_queries=sum(x.mm_cache_queries for x in s), mm_cache_hits=sum(x.mm_cache_hits for x in s))
     return EngineSnapshot(stats, sum(x.prompt_tokens_total for x in snaps),
                           sum(x.generation_tokens_total for x in snaps), replicas=list(snaps))
 
@@ -330,7 +334,7 @@ class CoreClient(AsyncLLM):
     def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float,
                 priority: int = 0) -> None:
         """Called with ``_lock`` held. Raises ValueError for a prompt that does not tokenize."""
-        text, ids = self.engine.tokenize_prompt(prompt)
+        text, ids, mm = self.engine.preprocess_prompt(prompt)
         r = self.pick_replica() if len(self.replicas) > 1 else self.replicas[0]
         max_tokens = params.max_tokens or max(1, self.engine.model_config.max_model_len - len(ids))
         r.outstanding[request_id] = len(ids) + max_tokens * params.n
@@ -342,7 +346,7 @@ class CoreClient(AsyncLLM):
                    for i in range(params.n)]
         self.engine.output_processor.add_request(request_id, text, ids, mirrors)
         try:
-            r.send(P.AddRequest(request_id, ids, params, arrival, priority, self._loras.pop(request_id, None)))
+            r.send(P.AddRequest(request_id, ids, params, arrival, priority, self._loras.pop(request_id, None), mm))
         except EngineDeadError:
             self._forget(request_id)
             raise

@@ -23,6 +23,7 @@ from typing import Optional, Union
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalInputs
 from pagedllm.sampling_params import SamplingParams
 
 # One position's logprobs: (token id, logprob, rank, decoded text) of the sampled token, then the top-N.
@@ -36,6 +37,8 @@ class AddRequest(msgspec.Struct, array_like=True, tag=0):
     arrival_time: float
     priority: int = 0
     lora_request: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
+    # Its images, processed by the front end (prompt_token_ids then equals mm_inputs.prompt_token_ids)
+    mm_inputs: Optional[MultiModalInputs] = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=1):
@@ -104,6 +107,7 @@ class CoreSnapshot(msgspec.Struct, array_like=True):
     # speculative decoding's counters (SpecDecodeStats: num_drafts, num_draft_tokens,
     # num_accepted_tokens, accepted_per_pos); None when it is off
     spec_decode: Optional[tuple[int, int, int, list[int]]] = None
+    mm_cache: tuple[int, int] = (0, 0)  # encoder cache (queries, hits): images a step needed, cached ones
 
 
 class Ready(msgspec.Struct, array_like=True, tag=10):

@@ -39,6 +39,7 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.layers.mrope import mrope_positions_at
 from pagedllm.lora.slots import LoRASlotTable
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.worker.model_input import ModelInput
 
 
@@ -99,6 +100,9 @@ class InputBatch:
         # under --enable-lora (set by the engine): the slot table that gives each token of a step its
         # adapter's slot (ModelInput.lora); None: LoRA off
         self.lora_slots: Optional[LoRASlotTable] = None
+        # for an image-text model (set by the engine): the runner's encoder cache as the engine sees it;
+        # None: no image input
+        self.encoder_cache: Optional[EncoderCacheManager] = None
 
     # ---- row bookkeeping ---------------------------------------------------------------------
     def invalidate(self) -> None:
@@ -164,7 +168,7 @@ class InputBatch:
         start = r.num_computed_tokens
         self.token[i] = r.all_token_ids[start]
         self.pos[i] = start
-        self.delta[i] = r.mrope_delta
+        self.delta[i] = r.mrope_position_delta
         self._write_table(i, self.kv.get_block_ids(r.request_id), 0)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -263,9 +267,10 @@ class InputBatch:
                 table = kv.get_block_ids(r.request_id)
                 note_outputs(r, start, k, starts[-1])
                 p_ids.extend(r.all_token_ids[start:start + k])
+                delta = r.mrope_position_delta
                 if r.mrope_positions is not None:
-                    p_mrope.append((starts[-1], mrope_positions_at(r.mrope_positions, r.mrope_delta, start, start + k)))
-                p_pos.extend(range(start + r.mrope_delta, start + k + r.mrope_delta))
+                    p_mrope.append((starts[-1], mrope_positions_at(r.mrope_positions, delta, start, start + k)))
+                p_pos.extend(range(start + delta, start + k + delta))
                 p_slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + k))
                 p_tables.append(table)
                 p_lens.append(start + k)
@@ -296,6 +301,8 @@ class InputBatch:
         model_input = ModelInput(
             input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
             logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())
+        if self.encoder_cache is not None:
+            model_input.mm = self._mm_step(decodes, prefills, n)
         if self.lora_slots is not None:  # the adapter slot of each token, in the batch's order
             model_input.lora = self.lora_slots.batch([(r, 1) for r in decodes] + prefills, device)
         # Until record_sampled says otherwise, no row is known to advance.
@@ -305,6 +312,49 @@ class InputBatch:
         self._num_rows = n
         fresh = [(decodes[i], 1) for i in unsteady] + prefills if unsteady else prefills
         return StepPlan(model_input, sampling_requests, plp_spans, self.generation, fresh)
+
+    def _mm_step(self, decodes: list[Request], prefills: list[tuple[Request, int]], n: int):
+        """The step's MultiModalStep (None when no scheduled token is an image's): for every prompt
+        chunk that covers image placeholder tokens, where their embedding rows go in the flat batch
+        (decode rows first, then the prefill chunks in order), and the encoder cache's plan."""
+        spans: list[tuple[Request, int, int, int]] = []  # (request, first position, tokens, first batch row)
+        for i, r in enumerate(decodes):
+            if r.mm_features and r.num_computed_tokens < r.num_prompt_tokens:
+                spans.append((r, r.num_computed_tokens, 1, i))
+        row = n
+        for r, k in prefills:
+            if r.mm_features and r.num_computed_tokens < r.num_prompt_tokens:
+                spans.append((r, r.num_computed_tokens, k, row))
+            row += k
+        needed, scatter = [], []
+        for r, start, k, row in spans:
+            end = start + k
+            for f in r.mm_features:
+                lo, hi = max(f.offset, start), min(f.offset + f.length, end)
+                if lo >= hi:
+                    continue
+                if f.is_embed is None:
+                    scatter.append((f.identifier, row + lo - start, lo - f.offset, hi - lo))
+                else:  # only the span tokens marked is_embed take rows, in order
+                    src = sum(f.is_embed[:lo - f.offset])
+                    p = lo
+                    while p < hi:
+                        if not f.is_embed[p - f.offset]:
+                            p += 1
+                            continue
+                        q = p
+                        while q < hi and f.is_embed[q - f.offset]:
+                            q += 1
+                        scatter.append((f.identifier, row + p - start, src, q - p))
+                        src += q - p
+                        p = q
+                if all(g.identifier != f.identifier for g in needed):
+                    needed.append(f)
+        if not needed:
+            return None
+        step = self.encoder_cache.plan(needed)
+        step.scatter = scatter
+        return step
 
     def record_sampled(self, plan: StepPlan, token_ids: Sequence[int]) -> None:
         """The tokens sampled from ``plan``'s logits (``token_ids[j]`` for ``plan.sampling_requests[j]``):

@@ -9,7 +9,8 @@ window + chunk tokens of K/V however long it grows.
 """
 from __future__ import annotations
 
-from pagedllm.engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens, lora_root_hash
+from pagedllm.engine.block_pool import (ROOT_HASH, BlockPool, KVCacheBlock, hash_block_extra, hash_block_tokens,
+                                        lora_root_hash)
 from pagedllm.engine.request import Request
 
 
@@ -82,8 +83,13 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else (ROOT_HASH if request.lora_request is None
                                             else lora_root_hash(request.lora_request.lora_int_id))
         toks = request.all_token_ids
+        bs = self.block_size
         for i in range(len(hashes), num_full):
-            parent = hash_block_tokens(parent, toks[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block_tokens(parent, toks[i * bs:(i + 1) * bs])
+            if request.mm_features:  # the images whose tokens the block holds (Request.mm_block_key)
+                key = request.mm_block_key(i * bs, (i + 1) * bs)
+                if key:
+                    parent = hash_block_extra(parent, key)
             hashes.append(parent)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -30,6 +30,9 @@ from pagedllm.lora.peft import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoRASlotTable
 from pagedllm.models.checkpoint import load_tokenizer
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager, encoder_cache_capacity
+from pagedllm.multimodal.inputs import MultiModalInputs
+from pagedllm.multimodal.processor import make_mm_processor
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend import make_compiler
@@ -111,6 +114,11 @@ class LLMEngine:
         if self.speculator is not None:  # its verification batches carry each token's adapter slot too
             self.speculator.lora_slots = self.lora_slots
         self.checked_loras: dict[int, LoRARequest] = {}
+        # Image input (an image-text model): prompts' images processed here, encoded by the runner, whose
+        # encoder cache the batch builder keeps track of.
+        self.mm_processor = make_mm_processor(config)
+        if self.mm_processor is not None:
+            self.input_batch.encoder_cache = EncoderCacheManager(encoder_cache_capacity(config))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
@@ -195,6 +203,43 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         return text, ids
 
+    def preprocess_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[MultiModalInputs]]:
+        """(prompt text or None, token ids, its images processed or None). A prompt dict may carry
+        images as vLLM takes them, ``{"prompt": text, "multi_modal_data": {"image": PIL image or list}}``
+        (the text holds one placeholder per image, or none: they go first), or already processed
+        (``{"mm_inputs": MultiModalInputs}``, from the API server's front end).
+
+        Raises:
+            ValueError: what ``tokenize_prompt`` raises; images for a text-only model, more images than
+                --limit-mm-per-prompt, an image that cannot be used (a MediaError) or whose tokens do not
+                fit one step (max_num_batched_tokens).
+        """
+        if not isinstance(prompt, dict) or not ("multi_modal_data" in prompt or "mm_inputs" in prompt):
+            return (*self.tokenize_prompt(prompt), None)
+        mm = prompt.get("mm_inputs")
+        text = prompt.get("prompt")
+        if mm is None:
+            data = prompt["multi_modal_data"] or {}
+            if not isinstance(data, dict) or set(data) - {"image"}:
+                raise ValueError(f"multi_modal_data takes 'image' only, got {list(data) if isinstance(data, dict) else type(data).__name__}")
+            images = data.get("image")
+            images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+            if not images:
+                return (*self.tokenize_prompt({k: v for k, v in prompt.items() if k != "multi_modal_data"}), None)
+            if self.mm_processor is None:
+                raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
+            if not isinstance(text, str):
+                raise ValueError("a prompt with images needs its text under 'prompt' (token ids cannot be expanded)")
+            mm = self.mm_processor.process(text, images)
+        if self.mm_processor is None:
+            raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        for i, f in enumerate(mm.features):
+            if f.length > budget:
+                raise ValueError(f"image {i} takes {f.length} tokens, more than max_num_batched_tokens={budget} "
+                                 f"(an image's tokens are computed in one step)")
+        return text, list(mm.prompt_token_ids), mm
+
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, priority: int = 0,
                     lora_request: Optional[LoRARequest] = None) -> str:
@@ -209,7 +254,7 @@ class LLMEngine:
         priority = int(priority)  # (a NumPy integer too)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._counter))
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, mm = self.preprocess_prompt(prompt)
         max_len = self.model_config.max_model_len
         if len(ids) > max_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
@@ -237,7 +282,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, ids, sp, self.eos_token_id, arrival_time, max(1, max_tokens),
                             parent_id=request_id, index=i, device=self.config.device, priority=priority,
-                            lora_request=lora_request)
+                            lora_request=lora_request, mm_inputs=mm)
             if sp.structured_outputs is not None:  # each sample follows its own grammar state
                 child.grammar = self.grammar_compiler.matcher(sp.structured_outputs)
             children.append(child)
@@ -353,7 +398,11 @@ class LLMEngine:
         return len(self.output_processor.states)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        enc = self.input_batch.encoder_cache
+        if enc is not None:
+            stats.mm_cache_queries, stats.mm_cache_hits = enc.queries, enc.hits
+        return stats
 
     # ---- one step ------------------------------------------------------------------------
     def check_health(self) -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeature, MultiModalInputs
 from pagedllm.outputs import RequestMetrics
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,7 +47,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: Optional[int], arrival_time: Optional[float] = None,
                  max_tokens: int = 16, parent_id: Optional[str] = None, index: int = 0,
-                 device: str = "cpu", priority: int = 0, lora_request: Optional[LoRARequest] = None) -> None:
+                 device: str = "cpu", priority: int = 0, lora_request: Optional[LoRARequest] = None,
+                 mm_inputs: Optional[MultiModalInputs] = None) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         # The sample that prefills the prompt for all ``n`` samples (itself for sample 0).
@@ -88,16 +90,36 @@ class Request:
         # Speculative decoding: this step's proposed next tokens (engine/speculator.py), scheduled after
         # the last sampled token and verified in the same forward pass; never part of all_token_ids.
         self.spec_token_ids: list[int] = []
-        # M-RoPE (Qwen2-VL's three position streams, layers/mrope.py): the prompt's positions [3, L] int64
-        # when it holds images (None: plain positions), and the offset of every later token's position
-        # from its index (0 for a text-only prompt).
-        self.mrope_positions: Optional[torch.Tensor] = None
-        self.mrope_delta = 0
+        # Images (multimodal/inputs.py): each one's placeholder span in the prompt, hash and tensors, in
+        # prompt order; for an M-RoPE model the prompt's positions [3, L] int64 and the delta of the
+        # positions after it (None / 0: plain positions).
+        self.mm_features: list[MultiModalFeature] = list(mm_inputs.features) if mm_inputs is not None else []
+        self.mrope_positions: Optional[torch.Tensor] = (
+            mm_inputs.mrope_positions.tensor() if mm_inputs is not None and mm_inputs.mrope_positions else None)
+        self.mrope_position_delta = mm_inputs.mrope_position_delta if mm_inputs is not None else 0
 
     @property
     def priority_key(self) -> tuple[int, float]:
         """Order under the priority policy: (priority, arrival time), smallest first."""
         return self.priority, self.metrics.arrival_time
+
+    def mm_block_key(self, start: int, end: int) -> bytes:
+        """The identifiers of the images whose placeholder spans overlap token positions [start, end)
+        (one KV block), joined: mixed into that block's prefix-cache hash so that blocks of different
+        images behind the same placeholder tokens never match (b"" without images there)."""
+        return b"".join(f.identifier.encode() for f in self.mm_features
+                        if f.offset < end and start < f.offset + f.length)
+
+    def mm_chunk_tokens(self, start: int, num_new: int) -> int:
+        """``num_new`` cut so that the chunk [start, start + num_new) does not end inside an image's
+        placeholder span: it ends before the span instead (0 when it starts inside one it cannot
+        finish). An image's tokens are thus computed in one step, with its encoder output at hand."""
+        end = start + num_new
+        for f in self.mm_features:
+            lo, hi = f.offset, f.offset + f.length
+            if lo < end < hi:
+                return max(0, lo - start) if start <= lo else 0
+        return num_new
 
     @property
     def num_tokens(self) -> int:

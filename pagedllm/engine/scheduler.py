@@ -63,6 +63,9 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Images a step needed and, of those, the ones whose encoder output was cached (LLMEngine.get_stats)
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 class Scheduler:
@@ -201,6 +204,11 @@ class Scheduler:
             num_new = len(req.all_token_ids) - req.num_computed_tokens + len(req.spec_token_ids)  # (+ proposals)
             if num_new > budget:
                 num_new = budget
+            if req.mm_features and req.num_computed_tokens < req.num_prompt_tokens:
+                num_new = req.mm_chunk_tokens(req.num_computed_tokens, num_new)  # images whole
+                if num_new == 0:  # its next image does not fit this step's budget
+                    i += 1
+                    continue
             ok = True
             while not allocate_slots(req, num_new):
                 victim = self._pop_victim(i)
@@ -237,6 +245,10 @@ class Scheduler:
             else:
                 cached_blocks, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
+            if req.mm_features:
+                num_new = req.mm_chunk_tokens(num_cached, num_new)  # images whole
+                if num_new == 0:  # its first image does not fit this step's budget
+                    break
             if not self.kv.allocate_slots(req, num_new, cached_blocks):
                 break
             self.waiting.popleft()

@@ -12,7 +12,8 @@ import re
 from typing import Any, Iterable, Iterator
 
 from pagedllm.models.gguf import find_gguf_file, load_gguf_config, load_gguf_tokenizer, one_line
-from pagedllm.models.registry import supported_architectures
+from pagedllm.models.registry import supported_architectures, vision_architectures
+from pagedllm.models.vision import VISION_PREFIXES
 
 # A Hugging Face hub id: "name" or "owner/name" (letters, digits, "-", "_", ".").
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -86,8 +87,6 @@ TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
 _TEXT_ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
-                    "model.multi_modal_projector.", "model.visual.")
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 
@@ -106,6 +105,9 @@ def text_only_config(config: Any) -> Any:
                          f"text model may be one of: {', '.join(sorted(_TEXT_ARCH_OF_TYPE))}")
     text.architectures = [text_arch]
     text.text_only_of = arch
+    # The whole config, where the architecture's vision tower is served (models/registry.py): the tower
+    # is built from it and images are taken (``ModelConfig.is_multimodal``).
+    text.multimodal_config = config if arch in vision_architectures() else None
     tied = config.to_dict().get("tie_word_embeddings")  # kept on the outer config by some (Qwen2.5-VL)
     if tied is not None:
         text.tie_word_embeddings = tied
@@ -116,7 +118,7 @@ def text_only_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str,
     """An image-text checkpoint's language-model weights under the text model's names; the vision
     tower's and the projector's are left out."""
     for name, w in weights:
-        if name.startswith(_VISION_PREFIXES):
+        if name.startswith(VISION_PREFIXES):
             continue
         for old, new in _TEXT_PREFIXES:
             if name.startswith(old):

@@ -193,12 +193,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cls.__name__}: use_bidirectional_attention=True (an embedding model) is not supported")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
-                meta: AttentionMetadata, intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                meta: AttentionMetadata, intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                inputs_embeds: Optional[torch.Tensor] = None):
         """``intermediate``: the previous pipeline stage's (residual stream, the same) (every stage
         but the first); a stage but the last returns that pair for the next (the stream is all
-        Gemma's layers pass on; the pair keeps the stages' protocol)."""
-        if intermediate is None:
-            x = self.embed_tokens(input_ids) * self.normalizer  # a new tensor: the layers update it in place
+        Gemma's layers pass on; the pair keeps the stages' protocol). ``inputs_embeds`` [N, hidden]:
+        the first layer's input in place of ``embed_input(input_ids)`` (images' rows scattered in by
+        the model runner; updated in place)."""
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        elif intermediate is None:
+            x = self.embed_input(input_ids)  # a new tensor: the layers update it in place
         else:
             x = intermediate[0]
         cos_sin = self.cos_sin(positions)
@@ -211,6 +216,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if isinstance(self.norm, PPMissingLayer):
             return x, x
         return self.norm(x)
+
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> the token embeddings times sqrt(hidden_size) [N, hidden] (a new tensor)."""
+        return self.embed_tokens(input_ids) * self.normalizer
 
     def rotary_embs(self) -> list:
         """The RotaryEmbeddings whose tables ``cos_sin`` gathers: one per layer type."""

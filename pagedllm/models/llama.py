@@ -272,10 +272,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
                 meta: AttentionMetadata,
-                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                inputs_embeds: Optional[torch.Tensor] = None):
         """``intermediate``: the previous pipeline stage's (hidden states, residual stream), each
-        [N, hidden] (every stage but the first); a stage but the last returns that pair for the next."""
-        x, residual = (self.embed_input(input_ids), None) if intermediate is None else intermediate
+        [N, hidden] (every stage but the first); a stage but the last returns that pair for the next.
+        ``inputs_embeds`` [N, hidden]: the first layer's input in place of ``embed_input(input_ids)``
+        (images' rows scattered in by the model runner; updated in place)."""
+        if inputs_embeds is not None:
+            x, residual = inputs_embeds, None
+        else:
+            x, residual = (self.embed_input(input_ids), None) if intermediate is None else intermediate
         tables = self.rope_tables(positions)
         ran = None if self.layer_stack is None else self.layer_stack(x, residual, tables, kv_caches, meta)
         if ran is not None:  # (the CPU layer runner: all layers in one C call)

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,8 +23,9 @@ from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_confi
 from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
 from pagedllm.models.gguf import Q8_0Weight, is_gguf_file, iterate_gguf_weights, one_line, open_gguf
-from pagedllm.models.registry import get_model_class
+from pagedllm.models.registry import get_model_class, get_vision_tower_class
 from pagedllm.models.smoothquant import smooth_for_quantization
+from pagedllm.models.vision import VISION_PREFIXES
 from pagedllm.platforms import ops
 
 
@@ -247,3 +248,26 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                     report.method, f", {report.smoothing}" if report.smoothing else "", report.num_quantized,
                     report.bytes_before / 2**20, report.bytes_after / 2**20, report.bytes_saved / 2**20)
     return model.eval()
+
+
+def load_vision_tower(model_config: ModelConfig, device: str) -> Optional[torch.nn.Module]:
+    """The vision tower + projector of an image-text checkpoint whose tower is registered
+    (``ModelConfig.is_multimodal``), on ``device`` in the model's dtype, its weights read from the
+    checkpoint's vision tensors (random under ``load_format="dummy"``); None for a text-only model.
+    Raises ValueError naming the tensor that does not fit."""
+    mm = model_config.multimodal_config
+    if mm is None:
+        return None
+    cls = get_vision_tower_class(model_config.hf_config.text_only_of)
+    with torch.device(device):
+        tower = cls(mm, model_config.dtype)
+    if model_config.load_format == "dummy":
+        gen = torch.Generator(device="cpu").manual_seed(model_config.seed + 1)
+        for name, p in tower.named_parameters():
+            p.data.copy_(torch.empty(p.shape).uniform_(-0.02, 0.02, generator=gen).to(p.dtype))
+    else:
+        try:
+            tower.load_weights((n, w) for n, w in iterate_weights(model_config.model) if n.startswith(VISION_PREFIXES))
+        except ValueError as e:
+            raise ValueError(f"cannot load the vision tower of {model_config.model}: {one_line(e)}") from None
+    return tower.eval()

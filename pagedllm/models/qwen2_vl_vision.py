@@ -27,6 +27,12 @@ fuses into one language-model token are consecutive. ``grid_thw`` [n_images, 3] 
 
 The tower is replicated on every tensor-parallel rank (``ReplicatedLinear``): it is small next to
 the language model and runs once per image (the encoder cache keeps its output).
+
+``Qwen2VLVisionTower`` is the engine's interface to it (``models/vision.py``): the prompt side uses
+transformers' ``Qwen2VLImageProcessorPil`` directly (its ``Qwen2VLProcessor`` insists on a torchvision
+video processor) and expands each ``<|image_pad|>`` to the image's t*h*w / merge^2 tokens as that
+processor does; the language model (``models/qwen2.py``) takes the prompt's M-RoPE positions
+(``layers/mrope.py``).
 """
 from __future__ import annotations
 
@@ -39,9 +45,11 @@ from torch import nn
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.layernorm import LayerNorm, RMSNorm
 from pagedllm.layers.linear import ReplicatedLinear, default_weight_loader, load_full
+from pagedllm.layers.mrope import mrope_input_positions
+from pagedllm.models.vision import VisionTower, strip_prefix
 from pagedllm.platforms import ops
 
-VISION_PREFIXES = ("model.visual.", "visual.")
+_VISUAL = ("model.visual.", "visual.")
 
 
 def is_qwen2_5(vision_config: Any) -> bool:
@@ -252,11 +260,8 @@ class Qwen2VisionTransformer(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in weights:
-            prefix = next((p for p in VISION_PREFIXES if name.startswith(p)), None)
-            if prefix is None:
-                continue
-            name = name[len(prefix):]
-            if name not in params:
+            name = strip_prefix(name, _VISUAL)
+            if name is None or name not in params:
                 continue
             param = params[name]
             if name == "patch_embed.proj.weight":  # Conv3d [E, C, T, p, p] -> Linear [E, C*T*p*p]
@@ -267,3 +272,90 @@ class Qwen2VisionTransformer(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing vision weights: {sorted(missing)[:8]}")
         return loaded
+
+
+class Qwen2VLPromptProcessor:
+    """The image half of transformers' ``Qwen2VLProcessor`` without its video processor:
+    ``__call__(text, images)`` -> {"input_ids" [1, L], "pixel_values" [sum of patches, C*T*p*p],
+    "image_grid_thw" [n, 3]}, each ``<|image_pad|>`` of ``text`` (in order) repeated t*h*w / merge^2
+    times for its image, as ``Qwen2VLProcessor.replace_image_token`` does."""
+
+    image_token = "<|image_pad|>"
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, image_processor: Any, tokenizer: Any) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+
+    def __call__(self, text: str, images: list) -> dict[str, torch.Tensor]:
+        out = dict(self.image_processor(images=images, return_tensors="pt"))
+        merge = self.image_processor.merge_size ** 2
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} token(s) for {len(images)} image(s)")
+        counts = (out["image_grid_thw"].prod(-1) // merge).tolist()
+        text = pieces[0] + "".join(self.image_token * n + rest for n, rest in zip(counts, pieces[1:]))
+        out["input_ids"] = self.tokenizer([text], return_tensors="pt")["input_ids"]
+        return out
+
+
+class Qwen2VLVisionTower(VisionTower):
+    """Qwen2-VL's / Qwen2.5-VL's vision side for the engine (``models/vision.py``'s interface).
+
+    Items: {"pixel_values": [t*h*w, C*T*p*p], "image_grid_thw": [3] int64} per image; ``encode`` ->
+    [t*h*w / merge^2, text hidden] per image (images of one shape run as one tower call)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.visual = Qwen2VisionTransformer(hf_config.vision_config, dtype)
+
+    # ---- API server side ------------------------------------------------------------------------
+    @classmethod
+    def make_processor(cls, model_path: str, hf_config: Any) -> Qwen2VLPromptProcessor:
+        """The checkpoint's image processor (preprocessor_config.json: patch/merge sizes, min/max pixels)
+        and tokenizer. Raises ValueError when either cannot be loaded."""
+        # lazily: transformers, ~1 s to import
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        try:
+            return Qwen2VLPromptProcessor(Qwen2VLImageProcessorPil.from_pretrained(model_path),
+                                          AutoTokenizer.from_pretrained(model_path))
+        except Exception as e:  # noqa: BLE001 - missing/bad preprocessor_config.json or tokenizer
+            raise ValueError(f"cannot load the image processor of {model_path}: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def image_placeholder(cls, processor: Any) -> str:
+        """What Qwen2-VL's chat template writes for one image."""
+        return Qwen2VLPromptProcessor.placeholder
+
+    @classmethod
+    def process(cls, processor: Any, text: str, images: list) -> dict[str, torch.Tensor]:
+        return processor(text, images)
+
+    @classmethod
+    def split_items(cls, processed: dict[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:
+        """The patches of all images [sum of t*h*w, D] cut by ``image_grid_thw``, each with its grid [3]."""
+        grid = processed["image_grid_thw"]
+        if grid.shape[0] != num_images:
+            raise ValueError(f"the image processor returned {grid.shape[0]} grids for {num_images} images")
+        patches = torch.split(processed["pixel_values"], grid.prod(-1).tolist())
+        return [{"pixel_values": p, "image_grid_thw": g} for p, g in zip(patches, grid)]
+
+    @classmethod
+    def mrope_positions(cls, hf_config: Any, input_ids: list[int], items: list[dict[str, torch.Tensor]]
+                        ) -> Optional[tuple[torch.Tensor, int]]:
+        """The prompt's M-RoPE positions [3, L] and delta (``layers/mrope.py``)."""
+        return mrope_input_positions(input_ids, cls.image_token_id(hf_config),
+                                     [it["image_grid_thw"].tolist() for it in items],
+                                     hf_config.vision_config.spatial_merge_size)
+
+    # ---- model runner side ----------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        self.visual.load_weights(weights)
+
+    @torch.inference_mode()
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        grid = torch.stack([it["image_grid_thw"] for it in items]).to(torch.int64)
+        x = self.visual(torch.cat([it["pixel_values"] for it in items]), grid)
+        return list(torch.split(x.to(self.dtype), self.visual.split_sizes(grid)))

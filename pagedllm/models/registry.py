@@ -62,6 +62,28 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# Image-text architecture -> (module in pagedllm.models, class name) of its vision tower + projector
+# (a ``models/vision.py`` VisionTower); its language model is the text model ``models/checkpoint.py``
+# maps the architecture to. An image-text architecture without an entry here is served for text only.
+_VISION_TOWERS: dict[str, tuple[str, str]] = {
+    "LlavaForConditionalGeneration": ("llava_vision", "LlavaVisionTower"),
+    "Gemma3ForConditionalGeneration": ("gemma3_vision", "Gemma3VisionTower"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl_vision", "Qwen2VLVisionTower"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl_vision", "Qwen2VLVisionTower"),
+}
+
+
+def vision_architectures() -> list[str]:
+    """The image-text architectures whose images are served (a vision tower is registered), sorted."""
+    return sorted(_VISION_TOWERS)
+
+
+def get_vision_tower_class(arch: str) -> type:
+    """The VisionTower class of image-text architecture ``arch``. Raises KeyError for one without."""
+    module, name = _VISION_TOWERS[arch]
+    return getattr(importlib.import_module(f"pagedllm.models.{module}"), name)
+
+
 def supported_architectures() -> list[str]:
     """Names of every registered architecture (``architectures`` in config.json), sorted."""
     return sorted(_MODELS)

@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.lora.slots import LoRABatch
+from pagedllm.multimodal.encoder_cache import MultiModalStep
 
 
 @dataclass
@@ -27,3 +28,6 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Under --enable-lora: each token's adapter slot and the adapters the slots must hold (None: base only).
     lora: Optional[LoRABatch] = None
+    # Images in this step (multimodal/encoder_cache.py): what to encode or drop, and where their
+    # embedding rows replace the placeholder tokens' embeddings (None: no image token in the step).
+    mm: Optional[MultiModalStep] = None

@@ -26,7 +26,8 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, kv_quant
 from pagedllm.layers.attention.backend import attention_window
 from pagedllm.layers.pooler import last_token_embeddings
 from pagedllm.lora.runtime import LoRARuntime
-from pagedllm.models.loader import load_model
+from pagedllm.models.loader import load_model, load_vision_tower
+from pagedllm.multimodal.encoder_cache import EncoderCache, MultiModalStep
 from pagedllm.platforms.cuda.graph_runner import (CudaGraphRunner, DecodeBuffers, capture_sizes, graphs_off_reason,
                                                   torch_graph_factory)
 from pagedllm.worker.model_input import ModelInput
@@ -46,6 +47,9 @@ class ModelRunner:
             lc = config.lora_config
             self.lora = LoRARuntime(self.model, config.model_config.hf_config, lc.max_loras, lc.max_lora_rank,
                                     lc.max_cpu_loras, config.model_config.dtype, self.device, lc.op_mode)
+        # An image-text model: its vision tower + projector, and the encoder outputs the engine keeps.
+        self.vision = load_vision_tower(config.model_config, self.device)
+        self.encoder_cache = EncoderCache()
         self.attach_layer_stack()
         # A pipeline stage holds only its own layers (the others are parameter-less placeholders).
         self.start_layer = getattr(self.model, "start_layer", 0)
@@ -186,6 +190,25 @@ class ModelRunner:
         under the pooling runner their embeddings [M, hidden_size] (``layers/pooler.py``)."""
         return last_token_embeddings(hidden) if self.pooling else self.model.compute_logits(hidden)
 
+    def embed_with_images(self, model_input: ModelInput) -> torch.Tensor:
+        """The step's input embeddings [N, hidden]: the token embeddings, with the rows of image
+        placeholder tokens replaced by their images' encoder outputs (encoded now, or kept from an
+        earlier step: ``model_input.mm``)."""
+        mm: MultiModalStep = model_input.mm
+        self.encoder_cache.apply(mm, self.vision, self.device)
+        ids = model_input.input_ids
+        if mm.scatter:  # (a placeholder id may lie outside the text vocabulary: Gemma 3's real one may)
+            ids = ids.clone()
+            for _, dst, _, n in mm.scatter:
+                ids[dst:dst + n] = 0
+        x = self.model.embed_input(ids)
+        for ident, dst, src, n in mm.scatter:
+            emb = self.encoder_cache.embeddings(ident)
+            if emb is None:
+                raise RuntimeError(f"image {ident[:12]} is neither encoded in this step nor cached")
+            x[dst:dst + n] = emb[src:src + n].to(x.dtype)
+        return x
+
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput) -> torch.Tensor:
         """One forward pass; returns ``compute_output`` of the rows ``logits_indices`` names."""
@@ -195,6 +218,10 @@ class ModelRunner:
                 cache[:, dst] = cache[:, src]
         if self.lora is not None:
             self.lora.prepare(model_input.lora)
+        if model_input.mm is not None:  # image tokens in the step: their embeddings scattered in
+            hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
+                                model_input.attn_metadata, inputs_embeds=self.embed_with_images(model_input))
+            return self.compute_output(hidden[model_input.logits_indices])
         if self.cuda_graphs is not None:  # a decode-only step replays its graph; None: it runs eagerly
             meta = model_input.attn_metadata
             rows = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta.slot_mapping,

@@ -1,0 +1,128 @@
+"""What a model family's vision tower provides (``models/<family>_vision.py``, beside its language
+model), and how the engine finds it (``models/registry.py``: ``get_vision_tower_class``).
+
+A tower is built from the checkpoint's whole config (``hf_config``: the outer config with
+``vision_config`` and ``text_config``; the language model is built from ``text_config`` as before),
+loads the checkpoint's vision-tower and projector tensors, and turns one image's processed tensors into
+the embedding rows that replace the image's placeholder tokens in the prompt.
+
+The class methods run in the API server process (no weights): they make transformers' processor, run
+it on (prompt text, images) and say where each image's placeholder tokens sit. ``encode`` runs in the
+model runner. Everything crossing between the two is a dict of CPU tensors per image
+(``multimodal/inputs.py``: ``MultiModalFeature.data``).
+
+Positions: a family whose language model uses M-RoPE (Qwen2-VL) returns ``mrope_positions``; the
+engine then gives its model positions [3, N] (``engine/input_batch.py``) instead of [N].
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+# Checkpoint name prefixes of the vision side (transformers 5 puts them under "model.", 4.x did not).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
+                   "model.multi_modal_projector.", "model.visual.")
+
+
+class VisionTower(nn.Module):
+    """Base of a family's vision tower + projector.
+
+    Subclasses define ``__init__(hf_config, dtype)``, ``load_weights`` and ``encode``; the class
+    methods below have defaults that fit LLaVA and Gemma 3 (override where a family differs).
+    """
+
+    # ---- API server side (class methods: no weights) --------------------------------------
+    @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The placeholder token id the processor repeats once per embedding row."""
+        tid = getattr(hf_config, "image_token_id", None)
+        if tid is None:
+            tid = getattr(hf_config, "image_token_index", None)
+        if tid is None:
+            raise ValueError(f"{type(hf_config).__name__} names no image token id")
+        return int(tid)
+
+    @classmethod
+    def make_processor(cls, model_path: str, hf_config: Any) -> Any:
+        """transformers' processor of the checkpoint (``AutoProcessor``: image processor + tokenizer +
+        placeholder expansion). Raises ValueError when the checkpoint has none."""
+        from transformers import AutoProcessor  # lazily: transformers, ~1 s to import
+
+        try:
+            return AutoProcessor.from_pretrained(model_path)
+        except Exception as e:  # noqa: BLE001 - missing/bad preprocessor_config.json, no torchvision, ...
+            raise ValueError(f"cannot load the image processor of {model_path}: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def image_placeholder(cls, processor: Any) -> str:
+        """The text that stands for one image in a prompt before expansion (LLaVA: "<image>", Gemma 3:
+        "<start_of_image>"): what ``LLM.generate`` prompts and chat templates write."""
+        token = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
+        if not token:
+            raise ValueError(f"{type(processor).__name__} names no image placeholder")
+        return token
+
+    @classmethod
+    def process(cls, processor: Any, text: str, images: list) -> dict[str, torch.Tensor]:
+        """Run the processor on the prompt ``text`` (one placeholder per image) and the PIL images:
+        {"input_ids": [1, L], "pixel_values": [n, 3, H, W], ...} (transformers' BatchFeature as a dict)."""
+        out = processor(text=[text], images=images, return_tensors="pt")
+        return dict(out)
+
+    @classmethod
+    def split_items(cls, processed: dict[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:
+        """The processor's batched image tensors -> one dict per image (default: row i of every
+        tensor whose first dimension is ``num_images``; token-level outputs are left out)."""
+        keys = [k for k, v in processed.items() if k not in ("input_ids", "attention_mask", "token_type_ids")
+                and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == num_images]
+        return [{k: processed[k][i] for k in keys} for i in range(num_images)]
+
+    @classmethod
+    def placeholder_ranges(cls, hf_config: Any, input_ids: list[int], items: list[dict[str, torch.Tensor]]
+                           ) -> list[tuple[int, int, Optional[list[bool]]]]:
+        """(offset, length, is_embed) of each image's placeholder span in ``input_ids``, in image order
+        (default: each maximal run of the image token; is_embed None). Raises ValueError when the
+        runs do not match the images."""
+        tid = cls.image_token_id(hf_config)
+        runs: list[tuple[int, int, Optional[list[bool]]]] = []
+        i, n = 0, len(input_ids)
+        while i < n:
+            if input_ids[i] == tid:
+                j = i
+                while j < n and input_ids[j] == tid:
+                    j += 1
+                runs.append((i, j - i, None))
+                i = j
+            else:
+                i += 1
+        if len(runs) != len(items):
+            raise ValueError(f"the prompt has {len(runs)} image placeholder span(s) for {len(items)} image(s)")
+        return runs
+
+    @classmethod
+    def mrope_positions(cls, hf_config: Any, input_ids: list[int], items: list[dict[str, torch.Tensor]]
+                        ) -> Optional[tuple[torch.Tensor, int]]:
+        """For an M-RoPE language model: (positions [3, L] int64 of the prompt, delta) where a token
+        after the prompt at index t has position t + delta on all rows. None: plain 1-D positions."""
+        return None
+
+    # ---- model runner side ------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """The checkpoint's vision tensors (names as in the checkpoint, starting with one of
+        VISION_PREFIXES). Raises ValueError on a shape mismatch or a missing tensor."""
+        raise NotImplementedError
+
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """One dict per image (``split_items``' tensors, on this tower's device) -> per image its
+        embedding rows [num_embeds, text_hidden_size] in the language model's dtype."""
+        raise NotImplementedError
+
+
+def strip_prefix(name: str, prefixes: tuple[str, ...]) -> Optional[str]:
+    """``name`` without the first of ``prefixes`` it starts with, or None when it starts with none."""
+    for p in prefixes:
+        if name.startswith(p):
+            return name[len(p):]
+    return None

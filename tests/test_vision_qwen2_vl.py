@@ -250,3 +250,52 @@ def test_greedy_with_images_equals_transformers(vl_checkpoint):
     got = [o.outputs[0].token_ids for o in outs]
     assert got == want
     assert len({t for g in got for t in g}) > 4  # not a degenerate model
+
+
+def _prompt_of_length(d: str, model, images: list, n: int, seed: int) -> str:
+    """A prompt with ``images`` (each placeholder after some words) whose expanded ids are n tokens or one more."""
+    from pagedllm.models.qwen2_vl_vision import Qwen2VLVisionTower
+    proc = Qwen2VLVisionTower.make_processor(d, model.config)
+    rng = np.random.default_rng(seed)
+    words = ["the", "cat", "image", "shows", "a", "red", "blue", "house", "near", "river", "and", "tree"]
+    head = " ".join(f"w{i} {PH}" for i in range(len(images)))
+    text = head
+    while proc(text + " x", images)["input_ids"].shape[1] <= n:
+        text += " " + words[int(rng.integers(len(words)))]
+    return text
+
+
+def test_chunked_prefill_preemption_prefix_caching_with_images(vl_checkpoint, monkeypatch):
+    from conftest import assert_pool_empty, record_schedule
+    from pagedllm import LLM, SamplingParams
+    d, model = vl_checkpoint
+    imgs = _images(2) + _images(3)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    # three ~45-token prompts (3 blocks of 16 each) in 8 blocks: each needs a 4th block to decode -> preemption;
+    # 16-token chunks (an image is never split: its tokens wait for the next chunk)
+    prompts = [(_prompt_of_length(d, model, ims, 44, i), ims) for i, ims in
+               enumerate([[imgs[0]], [imgs[1], imgs[2]], [imgs[3]]])]
+    want = [hf_generate(d, model, t, ims) for t, ims in prompts]
+    per_block = 2 * 2 * 16 * 2 * 16 * 4
+    llm = LLM(d, dtype="float32", kv_cache_memory=8 * per_block, max_model_len=128, max_num_batched_tokens=16)
+    log = record_schedule(llm, monkeypatch)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in prompts], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert len([1 for _, done, n, total in log if done + n < total]) >= 6  # chunked
+    assert_pool_empty(llm)
+
+    # prefix caching: a prompt sharing 2+ blocks of text with another, then a different image, shares the
+    # text's blocks only (each answer is its own image's); an image seen again behind other text is not
+    # encoded again (the encoder cache), and the prompt seen again whole is a prefix-cache hit
+    enc, pool = llm.llm_engine.input_batch.encoder_cache, llm.llm_engine.scheduler
+    shared = "the cat image shows a red blue house near the river and a tree " * 3
+    before = enc.hits
+    for i, (text, ims) in enumerate(((shared + PH + " tell me", [imgs[1]]), (shared + PH + " tell me", [imgs[0]]),
+                                     ("now " + PH + " again", [imgs[1]]), (shared + PH + " tell me", [imgs[0]]))):
+        out = llm.generate([{"prompt": text, "multi_modal_data": {"image": ims}}], sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_generate(d, model, text, ims)
+        if i in (1, 3):  # the shared text's blocks (i = 1), the whole prompt's but its last token (i = 3)
+            assert out.num_cached_tokens >= (32 if i == 1 else (len(out.prompt_token_ids) - 1) // 16 * 16)
+    assert enc.hits > before
+    assert_pool_empty(llm)

@@ -70,6 +70,7 @@ _VISION_TOWERS: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3_vision", "Gemma3VisionTower"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl_vision", "Qwen2VLVisionTower"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl_vision", "Qwen2VLVisionTower"),
+    "Mistral3ForConditionalGeneration": ("pixtral_vision", "PixtralVisionTower"),
 }
 
 

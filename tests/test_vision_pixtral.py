@@ -44,10 +44,11 @@ def build_mistral3_checkpoint(out_dir: str, text_type: str = "mistral", seed: in
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def mistral3(tmp_path_factory):
+@pytest.fixture(scope="module", params=["mistral", "ministral3"])
+def mistral3(request, tmp_path_factory):
+    """Mistral Small 3.1/3.2 (a Mistral language model) and Ministral 3 (a Ministral 3 one)."""
     from transformers import AutoModelForImageTextToText
-    d = build_mistral3_checkpoint(str(tmp_path_factory.mktemp("mistral3")))
+    d = build_mistral3_checkpoint(str(tmp_path_factory.mktemp("mistral3")), request.param)
     return d, AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
 
 

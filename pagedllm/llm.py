@@ -20,6 +20,8 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.logger import init_logger
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.chat import split_chat_images
+from pagedllm.multimodal.media import limits_from
 from pagedllm.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -137,15 +139,23 @@ class LLM:
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list
-        of them, rendered with the tokenizer's chat template (or ``chat_template``)."""
+        of them, rendered with the tokenizer's chat template (or ``chat_template``). A content part may be an
+        image: ``{"type": "image_url", "image_url": {"url": ...}}`` (data:, file:// under
+        allowed_local_media_path, http(s) with allow_remote_media) or ``{"type": "image_pil", "image_pil": img}``."""
         if not messages:
             return []
         if isinstance(messages, (str, dict)):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": apply_chat_template(
-            self.get_tokenizer(), conv, chat_template, add_generation_prompt, continue_final_message,
-            chat_template_kwargs)} for conv in conversations]
+        mm = self.llm_engine.mm_processor
+        prompts = []
+        for conv in conversations:  # image parts (image_url, image_pil) become the model's placeholder text
+            conv, images = split_chat_images(conv, mm.placeholder if mm is not None else None,
+                                             limits_from(self.llm_engine.model_config))
+            text = render_chat(self.get_tokenizer(), conv, chat_template, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
+                           if images else {"prompt_token_ids": self.get_tokenizer().encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -202,7 +212,17 @@ def _as_prompt_list(prompts: Any) -> list:
 def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[str] = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         chat_template_kwargs: Optional[dict] = None) -> list[int]:
-    """Token ids of a conversation rendered with ``chat_template`` or the tokenizer's own.
+    """Token ids of a conversation rendered with ``chat_template`` or the tokenizer's own
+    (``render_chat``'s text, tokenized without adding special tokens)."""
+    text = render_chat(tokenizer, messages, chat_template, add_generation_prompt, continue_final_message,
+                       chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat(tokenizer, messages: Messages, chat_template: Optional[str] = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: Optional[dict] = None) -> str:
+    """The text of a conversation rendered with ``chat_template`` or the tokenizer's own.
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts. Raises
     ValueError when the tokenizer has no chat template and none is given, or a message is not a
@@ -230,10 +250,9 @@ def apply_chat_template(tokenizer, messages: Messages, chat_template: Optional[s
     kwargs = dict(chat_template_kwargs or {})
     if continue_final_message:
         add_generation_prompt = False
-    text = tokenizer.apply_chat_template(norm, chat_template=template, tokenize=False,
+    return tokenizer.apply_chat_template(norm, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _settings_doc() -> str:

@@ -103,6 +103,9 @@ class InputBatch:
         # for an image-text model (set by the engine): the runner's encoder cache as the engine sees it;
         # None: no image input
         self.encoder_cache: Optional[EncoderCacheManager] = None
+        # the model's image tokens attend bidirectionally within an image (Gemma 3): prefill chunks carry
+        # their image spans (PrefillSeq.bidirectional)
+        self.mm_bidirectional = False
 
     # ---- row bookkeeping ---------------------------------------------------------------------
     def invalidate(self) -> None:
@@ -291,6 +294,13 @@ class InputBatch:
             seq_lens = np.concatenate([pos + 1, np.array(p_lens, np.int64)]).astype(np.int32)
             qsl = np.concatenate([np.arange(n, dtype=np.int32), np.array(starts, np.int32)])
             prefill_seqs = [PrefillSeq(starts[j], starts[j + 1], p_lens[j]) for j in range(len(prefills))]
+            if self.mm_bidirectional:
+                for seq, (r, _) in zip(prefill_seqs, prefills):
+                    if r.mm_features:
+                        seq.bidirectional = tuple((f.offset, f.offset + f.length) for f in r.mm_features
+                                                  if f.offset < seq.seq_len and seq.seq_len - (seq.query_end
+                                                                                               - seq.query_start)
+                                                  < f.offset + f.length)
         rest = sample_idx + plp_idx
         logits_indices = (np.concatenate([sample_idx_np, np.array(rest, np.int64)]) if rest
                           else sample_idx_np.copy())

@@ -119,6 +119,7 @@ class LLMEngine:
         self.mm_processor = make_mm_processor(config)
         if self.mm_processor is not None:
             self.input_batch.encoder_cache = EncoderCacheManager(encoder_cache_capacity(config))
+            self.input_batch.mm_bidirectional = self.mm_processor.tower_cls.bidirectional_image_attention
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
@@ -168,7 +169,9 @@ class LLMEngine:
             "model=%s arch=%s dtype=%s (%s) device=%s tp=%d pp=%d | KV cache%s: %d blocks x %d tokens = %.1f MiB "
             "(%s%s) | max concurrency at max_model_len=%d: %.2f sequences%s | weights %.1f MiB%s | "
             "prefix caching %s%s",
-            mc.model, mc.architecture + (f" (the text model of {text_of}; images are not supported)"
+            mc.model, mc.architecture + ((f" (the text model of {text_of}; images in with its vision tower)"
+                                          if mc.is_multimodal else f" (the text model of {text_of}; images are "
+                                                                   f"not supported)")
                                          if (text_of := getattr(mc.hf_config, "text_only_of", None)) else "")
             + (" runner=pooling (embeddings)" if mc.runner == "pooling" else ""),
             str(mc.dtype).replace("torch.", ""), mc.dtype_reason or "given",
@@ -207,7 +210,8 @@ class LLMEngine:
         """(prompt text or None, token ids, its images processed or None). A prompt dict may carry
         images as vLLM takes them, ``{"prompt": text, "multi_modal_data": {"image": PIL image or list}}``
         (the text holds one placeholder per image, or none: they go first), or already processed
-        (``{"mm_inputs": MultiModalInputs}``, from the API server's front end).
+        (``{"mm_inputs": MultiModalInputs}``, from the API server's front end). ``"add_special_tokens":
+        False`` in the dict: the text is a rendered chat (its template wrote the special tokens).
 
         Raises:
             ValueError: what ``tokenize_prompt`` raises; images for a text-only model, more images than
@@ -230,7 +234,7 @@ class LLMEngine:
                 raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
             if not isinstance(text, str):
                 raise ValueError("a prompt with images needs its text under 'prompt' (token ids cannot be expanded)")
-            mm = self.mm_processor.process(text, images)
+            mm = self.mm_processor.process(text, images, bool(prompt.get("add_special_tokens", True)))
         if self.mm_processor is None:
             raise ValueError(f"{self.model_config.architecture} is a text-only model: it takes no images")
         budget = self.config.scheduler_config.max_num_batched_tokens

@@ -208,7 +208,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             x = intermediate[0]
         cos_sin = self.cos_sin(positions)
         # the model runner's fused stack (the CPU layer runner: all layers in one C call), else the loop
-        ran = None if self.layer_stack is None else self.layer_stack(x, None, cos_sin, kv_caches, meta)
+        ran = (None if self.layer_stack is None or meta.has_bidirectional  # (the C runner's attention is causal)
+               else self.layer_stack(x, None, cos_sin, kv_caches, meta))
         if ran is None:
             for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer],
                                        kv_caches[self.start_layer:self.end_layer]):

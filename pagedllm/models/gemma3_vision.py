@@ -20,11 +20,14 @@ from torch import nn
 from pagedllm.models.vision import VisionTower, strip_prefix
 from pagedllm.models.vit import VitEncoder, load_module_weights
 
-_TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.")
+# (the Hub's checkpoints nest the tower under "vision_model."; transformers 5 saves it without)
+_TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
 class Gemma3VisionTower(VisionTower):
+    bidirectional_image_attention = True  # an image's soft tokens see each other (token_type_ids)
+
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         vc = hf_config.vision_config

@@ -17,7 +17,8 @@ from torch import nn
 from pagedllm.models.vision import VisionTower, strip_prefix
 from pagedllm.models.vit import VitEncoder, activation, load_module_weights
 
-_TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.")
+# (the Hub's checkpoints nest the tower under "vision_model."; transformers 5 saves it without)
+_TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 

@@ -33,6 +33,11 @@ class VisionTower(nn.Module):
     methods below have defaults that fit LLaVA and Gemma 3 (override where a family differs).
     """
 
+    # Whether an image's placeholder tokens attend to each other both ways in the language model
+    # (Gemma 3: transformers' token_type_ids mask); the engine then marks each image span of a prefill
+    # chunk (``PrefillSeq.bidirectional``) and keeps it in one chunk. False: plain causal attention.
+    bidirectional_image_attention = False
+
     # ---- API server side (class methods: no weights) --------------------------------------
     @classmethod
     def image_token_id(cls, hf_config: Any) -> int:
@@ -65,10 +70,12 @@ class VisionTower(nn.Module):
         return token
 
     @classmethod
-    def process(cls, processor: Any, text: str, images: list) -> dict[str, torch.Tensor]:
+    def process(cls, processor: Any, text: str, images: list, add_special_tokens: bool = True
+                ) -> dict[str, torch.Tensor]:
         """Run the processor on the prompt ``text`` (one placeholder per image) and the PIL images:
-        {"input_ids": [1, L], "pixel_values": [n, 3, H, W], ...} (transformers' BatchFeature as a dict)."""
-        out = processor(text=[text], images=images, return_tensors="pt")
+        {"input_ids": [1, L], "pixel_values": [n, 3, H, W], ...} (transformers' BatchFeature as a dict).
+        ``add_special_tokens``: as the tokenizer's (False for a rendered chat, whose template wrote them)."""
+        out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         return dict(out)
 
     @classmethod

@@ -65,9 +65,11 @@ class MultiModalProcessor:
             raise ValueError(f"{n} images in one prompt, more than the limit of {self.max_images} "
                              f"(--limit-mm-per-prompt)")
 
-    def process(self, prompt: Union[str, Sequence[int]], images: Sequence[Any]) -> MultiModalInputs:
+    def process(self, prompt: Union[str, Sequence[int]], images: Sequence[Any],
+                add_special_tokens: bool = True) -> MultiModalInputs:
         """``prompt`` (text with one placeholder per image, or without any: they are then put before the
         text, as vLLM does for an LLM.generate prompt) and its PIL images -> MultiModalInputs.
+        ``add_special_tokens``: False for a rendered chat (its template wrote them).
         Raises ValueError (a MediaError for a bad image) naming what is wrong."""
         if not isinstance(prompt, str):
             raise ValueError("a prompt with images must be text (its image placeholders are expanded by the "
@@ -81,7 +83,7 @@ class MultiModalProcessor:
         elif found != len(images):
             raise ValueError(f"the prompt has {found} image placeholder(s) {mark!r} for {len(images)} image(s)")
         try:
-            out = self.tower_cls.process(self.processor, prompt, list(images))
+            out = self.tower_cls.process(self.processor, prompt, list(images), add_special_tokens)
         except (MediaError, ValueError):
             raise
         except Exception as e:  # noqa: BLE001 - a processor that chokes on an image is a bad request

@@ -66,7 +66,7 @@ class AnthropicServingMessages:
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         chat_req = req.to_chat_request(stream=False)
         self.chat.check_model(chat_req.model)
-        ids = await self.chat.render_async(chat_req)
+        ids = await self.chat.render_ids_async(chat_req)
         return {"input_tokens": len(ids)}
 
     async def create_message(self, req: MessagesRequest, raw_request: Request):

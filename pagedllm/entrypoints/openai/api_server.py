@@ -403,7 +403,7 @@ def build_app(llm: AsyncLLM, served_model_name: Optional[str] = None, api_key: O
     async def tokenize(body: TokenizeRequest):
         chat.check_model(body.model)
         if body.messages is not None:
-            ids = await chat.render_async(body)
+            ids = (await chat.render_async(body))[0]  # (images expanded to their tokens)
         else:
             encode = functools.partial(chat.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
             try:  # a long text is tokenized off the event loop, as for completions

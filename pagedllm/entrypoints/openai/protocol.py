@@ -550,9 +550,19 @@ class ChatTextPart(OpenAIBaseModel):
     text: str
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str  # data:image/...;base64,..., file:// (--allowed-local-media-path), http(s):// (--allow-remote-media)
+    detail: Optional[str] = None  # OpenAI's "auto" | "low" | "high": accepted, not used
+
+
+class ChatImagePart(OpenAIBaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[ChatTextPart]]] = None
+    content: Optional[Union[str, list[Union[ChatTextPart, ChatImagePart]]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None   # assistant turns that called tools
     tool_call_id: Optional[str] = None            # tool turns: which call this answers
@@ -561,10 +571,11 @@ class ChatMessageParam(OpenAIBaseModel):
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
         # An image/audio/file part gets one clear sentence instead of pydantic's union-mismatch dump.
+        # (image_url parts are checked by the server, which knows whether the model takes images)
         for part in value if isinstance(value, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise RequestError(f"This model accepts only text, so a message content part of type "
+            if isinstance(kind, str) and kind not in ("text", "image_url"):
+                raise RequestError(f"This model accepts only text and images, so a message content part of type "
                                    f"{kind[:40]!r} cannot be used.", "messages")
         return value
 
@@ -575,10 +586,25 @@ class ChatMessageParam(OpenAIBaseModel):
             raise RequestError(f"a {self.role} message needs content", "messages")
         return self
 
-    def to_dict(self) -> dict:
+    def text_size(self) -> int:
+        """Characters of its text (content string or text parts)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p.text) for p in self.content or () if isinstance(p, ChatTextPart))
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(content part index, URL) of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ChatImagePart)]
+
+    def to_dict(self, image_text: str = "") -> dict:
+        """The message as a chat template reads it; an image part becomes the text ``image_text`` (the
+        model's image placeholder, expanded by its processor) in place."""
         d: dict[str, Any] = {"role": self.role}
         if isinstance(self.content, list):
-            d["content"] = [{"type": "text", "text": p.text} for p in self.content]
+            d["content"] = [{"type": "text", "text": p.text if isinstance(p, ChatTextPart) else image_text}
+                            for p in self.content]
         else:
             d["content"] = self.content if self.content is not None else ""
         if self.name is not None:

@@ -31,6 +31,8 @@ class InputContentPart(OpenAIBaseModel):
 
     type: str
     text: Optional[str] = None
+    image_url: Optional[str] = None  # input_image: a data:, file:// or http(s):// URL
+    detail: Optional[str] = None     # input_image: accepted, not used
 
 
 class InputMessage(OpenAIBaseModel):
@@ -39,6 +41,22 @@ class InputMessage(OpenAIBaseModel):
     content: Union[str, list[InputContentPart]]
     id: Optional[str] = None
     status: Optional[str] = None
+
+    def chat_content(self) -> Any:
+        """The content as a chat message holds it: the text, or, with input_image parts, a list of
+        text and ``image_url`` parts in order (RequestError for other non-text parts)."""
+        if isinstance(self.content, str) or not any(p.type == "input_image" for p in self.content):
+            return self.text()
+        out: list[dict] = []
+        for i, part in enumerate(self.content):
+            if part.type == "input_image":
+                if not part.image_url:
+                    raise RequestError("an input_image part needs an image_url (file_id is not supported)",
+                                       f"input.content.{i}")
+                out.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            else:
+                out.append({"type": "text", "text": InputMessage(role=self.role, content=[part]).text()})
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, str):

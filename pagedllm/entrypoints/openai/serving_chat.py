@@ -21,7 +21,8 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
 from pagedllm.entrypoints.openai.template_probe import TemplateToolSupport
 from pagedllm.entrypoints.openai.tool_parsers.tool_choice import resolve_tool_choice, tool_choice_structured_outputs
-from pagedllm.llm import apply_chat_template
+from pagedllm.entrypoints.openai.image_inputs import image_placeholder, image_prompt
+from pagedllm.llm import apply_chat_template, render_chat
 from pagedllm.outputs import PositionLogprobs
 
 logger = logging.getLogger("pagedllm")
@@ -78,9 +79,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: list[ChatMessageParam], add_generation_prompt: Optional[bool] = True,
                continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
-               tools: Optional[list] = None) -> list[int]:
+               tools: Optional[list] = None, image_text: Optional[str] = None):
         """Token ids of the conversation; RequestError when the template cannot render it.
-        ``tools`` (OpenAI tool definitions) reach the template as ``tools``."""
+        ``tools`` (OpenAI tool definitions) reach the template as ``tools``. ``image_text`` given: the
+        rendered text instead, each image part written as ``image_text`` (the model's placeholder)."""
         self.note_dropped_tools(bool(tools), any(m.tool_calls for m in messages))
         kwargs = dict(chat_template_kwargs or {})
         if tools:
@@ -94,14 +96,25 @@ class OpenAIServingChat(OpenAIServing):
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
         try:
-            return apply_chat_template(self.tokenizer, [m.to_dict() for m in messages], self.chat_template,
-                                       add_generation_prompt=bool(add_generation_prompt),
-                                       continue_final_message=continue_final_message,
-                                       chat_template_kwargs=kwargs)
+            render = apply_chat_template if image_text is None else render_chat
+            return render(self.tokenizer, [m.to_dict(image_text or "") for m in messages], self.chat_template,
+                          add_generation_prompt=bool(add_generation_prompt),
+                          continue_final_message=continue_final_message, chat_template_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - template errors come from user content/kwargs
             raise RequestError(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
 
-    async def render_async(self, req) -> list[int]:
+    async def render_async(self, req) -> tuple[list[int], dict]:
+        """(prompt token ids, the engine's prompt): the rendered conversation, with its images (image_url
+        parts) loaded and processed when it has any (RequestError naming a part that cannot be used)."""
+        parts = [(f"messages.{i}.content.{j}", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+        if not parts:
+            ids = await self.render_ids_async(req)
+            return ids, {"prompt_token_ids": ids}
+        image_placeholder(self.llm.engine, parts[0][0], "image_url")  # (400 for a text-only model)
+        return await image_prompt(self.llm.engine, parts,
+                                  lambda placeholder: self.render(*self.render_args(req), image_text=placeholder))
+
+    def render_args(self, req) -> tuple:
         # add_generation_prompt defaults to true; only an explicit true conflicts with continue_final_message
         agp = req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else None
         kwargs = req.chat_template_kwargs
@@ -110,23 +123,29 @@ class OpenAIServingChat(OpenAIServing):
         if getattr(req, "reasoning_effort", None) is not None:
             kwargs = {**(kwargs or {}), "reasoning_effort": self.reasoning_effort(req.reasoning_effort,
                                                                                   "reasoning_effort")}
-        args = (req.messages, agp, req.continue_final_message, kwargs, getattr(req, "tools", None))
-        size = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
-                   for m in req.messages)
+        return req.messages, agp, req.continue_final_message, kwargs, getattr(req, "tools", None)
+
+    async def render_ids_async(self, req) -> list[int]:
+        args = self.render_args(req)
+        size = sum(m.text_size() for m in req.messages)
         if size > _BIG_CONVERSATION_CHARS or len(req.messages) > _BIG_CONVERSATION_MESSAGES:
             return await asyncio.to_thread(self.render, *args)
         return self.render(*args)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
         lora = self.check_model(req.model)
-        ids = await self.render_async(req)
+        ids, prompt = await self.render_async(req)
         if not ids:
             raise RequestError("the rendered conversation is empty", "messages")
         if req.add_special_tokens:
             raise RequestError("add_special_tokens=true is not supported on chat: the chat template adds the "
                                "model's special tokens", "add_special_tokens")
         self.check_limits(req)
+        if "mm_inputs" in prompt and req.truncate_prompt(ids, self.max_model_len) != ids:
+            raise RequestError("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
         ids = req.truncate_prompt(ids, self.max_model_len)
+        if "prompt_token_ids" in prompt:
+            prompt = {"prompt_token_ids": ids}
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", param)
         params = req.to_sampling_params(max_tokens)
@@ -136,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
         await self.verify_logits_fields(params, req)
         request_id = random_id("chatcmpl")
         self.check_priority(req.priority)
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, request_id, req.priority, lora_request=lora)
+        gen = self.llm.generate(prompt, params, request_id, req.priority, lora_request=lora)
         request_id = self.response_id(req, request_id)  # the client's request_id, if given, names the response
         model = lora.lora_name if lora is not None else self.served_model_name
         if req.stream:

@@ -38,7 +38,8 @@ from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import run_unless_disconnected
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
 from pagedllm.entrypoints.openai.tool_parsers.tool_choice import resolve_tool_choice, tool_choice_structured_outputs
-from pagedllm.llm import apply_chat_template
+from pagedllm.entrypoints.openai.image_inputs import image_placeholder, image_prompt
+from pagedllm.llm import apply_chat_template, render_chat
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -90,7 +91,7 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     for i, item in enumerate(req.input):
         if isinstance(item, InputMessage):
-            messages.append({"role": item.role, "content": item.text()})  # (developer: apply_chat_template)
+            messages.append({"role": item.role, "content": item.chat_content()})  # (developer: apply_chat_template)
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _json_or_text(item.arguments)}}
@@ -108,6 +109,13 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
     if not messages:
         raise RequestError("input must not be empty", "input")
     return messages
+
+
+def with_placeholders(messages: list[dict], placeholder: str) -> list[dict]:
+    """``messages`` with each image_url part written as the model's image placeholder text."""
+    return [{**m, "content": [p if p.get("type") != "image_url" else {"type": "text", "text": placeholder}
+                              for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]
 
 
 def output_messages(output: list) -> list[dict]:
@@ -166,7 +174,16 @@ class OpenAIServingResponses:
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
         effort = (req.reasoning or {}).get("effort")
         effort = self.chat.reasoning_effort(effort, "reasoning") if effort is not None else None
-        ids = await asyncio.to_thread(self._render, messages, chat_tools if tool_choice != "none" else [], effort)
+        render_tools = chat_tools if tool_choice != "none" else []
+        parts = [(f"input.{i}.content.{j}", p["image_url"]["url"]) for i, m in enumerate(messages)
+                 if isinstance(m.get("content"), list) for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
+        if parts:  # input_image parts (this input's or an earlier turn's): loaded, processed with the text
+            image_placeholder(self.llm.engine, parts[0][0], "input_image")
+            ids, prompt = await image_prompt(self.llm.engine, parts, lambda placeholder: self._render(
+                with_placeholders(messages, placeholder), render_tools, effort, as_text=True))
+        else:
+            ids = await asyncio.to_thread(self._render, messages, render_tools, effort)
+            prompt = {"prompt_token_ids": ids}
         max_tokens = self.chat.resolve_max_tokens(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         params = self._sampling_params(req, max_tokens)
         if self.chat.reasoning_parser is not None and self.chat.reasoning_parser.needs_special_tokens:
@@ -196,7 +213,7 @@ class OpenAIServingResponses:
         if req.store:
             self.store.put(StoredResponse(response=response, messages=history, input_items=req.input_items(),
                                           events=run.log))
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, response.id, req.priority, lora_request=lora)
+        gen = self.llm.generate(prompt, params, response.id, req.priority, lora_request=lora)
         run.task = asyncio.ensure_future(self._produce(run, gen, len(ids)))
         self.runs[response.id] = run
         run.task.add_done_callback(lambda _t, rid=response.id: self.runs.pop(rid, None))
@@ -247,14 +264,17 @@ class OpenAIServingResponses:
         except ValueError as e:
             raise RequestError(f"text.format: {e}", "text.format") from None
 
-    def _render(self, messages: list[dict], tools: list, reasoning_effort: Optional[str] = None) -> list[int]:
+    def _render(self, messages: list[dict], tools: list, reasoning_effort: Optional[str] = None,
+                as_text: bool = False):
+        """The prompt's token ids (``as_text``: its text, for the image processor to tokenize)."""
         self.chat.note_dropped_tools(bool(tools), any(m.get("tool_calls") for m in messages))
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         if reasoning_effort is not None:
             kwargs["reasoning_effort"] = reasoning_effort
         try:
-            ids = apply_chat_template(self.chat.tokenizer, messages, self.chat.chat_template,
-                                      add_generation_prompt=True, chat_template_kwargs=kwargs)
+            ids = (render_chat if as_text else apply_chat_template)(
+                self.chat.tokenizer, messages, self.chat.chat_template, add_generation_prompt=True,
+                chat_template_kwargs=kwargs)
         except Exception as e:  # noqa: BLE001 - template errors come from user content
             raise RequestError(f"cannot apply the chat template: {type(e).__name__}: {e}", "input") from None
         if not ids:

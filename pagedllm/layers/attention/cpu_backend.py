@@ -167,12 +167,12 @@ class CpuPagedAttention(AttentionBackend):
                               logits_soft_cap, max_query_len=long_prefill or 0,
                               sinks=None if sinks is None else sinks.float().contiguous(),
                               attention_chunk=attention_chunk)
-        if long_prefill is None:
+        if long_prefill is None and not meta.has_bidirectional:
             return out
         flat_k, flat_v = flat_cache(kv_cache, 0), flat_cache(kv_cache, -1)
         gather = functools.partial(gather_kv, block_size=meta.block_size)
         for i, p in enumerate(meta.prefills):
-            if p.query_end - p.query_start > long_prefill:
+            if p.bidirectional or (long_prefill is not None and p.query_end - p.query_start > long_prefill):
                 out[p.query_start:p.query_end] = self._reference.prefill(
                     q, k, v, flat_k, flat_v, meta, meta.num_decode_tokens + i, p, scale, sliding_window,
                     logits_soft_cap, gather=gather, sinks=sinks, chunk=attention_chunk)

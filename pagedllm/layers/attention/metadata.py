@@ -22,6 +22,10 @@ class PrefillSeq:
     query_start: int
     query_end: int
     seq_len: int
+    # Spans [lo, hi) of sequence positions whose tokens also see each other's later tokens (Gemma 3's
+    # image tokens attend bidirectionally within one image; transformers' token_type_ids mask): a query
+    # at p in a span sees keys up to hi - 1. Empty: plain causal attention.
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
     @property
     def has_prefix(self) -> bool:
@@ -55,6 +59,12 @@ class AttentionMetadata:
     block_size: int = 0
     max_decode_seq_len: int = 0
     derived: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def has_bidirectional(self) -> bool:
+        """Whether a prefill has bidirectional spans (backends without them fall back to the torch
+        reference for those sequences; the CPU layer runner sits such steps out)."""
+        return any(p.bidirectional for p in self.prefills)
 
     @property
     def num_seqs(self) -> int:

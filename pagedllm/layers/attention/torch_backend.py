@@ -129,7 +129,8 @@ class TorchPagedAttention(AttentionBackend):
                  sinks: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
         """[T, H, D] for one prompt chunk (batch row ``row`` of ``meta``), whose queries sit at positions
         seq_len - T .. seq_len - 1; flat_k/flat_v are the cache (``flat_cache``; None: no cache)."""
-        plain = window is None and soft_cap is None and sinks is None and chunk is None  # SDPA's causal mask does
+        plain = (window is None and soft_cap is None and sinks is None and chunk is None  # SDPA's causal mask does
+                 and not p.bidirectional)
         t = p.query_end - p.query_start
         h, d = q.shape[1:]
         hkv = k.shape[1]
@@ -153,7 +154,10 @@ class TorchPagedAttention(AttentionBackend):
                 return _causal_sdpa(qs, ks, vs, scale).squeeze(0).transpose(0, 1)
         length = ks.shape[2]
         q_pos = torch.arange(length - t, length, device=q.device)
-        mask = _visible(q_pos, torch.arange(length, device=q.device), window, chunk)
+        k_pos = torch.arange(length, device=q.device)
+        mask = _visible(q_pos, k_pos, window, chunk)
+        for lo, hi in p.bidirectional:  # later keys of the query's own span (the window never hides them)
+            mask |= (((q_pos >= lo) & (q_pos < hi)).unsqueeze(-1) & (k_pos > q_pos.unsqueeze(-1)) & (k_pos < hi))
         # Query heads of one KV head as rows: [1, Hkv, G * T, D], mask tiled per head of the group.
         o = _grouped_attention(qs.reshape(1, hkv, -1, d), ks, vs, mask.repeat(h // hkv, 1).view(1, 1, -1, length),
                                scale, soft_cap, _sink_rows(sinks, hkv, t))

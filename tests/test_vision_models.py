@@ -1,0 +1,133 @@
+"""Image input, end to end offline, on tiny random-weight LLaVA (CLIP + projector + Llama) and Gemma 3
+(SigLIP + projector + Gemma 3 text) checkpoints built here with transformers and the real processor
+classes: greedy ids with one and two images equal transformers' ``generate`` on the processor's
+inputs (fp32), in one batch with text-only requests, through chunked prefill (an image never split),
+prefix caching (on == off with different images behind the same text) and the encoder cache (a
+repeated image is not encoded again, counted); every block back in the pool afterwards."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_pool_empty, record_schedule
+from pagedllm import LLM, SamplingParams
+from vision_utils import build_gemma3, build_llava, hf_generate, make_image
+
+N = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+BUILDERS = {"llava": (build_llava, "<image>"), "gemma3": (build_gemma3, "<start_of_image>")}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def family(request, tmp_path_factory):
+    """(name, checkpoint dir, transformers model, processor, image placeholder)."""
+    build, mark = BUILDERS[request.param]
+    d = str(tmp_path_factory.mktemp(request.param))
+    model, proc = build(d)
+    return request.param, d, model, proc, mark
+
+
+def prompts(mark: str) -> list[tuple[str, list]]:
+    """(prompt text, images) cases: one image, two images, an image mid-text, text only."""
+    a, b, c = make_image(1), make_image(2, (56, 40)), make_image(3, (28, 28))
+    return [(f"<|user|>{mark}the king and<|assistant|>", [a]),
+            (f"<|user|>{mark}the king{mark} and the queen<|assistant|>", [a, b]),
+            (f"<|user|>what is in{mark} this picture?<|assistant|>", [c]),
+            ("<|user|>the queen of the world<|assistant|>", [])]
+
+
+def engine_prompt(text: str, images: list):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def expected(model, proc, cases) -> list[list[int]]:
+    return [hf_generate(model, proc, text, images or None, N) for text, images in cases]
+
+
+def test_greedy_equals_transformers_in_one_batch(family):
+    name, d, model, proc, mark = family
+    cases = prompts(mark)
+    want = expected(model, proc, cases)
+    assert len({tuple(w) for w in want}) == len(want)  # the images and texts matter
+    llm = LLM(d, kv_cache_memory=4 << 20)
+    outs = llm.generate([engine_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert outs[0].prompt_token_ids == proc(text=[cases[0][0]], images=cases[0][1],
+                                            return_tensors="pt")["input_ids"][0].tolist()
+    assert_pool_empty(llm)
+
+
+def test_chunked_prefill_keeps_an_image_whole(family, monkeypatch):
+    name, d, model, proc, mark = family
+    cases = prompts(mark)[:3]
+    want = expected(model, proc, cases)
+    llm = LLM(d, kv_cache_memory=4 << 20, max_num_batched_tokens=6, max_num_seqs=2, enable_prefix_caching=False)
+    log = record_schedule(llm, monkeypatch)
+    outs = llm.generate([engine_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    spans = {}
+    engine = llm.llm_engine
+    for o in outs:  # every image's placeholder span lies inside one scheduled chunk
+        mm = engine.preprocess_prompt(engine_prompt(*cases[int(o.request_id)]))[2]
+        spans[o.request_id] = [(f.offset, f.offset + f.length) for f in mm.features]
+    chunks = [(rid, start, start + n) for rid, start, n, prompt_len in log if start < prompt_len]
+    assert any(e - s < 6 for _, s, e in chunks)  # chunks were cut short to keep an image whole
+    for rid, s, e in chunks:
+        for lo, hi in spans[rid]:
+            assert not (s < hi and lo < e) or (s <= lo and hi <= e), (rid, s, e, lo, hi)
+    assert_pool_empty(llm)
+
+
+def test_prefix_caching_different_images_behind_the_same_text(family):
+    """The same text with another image must not reuse the first image's blocks: prefix caching on
+    gives what it gives off, and the block hashes differ from the image's first block on."""
+    name, d, model, proc, mark = family
+    text = f"<|user|>the king and the queen of the world{mark} and what<|assistant|>"
+    imgs = [make_image(11), make_image(12), make_image(11)]
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(d, kv_cache_memory=4 << 20, enable_prefix_caching=caching, block_size=4)
+        outs[caching] = [list(llm.generate(engine_prompt(text, [im]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+                         for im in imgs]
+        if caching:
+            stats = llm.llm_engine.get_stats()
+            assert stats.prefix_cache_hits > 0  # the text before the image, and all of the repeated image
+        assert_pool_empty(llm)
+    assert outs[True] == outs[False]
+    assert outs[True][0] == outs[True][2] != outs[True][1]
+    assert outs[True][0] == hf_generate(model, proc, text, [imgs[0]], N)
+    assert outs[True][1] == hf_generate(model, proc, text, [imgs[1]], N)
+
+
+def test_encoder_cache_hit_is_counted(family):
+    """The same image after other text (no prefix-cache hit on it) takes its embeddings from the
+    encoder cache: counted, and the output is what a fresh encode gives."""
+    name, d, model, proc, mark = family
+    img = make_image(21)
+    first = f"<|user|>{mark}the king<|assistant|>"
+    second = f"<|user|>and now the queen{mark} again<|assistant|>"
+    llm = LLM(d, kv_cache_memory=4 << 20)
+    encoded = []
+    tower = llm.llm_engine.executor.runner.vision
+    real = tower.encode
+    tower.encode = lambda items: (encoded.append(len(items)), real(items))[1]
+    a = llm.generate(engine_prompt(first, [img]), GREEDY, use_tqdm=False)[0]
+    b = llm.generate(engine_prompt(second, [img]), GREEDY, use_tqdm=False)[0]
+    stats = llm.llm_engine.get_stats()
+    assert (stats.mm_cache_queries, stats.mm_cache_hits) == (2, 1)
+    assert encoded == [1]  # encoded once
+    assert list(b.outputs[0].token_ids) == hf_generate(model, proc, second, [img], N)
+    assert list(a.outputs[0].token_ids) == hf_generate(model, proc, first, [img], N)
+    assert_pool_empty(llm)
+
+
+def test_chat_with_image_parts_equals_generate(family):
+    name, d, model, proc, mark = family
+    img = make_image(31)
+    llm = LLM(d, kv_cache_memory=4 << 20)
+    msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                         {"type": "text", "text": "the king and"}]}]
+    chat = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    text = f"<|user|>{mark}the king and</s><|assistant|>"
+    assert list(chat.outputs[0].token_ids) == hf_generate(model, proc, text, [img], N)
+    assert_pool_empty(llm)

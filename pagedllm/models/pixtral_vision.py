@@ -183,11 +183,12 @@ class PixtralPromptProcessor:
         self.image_processor, self.tokenizer = image_processor, tokenizer
         self.unit = patch_size * merge  # pixels per merged token a side
 
-    def __call__(self, text: str, images: list) -> dict[str, torch.Tensor]:
+    def __call__(self, text: str, images: list, add_special_tokens: bool = True) -> dict[str, torch.Tensor]:
         out = dict(self.image_processor(images=images, patch_size=self.unit, return_tensors="pt"))
         grids = [(int(h) // self.unit, int(w) // self.unit) for h, w in out["image_sizes"].tolist()]
         text = _expand_placeholders(text, self.image_token, grids, self.break_token, self.end_token)
-        out["input_ids"] = self.tokenizer([text], return_tensors="pt")["input_ids"]
+        out["input_ids"] = self.tokenizer([text], return_tensors="pt",
+                                          add_special_tokens=add_special_tokens)["input_ids"]
         return out
 
 
@@ -229,8 +230,9 @@ class PixtralVisionTower(VisionTower):
         return PixtralPromptProcessor.image_token
 
     @classmethod
-    def process(cls, processor: Any, text: str, images: list) -> dict[str, torch.Tensor]:
-        return processor(text, images)
+    def process(cls, processor: Any, text: str, images: list, add_special_tokens: bool = True
+                ) -> dict[str, torch.Tensor]:
+        return processor(text, images, add_special_tokens)
 
     @classmethod
     def split_items(cls, processed: dict[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:

@@ -286,7 +286,7 @@ class Qwen2VLPromptProcessor:
     def __init__(self, image_processor: Any, tokenizer: Any) -> None:
         self.image_processor, self.tokenizer = image_processor, tokenizer
 
-    def __call__(self, text: str, images: list) -> dict[str, torch.Tensor]:
+    def __call__(self, text: str, images: list, add_special_tokens: bool = True) -> dict[str, torch.Tensor]:
         out = dict(self.image_processor(images=images, return_tensors="pt"))
         merge = self.image_processor.merge_size ** 2
         pieces = text.split(self.image_token)
@@ -294,7 +294,8 @@ class Qwen2VLPromptProcessor:
             raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} token(s) for {len(images)} image(s)")
         counts = (out["image_grid_thw"].prod(-1) // merge).tolist()
         text = pieces[0] + "".join(self.image_token * n + rest for n, rest in zip(counts, pieces[1:]))
-        out["input_ids"] = self.tokenizer([text], return_tensors="pt")["input_ids"]
+        out["input_ids"] = self.tokenizer([text], return_tensors="pt",
+                                          add_special_tokens=add_special_tokens)["input_ids"]
         return out
 
 
@@ -330,8 +331,9 @@ class Qwen2VLVisionTower(VisionTower):
         return Qwen2VLPromptProcessor.placeholder
 
     @classmethod
-    def process(cls, processor: Any, text: str, images: list) -> dict[str, torch.Tensor]:
-        return processor(text, images)
+    def process(cls, processor: Any, text: str, images: list, add_special_tokens: bool = True
+                ) -> dict[str, torch.Tensor]:
+        return processor(text, images, add_special_tokens)
 
     @classmethod
     def split_items(cls, processed: dict[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:

@@ -162,6 +162,12 @@ def test_mrope_cos_sin_equals_transformers(version):
 # ------------------------------------------------------------------ the engine against transformers' generate
 
 MAX_NEW = 8
+PH = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen2-VL's chat template writes each image part as PH (the rest is the test tokenizer's simple template)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+                 "{% else %}" + PH + "{% endif %}{% endfor %}{% endif %}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def build_vl_checkpoint(out_dir: str, version: str, seed: int = 0) -> str:
@@ -173,6 +179,7 @@ def build_vl_checkpoint(out_dir: str, version: str, seed: int = 0) -> str:
     tok = build_tokenizer(out_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                                                          "<|video_pad|>"]})
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out_dir)
     ids = dict(zip(["vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"],
                    tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])))
@@ -227,9 +234,6 @@ def hf_generate(d: str, model, text: str, images: list) -> list[int]:
                          max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
-
-
-PH = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def test_greedy_with_images_equals_transformers(vl_checkpoint):
@@ -299,3 +303,45 @@ def test_chunked_prefill_preemption_prefix_caching_with_images(vl_checkpoint, mo
             assert out.num_cached_tokens >= (32 if i == 1 else (len(out.prompt_token_ids) - 1) // 16 * 16)
     assert enc.hits > before
     assert_pool_empty(llm)
+
+
+def test_chat_with_image_parts_equals_generate(vl_checkpoint):
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
+    d, model = vl_checkpoint
+    img = _images(5)[1]
+    llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is"},
+                                         {"type": "image_pil", "image_pil": img},
+                                         {"type": "text", "text": "this picture?"}]}]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    chat = llm.chat(msgs, sp, use_tqdm=False)[0]
+    text = f"<|user|>what is{PH}this picture?</s><|assistant|>"
+    assert list(chat.outputs[0].token_ids) == hf_generate(d, model, text, [img])
+    assert_pool_empty(llm)
+
+
+def test_server_chat_with_an_image_equals_offline(tmp_path_factory):
+    """Through `pagedllm serve` (engine core in its own process: the M-RoPE positions cross the core
+    protocol with the image): a chat with a data: URL image answers as transformers does."""
+    httpx = pytest.importorskip("httpx")
+    from server_utils import RemoteServer
+    from vision_utils import data_url
+    d = build_vl_checkpoint(str(tmp_path_factory.mktemp("qwen25vl_server")), "2.5", seed=3)
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    img = _images(6)[0]
+    want = hf_generate(d, model, f"<|user|>{PH}the king</s><|assistant|>", [img])
+    assert len(set(want)) > 2
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    args = ("--served-model-name", "qwen-vl", "--max-model-len", "256", "--kv-cache-memory", "4MiB", "--dtype",
+            "float32", "--disable-access-log")
+    with RemoteServer(d, args, log_path=str(tmp_path_factory.mktemp("log") / "server.log")) as srv:
+        with httpx.Client(base_url=srv.url, timeout=120) as h:
+            r = h.post("/v1/chat/completions", json={
+                "model": "qwen-vl", "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img)}},
+                                                          {"type": "text", "text": "the king"}]}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+    assert srv.returncode == 0, srv.log()

@@ -58,9 +58,8 @@ def test_vision_tower_equals_transformers(version):
     hf = _hf_tower(version, cfg)
     ours = Qwen2VisionTransformer(cfg, torch.float32)
     # the checkpoint names of Qwen2VLForConditionalGeneration (model.visual.*); a language-model tensor is skipped
-    loaded = ours.load_weights([("model.visual." + k, v) for k, v in hf.state_dict().items()]
-                               + [("model.language_model.norm.weight", torch.ones(3))])
-    assert loaded == set(dict(ours.named_parameters()))
+    ours.load_weights([("model.visual." + k, v) for k, v in hf.state_dict().items()]
+                      + [("model.language_model.norm.weight", torch.ones(3))])
     # a wide and a tall image (partial windows of 2x2 merged tokens in Qwen2.5-VL) and a small one
     pixels, grid = _pixels([(140, 250), (230, 110), (30, 40)])
     assert grid.tolist() == [[1, 10, 18], [1, 16, 8], [1, 2, 2]]
@@ -87,7 +86,7 @@ def test_window_index_equals_transformers():
 def test_vision_weights_missing_is_an_error():
     cfg = _vision_config("2")
     ours = Qwen2VisionTransformer(cfg, torch.float32)
-    with pytest.raises(ValueError, match="missing vision weights"):
+    with pytest.raises(ValueError, match="missing weights"):
         ours.load_weights([("visual.merger.ln_q.weight", torch.ones(32))])
 
 

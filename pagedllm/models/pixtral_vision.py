@@ -30,9 +30,11 @@ from torch import nn
 
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import ReplicatedLinear, default_weight_loader, load_full
+from pagedllm.layers.linear import ReplicatedLinear, load_full
+from pagedllm.models.image_prompt import ImagePromptProcessor, OwnPromptProcessor
 from pagedllm.models.qwen2_vl_vision import segment_attention
 from pagedllm.models.vision import VisionTower, strip_prefix
+from pagedllm.models.vit import load_module_weights
 from pagedllm.platforms import ops
 
 _TOWER = ("model.vision_tower.", "vision_tower.")
@@ -161,42 +163,34 @@ class Mistral3Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-def _expand_placeholders(text: str, token: str, grids: list[tuple[int, int]], brk: str, end: str) -> str:
-    """Each ``token`` of ``text`` (in order) -> its image's rows of ``token`` x columns + ``brk``, the last
-    ``brk`` being ``end``."""
-    pieces = text.split(token)
-    if len(pieces) - 1 != len(grids):
-        raise ValueError(f"the prompt has {len(pieces) - 1} {token} placeholder(s) for {len(grids)} image(s)")
-    out = [pieces[0]]
-    for (rows, cols), rest in zip(grids, pieces[1:]):
-        out.append(((token * cols + brk) * rows)[:-len(brk)] + end + rest)
-    return "".join(out)
+class PixtralPromptProcessor(ImagePromptProcessor):
+    """``PixtralProcessor``'s work without torchvision (``models/image_prompt.py``): "pixel_values"
+    [n, C, H_max, W_max] (padded), "image_sizes" [n, 2], each ``[IMG]`` expanded to its image's rows of
+    ``[IMG]`` x columns + ``[IMG_BREAK]``, the last break ``[IMG_END]`` (``replace_image_token``)."""
+
+    image_token = placeholder = "[IMG]"
+    image_processor_cls = "transformers.models.pixtral.image_processing_pil_pixtral:PixtralImageProcessorPil"
+
+    @property
+    def unit(self) -> int:
+        """Pixels per merged token a side: patch_size * spatial_merge_size."""
+        return self.hf_config.vision_config.patch_size * self.hf_config.spatial_merge_size
+
+    def image_kwargs(self) -> dict:
+        return {"patch_size": self.unit}  # (sizes rounded to whole merged tokens, as PixtralProcessor asks)
+
+    def expansion(self, processed: dict[str, torch.Tensor], i: int) -> str:
+        h, w = (int(v) // self.unit for v in processed["image_sizes"][i].tolist())
+        return ((self.image_token * w + "[IMG_BREAK]") * h)[:-len("[IMG_BREAK]")] + "[IMG_END]"
 
 
-class PixtralPromptProcessor:
-    """``PixtralProcessor`` without torchvision: ``__call__(text, images)`` -> {"input_ids" [1, L],
-    "pixel_values" [n, C, H_max, W_max] (padded), "image_sizes" [n, 2]} with each ``[IMG]`` expanded."""
-
-    image_token, break_token, end_token = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
-
-    def __init__(self, image_processor: Any, tokenizer: Any, patch_size: int, merge: int) -> None:
-        self.image_processor, self.tokenizer = image_processor, tokenizer
-        self.unit = patch_size * merge  # pixels per merged token a side
-
-    def __call__(self, text: str, images: list, add_special_tokens: bool = True) -> dict[str, torch.Tensor]:
-        out = dict(self.image_processor(images=images, patch_size=self.unit, return_tensors="pt"))
-        grids = [(int(h) // self.unit, int(w) // self.unit) for h, w in out["image_sizes"].tolist()]
-        text = _expand_placeholders(text, self.image_token, grids, self.break_token, self.end_token)
-        out["input_ids"] = self.tokenizer([text], return_tensors="pt",
-                                          add_special_tokens=add_special_tokens)["input_ids"]
-        return out
-
-
-class PixtralVisionTower(VisionTower):
+class PixtralVisionTower(OwnPromptProcessor, VisionTower):
     """Mistral 3's vision side for the engine (``models/vision.py``'s interface).
 
     Items: {"pixel_values": [C, H, W] (the image's own size), "image_sizes": [2]}; ``encode`` ->
     [(H/(p*m)) * (W/(p*m)), text hidden] per image."""
+
+    prompt_processor = PixtralPromptProcessor
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -205,35 +199,11 @@ class PixtralVisionTower(VisionTower):
         if not isinstance(layer, int):  # (transformers' projector norms vision_config.hidden_size features)
             raise ValueError(f"Mistral 3 with several vision_feature_layer ({layer}) is not supported (one layer)")
         self.keep = (layer if layer >= 0 else n + 1 + layer,)  # an index into (ln_pre, block 1, ..., block n)
-        self.dtype, self.unit = dtype, vc.patch_size * hf_config.spatial_merge_size
+        self.dtype = dtype
         self.vision_tower = PixtralVisionEncoder(vc, dtype, num_layers=max(self.keep))
         self.multi_modal_projector = Mistral3Projector(hf_config, dtype)
 
     # ---- API server side ------------------------------------------------------------------------
-    @classmethod
-    def make_processor(cls, model_path: str, hf_config: Any) -> PixtralPromptProcessor:
-        """The checkpoint's image processor (preprocessor_config.json) and tokenizer. Raises ValueError
-        when either cannot be loaded."""
-        # lazily: transformers, ~1 s to import
-        from transformers import AutoTokenizer
-        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
-
-        try:
-            return PixtralPromptProcessor(PixtralImageProcessorPil.from_pretrained(model_path),
-                                          AutoTokenizer.from_pretrained(model_path),
-                                          hf_config.vision_config.patch_size, hf_config.spatial_merge_size)
-        except Exception as e:  # noqa: BLE001 - missing/bad preprocessor_config.json or tokenizer
-            raise ValueError(f"cannot load the image processor of {model_path}: {type(e).__name__}: {e}") from None
-
-    @classmethod
-    def image_placeholder(cls, processor: Any) -> str:
-        return PixtralPromptProcessor.image_token
-
-    @classmethod
-    def process(cls, processor: Any, text: str, images: list, add_special_tokens: bool = True
-                ) -> dict[str, torch.Tensor]:
-        return processor(text, images, add_special_tokens)
-
     @classmethod
     def split_items(cls, processed: dict[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:
         """Each image's pixels cut out of the padded batch, with its size [2]."""
@@ -269,25 +239,16 @@ class PixtralVisionTower(VisionTower):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """The checkpoint's ``vision_tower.`` and ``multi_modal_projector.`` tensors (``model.``-prefixed
         in transformers 5). Raises ValueError on a shape mismatch or a missing weight."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        tower, proj = [], []
         for name, w in weights:
             if (rest := strip_prefix(name, _TOWER)) is not None:
-                name = "vision_tower." + rest
+                if rest == "patch_conv.weight":  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
+                    w = load_full(w).flatten(1)
+                tower.append((rest, w))
             elif (rest := strip_prefix(name, _PROJECTOR)) is not None:
-                name = "multi_modal_projector." + rest
-            else:
-                continue
-            if name not in params:
-                continue  # (blocks past the last feature layer)
-            param = params[name]
-            if name == "vision_tower.patch_conv.weight":  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
-                w = load_full(w).reshape(param.shape[0], -1)
-            getattr(param, "weight_loader", default_weight_loader)(param, w)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing vision weights: {sorted(missing)[:8]}")
+                proj.append((rest, w))
+        load_module_weights(self.vision_tower, tower, "Pixtral vision encoder")  # (blocks past the last used: skipped)
+        load_module_weights(self.multi_modal_projector, proj, "Mistral 3 projector")
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

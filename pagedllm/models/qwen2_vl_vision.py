@@ -44,9 +44,11 @@ from torch import nn
 
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.layernorm import LayerNorm, RMSNorm
-from pagedllm.layers.linear import ReplicatedLinear, default_weight_loader, load_full
+from pagedllm.layers.linear import ReplicatedLinear, load_full
 from pagedllm.layers.mrope import mrope_input_positions
+from pagedllm.models.image_prompt import ImagePromptProcessor, OwnPromptProcessor
 from pagedllm.models.vision import VisionTower, strip_prefix
+from pagedllm.models.vit import load_module_weights
 from pagedllm.platforms import ops
 
 _VISUAL = ("model.visual.", "visual.")
@@ -253,57 +255,39 @@ class Qwen2VisionTransformer(nn.Module):
             x = x[torch.argsort(order)]
         return x
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load the checkpoint's vision tensors (names under ``visual.`` or ``model.visual.``; others are
-        skipped). Returns the parameter names loaded. Raises ValueError on a shape mismatch or a
-        missing weight."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        skipped). Raises ValueError on a shape mismatch or a missing weight."""
+        own = []
         for name, w in weights:
             name = strip_prefix(name, _VISUAL)
-            if name is None or name not in params:
-                continue
-            param = params[name]
             if name == "patch_embed.proj.weight":  # Conv3d [E, C, T, p, p] -> Linear [E, C*T*p*p]
-                w = load_full(w).reshape(param.shape[0], -1)
-            getattr(param, "weight_loader", default_weight_loader)(param, w)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing vision weights: {sorted(missing)[:8]}")
-        return loaded
+                w = load_full(w).flatten(1)
+            if name is not None:
+                own.append((name, w))
+        load_module_weights(self, own, "Qwen2-VL vision tower")
 
 
-class Qwen2VLPromptProcessor:
-    """The image half of transformers' ``Qwen2VLProcessor`` without its video processor:
-    ``__call__(text, images)`` -> {"input_ids" [1, L], "pixel_values" [sum of patches, C*T*p*p],
-    "image_grid_thw" [n, 3]}, each ``<|image_pad|>`` of ``text`` (in order) repeated t*h*w / merge^2
-    times for its image, as ``Qwen2VLProcessor.replace_image_token`` does."""
+class Qwen2VLPromptProcessor(ImagePromptProcessor):
+    """The image half of transformers' ``Qwen2VLProcessor`` (``models/image_prompt.py``): "pixel_values"
+    [sum of patches, C*T*p*p], "image_grid_thw" [n, 3], each ``<|image_pad|>`` repeated t*h*w / merge^2
+    times for its image (``Qwen2VLProcessor.replace_image_token``)."""
 
     image_token = "<|image_pad|>"
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    image_processor_cls = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil"
 
-    def __init__(self, image_processor: Any, tokenizer: Any) -> None:
-        self.image_processor, self.tokenizer = image_processor, tokenizer
-
-    def __call__(self, text: str, images: list, add_special_tokens: bool = True) -> dict[str, torch.Tensor]:
-        out = dict(self.image_processor(images=images, return_tensors="pt"))
-        merge = self.image_processor.merge_size ** 2
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} token(s) for {len(images)} image(s)")
-        counts = (out["image_grid_thw"].prod(-1) // merge).tolist()
-        text = pieces[0] + "".join(self.image_token * n + rest for n, rest in zip(counts, pieces[1:]))
-        out["input_ids"] = self.tokenizer([text], return_tensors="pt",
-                                          add_special_tokens=add_special_tokens)["input_ids"]
-        return out
+    def expansion(self, processed: dict[str, torch.Tensor], i: int) -> str:
+        return self.image_token * int(processed["image_grid_thw"][i].prod() // self.image_processor.merge_size ** 2)
 
 
-class Qwen2VLVisionTower(VisionTower):
+class Qwen2VLVisionTower(OwnPromptProcessor, VisionTower):
     """Qwen2-VL's / Qwen2.5-VL's vision side for the engine (``models/vision.py``'s interface).
 
     Items: {"pixel_values": [t*h*w, C*T*p*p], "image_grid_thw": [3] int64} per image; ``encode`` ->
     [t*h*w / merge^2, text hidden] per image (images of one shape run as one tower call)."""
+
+    prompt_processor = Qwen2VLPromptProcessor
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -311,30 +295,6 @@ class Qwen2VLVisionTower(VisionTower):
         self.visual = Qwen2VisionTransformer(hf_config.vision_config, dtype)
 
     # ---- API server side ------------------------------------------------------------------------
-    @classmethod
-    def make_processor(cls, model_path: str, hf_config: Any) -> Qwen2VLPromptProcessor:
-        """The checkpoint's image processor (preprocessor_config.json: patch/merge sizes, min/max pixels)
-        and tokenizer. Raises ValueError when either cannot be loaded."""
-        # lazily: transformers, ~1 s to import
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        try:
-            return Qwen2VLPromptProcessor(Qwen2VLImageProcessorPil.from_pretrained(model_path),
-                                          AutoTokenizer.from_pretrained(model_path))
-        except Exception as e:  # noqa: BLE001 - missing/bad preprocessor_config.json or tokenizer
-            raise ValueError(f"cannot load the image processor of {model_path}: {type(e).__name__}: {e}") from None
-
-    @classmethod
-    def image_placeholder(cls, processor: Any) -> str:
-        """What Qwen2-VL's chat template writes for one image."""
-        return Qwen2VLPromptProcessor.placeholder
-
-    @classmethod
-    def process(cls, processor: Any, text: str, images: list, add_special_tokens: bool = True
-                ) -> dict[str, torch.Tensor]:
-        return processor(text, images, add_special_tokens)
-
     @classmethod
     def split_items(cls, processed: dict[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:
         """The patches of all images [sum of t*h*w, D] cut by ``image_grid_thw``, each with its grid [3]."""

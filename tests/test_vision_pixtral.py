@@ -94,19 +94,10 @@ def hf_generate(d: str, model, text: str, images: list) -> list[int]:
 
 
 def test_greedy_with_images_equals_transformers(mistral3):
-    from conftest import assert_pool_empty
-    from pagedllm import LLM, SamplingParams
+    from test_vision_qwen2_vl import engine_greedy
     d, model = mistral3
     imgs = _images(1)
     prompts = [("Describe [IMG] briefly please", [imgs[0]]),
                ("one [IMG] and two [IMG] compared", [imgs[1], imgs[2]]),
                ("text only, no image here at all", [])]
-    want = [hf_generate(d, model, t, ims) for t, ims in prompts]
-    llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512)
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts], sp,
-                        use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == want
-    assert len({t for g in got for t in g}) > 4  # not a degenerate model
-    assert_pool_empty(llm)
+    assert engine_greedy(d, prompts) == [hf_generate(d, model, t, ims) for t, ims in prompts]

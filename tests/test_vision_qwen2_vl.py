@@ -236,7 +236,6 @@ def hf_generate(d: str, model, text: str, images: list) -> list[int]:
 
 
 def test_greedy_with_images_equals_transformers(vl_checkpoint):
-    from pagedllm import LLM, SamplingParams
     d, model = vl_checkpoint
     imgs = _images(0) + _images(1, ((50, 50),))
     prompts = [
@@ -245,14 +244,22 @@ def test_greedy_with_images_equals_transformers(vl_checkpoint):
         ("text only, no image here at all", []),
         (f"{PH}{PH} back to back", [imgs[2], imgs[0]]),
     ]
-    want = [hf_generate(d, model, t, ims) for t, ims in prompts]
+    assert engine_greedy(d, prompts) == [hf_generate(d, model, t, ims) for t, ims in prompts]
+
+
+def engine_greedy(d: str, prompts: list[tuple[str, list]]) -> list[list[int]]:
+    """Greedy ids of (text, images) prompts in one batch (fp32); asserts the outputs are not degenerate
+    and every block is back in the pool."""
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
     llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts], sp,
                         use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == want
+    got = [list(o.outputs[0].token_ids) for o in outs]
     assert len({t for g in got for t in g}) > 4  # not a degenerate model
+    assert_pool_empty(llm)
+    return got
 
 
 def _prompt_of_length(d: str, model, images: list, n: int, seed: int) -> str:

@@ -32,7 +32,7 @@ from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ReplicatedLinear, load_full
 from pagedllm.models.image_prompt import ImagePromptProcessor, OwnPromptProcessor
-from pagedllm.models.qwen2_vl_vision import segment_attention
+from pagedllm.models.qwen2_vl_vision import GatedVisionMLP, segment_attention
 from pagedllm.models.vision import VisionTower, strip_prefix
 from pagedllm.models.vit import load_module_weights
 from pagedllm.platforms import ops
@@ -58,27 +58,13 @@ class PixtralAttention(nn.Module):
         return self.o_proj(segment_attention(q, k, v, lengths, self.head_dim ** -0.5))
 
 
-class PixtralMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), no biases."""
-
-    def __init__(self, dim: int, hidden: int, act: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_proj = ReplicatedLinear(dim, hidden, bias=False, dtype=dtype)
-        self.up_proj = ReplicatedLinear(dim, hidden, bias=False, dtype=dtype)
-        self.down_proj = ReplicatedLinear(hidden, dim, bias=False, dtype=dtype)
-        self.act = get_act_fn(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class PixtralBlock(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.attention_norm, self.ffn_norm = RMSNorm(d, 1e-5, dtype), RMSNorm(d, 1e-5, dtype)
         self.attention = PixtralAttention(d, cfg.num_attention_heads, dtype)
-        self.feed_forward = PixtralMLP(d, cfg.intermediate_size, cfg.hidden_act, dtype)
+        self.feed_forward = GatedVisionMLP(d, cfg.intermediate_size, cfg.hidden_act, dtype, bias=False)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos_sin, lengths)

@@ -143,14 +143,14 @@ class Qwen2VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Qwen2_5VisionMLP(nn.Module):
-    """Qwen2.5-VL: down(act(gate(x)) * up(x)), all with biases, ``hidden_act`` silu."""
+class GatedVisionMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): Qwen2.5-VL's (with biases, ``hidden_act`` silu) and Pixtral's (without)."""
 
-    def __init__(self, dim: int, hidden: int, act: str, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, hidden: int, act: str, dtype: torch.dtype, bias: bool = True) -> None:
         super().__init__()
-        self.gate_proj = ReplicatedLinear(dim, hidden, bias=True, dtype=dtype)
-        self.up_proj = ReplicatedLinear(dim, hidden, bias=True, dtype=dtype)
-        self.down_proj = ReplicatedLinear(hidden, dim, bias=True, dtype=dtype)
+        self.gate_proj = ReplicatedLinear(dim, hidden, bias=bias, dtype=dtype)
+        self.up_proj = ReplicatedLinear(dim, hidden, bias=bias, dtype=dtype)
+        self.down_proj = ReplicatedLinear(hidden, dim, bias=bias, dtype=dtype)
         self.act = get_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class Qwen2VisionBlock(nn.Module):
         if is_qwen2_5(config):
             dim = config.hidden_size
             self.norm1, self.norm2 = RMSNorm(dim, 1e-6, dtype), RMSNorm(dim, 1e-6, dtype)
-            self.mlp = Qwen2_5VisionMLP(dim, config.intermediate_size, config.hidden_act, dtype)
+            self.mlp = GatedVisionMLP(dim, config.intermediate_size, config.hidden_act, dtype)
         else:
             dim = config.embed_dim
             self.norm1, self.norm2 = LayerNorm(dim, 1e-6, dtype), LayerNorm(dim, 1e-6, dtype)

@@ -169,7 +169,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] i
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def build_vl_checkpoint(out_dir: str, version: str, seed: int = 0) -> str:
+def build_vl_checkpoint(out_dir: str, version: str, seed: int = 0, **text_overrides) -> str:
     """A tiny random Qwen2-VL / Qwen2.5-VL checkpoint (language model, vision tower, image processor config,
     tokenizer with Qwen's vision tokens) saved with save_pretrained."""
     from conftest import build_tokenizer
@@ -187,8 +187,9 @@ def build_vl_checkpoint(out_dir: str, version: str, seed: int = 0) -> str:
                                                                                    "mrope_section": [2, 3, 3]},
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 tie_word_embeddings=False, initializer_range=0.15)
+    text.update(text_overrides)
     vision = _vision_config(version).to_dict()
-    vision["out_hidden_size" if version == "2.5" else "hidden_size"] = 64
+    vision["out_hidden_size" if version == "2.5" else "hidden_size"] = text["hidden_size"]
     if version == "2":
         from transformers import Qwen2VLConfig as C, Qwen2VLForConditionalGeneration as M
     else:
@@ -351,3 +352,28 @@ def test_server_chat_with_an_image_equals_offline(tmp_path_factory):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
     assert srv.returncode == 0, srv.log()
+
+
+def test_cpu_layer_runner_with_mrope_positions(tmp_path):
+    """The CPU layer runner (all decoder layers in one C call) takes the M-RoPE table the model gathers:
+    greedy ids with images equal transformers' with the runner on (a text width it packs for)."""
+    from test_cpu_layer_runner import WIDE, _model, _runner_or_skip
+    _runner_or_skip()
+    d = build_vl_checkpoint(str(tmp_path), "2.5", seed=4, **{**WIDE, "head_dim": 64,
+                                                             "rope_scaling": {"type": "mrope",
+                                                                              "mrope_section": [8, 12, 12]}})
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    imgs = _images(7)
+    prompts = [(f"Describe {PH} briefly please", [imgs[0]]), (f"one {PH} and two {PH} compared", imgs[:2]),
+               ("text only, no image here at all", [])]
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512)
+    runner = _model(llm).__dict__.get("_cpu_layer_runner")
+    before = runner.steps_run if runner else 0
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts], sp,
+                        use_tqdm=False)
+    runner = _model(llm).__dict__.get("_cpu_layer_runner")
+    assert runner is not None and runner.steps_run > before
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(d, model, t, ims) for t, ims in prompts]

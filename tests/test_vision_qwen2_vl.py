@@ -377,3 +377,50 @@ def test_cpu_layer_runner_with_mrope_positions(tmp_path):
     runner = _model(llm).__dict__.get("_cpu_layer_runner")
     assert runner is not None and runner.steps_run > before
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(d, model, t, ims) for t, ims in prompts]
+
+
+def _local_checkpoint(*globs: str):
+    """A snapshot folder of a real checkpoint in the local Hugging Face cache matching one of ``globs``
+    (``models--<owner>--<name>``), or None. Nothing is downloaded."""
+    import glob
+    import os
+    root = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    for g in globs:
+        for snap in sorted(glob.glob(os.path.join(root, g, "snapshots", "*"))):
+            if os.path.exists(os.path.join(snap, "config.json")) and os.path.exists(
+                    os.path.join(snap, "preprocessor_config.json")):
+                return snap
+    return None
+
+
+@pytest.mark.parametrize("globs", [("models--Qwen--Qwen2-VL-*",), ("models--Qwen--Qwen2.5-VL-*",),
+                                   ("models--mistralai--Mistral-Small-3.*", "models--mistralai--Ministral-3-*")])
+def test_real_checkpoint_when_installed(globs):
+    """A real Qwen2-VL / Qwen2.5-VL / Mistral 3 checkpoint from the local cache: greedy ids with a 448x448
+    image equal transformers' (fp32). Skipped when none is installed (this machine downloads nothing)."""
+    d = _local_checkpoint(*globs)
+    if d is None:
+        pytest.skip(f"no local checkpoint matching {globs} in the Hugging Face cache")
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from pagedllm.models.pixtral_vision import PixtralVisionTower
+    from pagedllm.models.qwen2_vl_vision import Qwen2VLVisionTower
+    cfg = AutoConfig.from_pretrained(d)
+    tower = PixtralVisionTower if cfg.model_type == "mistral3" else Qwen2VLVisionTower
+    proc = tower.make_processor(d, cfg)
+    img = _images(8, ((448, 448),))[0]
+    text = f"{proc.placeholder} What is in this picture?"
+    inputs = proc(text, [img])
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+    if cfg.model_type != "mistral3":
+        extra["mm_token_type_ids"] = (inputs["input_ids"] == cfg.image_token_id).int()
+    ids = inputs["input_ids"]
+    want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, max_new_tokens=MAX_NEW,
+                          min_new_tokens=MAX_NEW, do_sample=False)[0, ids.shape[1]:].tolist()
+    del model
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(d, dtype="float32", max_model_len=1024)
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": [img]}}],
+                       SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == want

@@ -133,9 +133,9 @@ class _EngineCollector:
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       lambda sn: sn.stats.prefix_cache_hits)
         yield counter("pagedllm:mm_cache_queries", "Images a step needed the encoder output of.",
-                      lambda sn: sn.stats.mm_cache_queries)
+                      lambda sn: getattr(sn.stats, "mm_cache_queries", 0))
         yield counter("pagedllm:mm_cache_hits", "Images whose encoder output was in the encoder cache (not "
-                      "encoded again).", lambda sn: sn.stats.mm_cache_hits)
+                      "encoded again).", lambda sn: getattr(sn.stats, "mm_cache_hits", 0))
         spec = getattr(snap, "spec_decode", None)
         if spec is not None and not replicas:  # speculative decoding on (vLLM's spec_decode_* counters)
             yield counter("pagedllm:spec_decode_num_drafts", "Sequence-steps that verified proposed tokens.",

@@ -255,3 +255,24 @@ def test_encoder_cache_hits_in_metrics(server):
         text = h.get("/metrics").text
         assert metric(text, "pagedllm:mm_cache_hits_total") >= before + 1
         assert metric(text, "vllm:mm_cache_hits_total") == metric(text, "pagedllm:mm_cache_hits_total")
+
+
+def test_in_thread_engine_serves_images(llava, tmp_path):
+    """The engine in a thread of the server process (--no-engine-core-process): the same answers."""
+    d = llava[0]
+    img = make_image(9)
+    offline = LLM(d, kv_cache_memory=4 << 20)
+    want = offline.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                                      {"type": "text", "text": "the king"}]}],
+                        GREEDY, use_tqdm=False)[0].outputs[0].text
+    args = ("--served-model-name", MODEL, "--max-model-len", "256", "--kv-cache-memory", "4MiB",
+            "--no-engine-core-process", "--disable-access-log")
+    with RemoteServer(d, args, log_path=str(tmp_path / "server.log")) as srv:
+        with httpx.Client(base_url=srv.url, timeout=120) as h:
+            for _ in range(2):
+                r = h.post("/v1/chat/completions", json=chat(data_url(img)))
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
+            r = h.post("/v1/chat/completions", json=chat("data:image/png;base64,iVBORw0KGgo="))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0"
+            assert metric(h.get("/metrics").text, "pagedllm:mm_cache_hits_total") >= 1
+    assert srv.returncode == 0, srv.log()

@@ -1,7 +1,8 @@
-"""Image input, end to end offline, on tiny random-weight LLaVA (CLIP + projector + Llama) and Gemma 3
-(SigLIP + projector + Gemma 3 text) checkpoints built here with transformers and the real processor
-classes: greedy ids with one and two images equal transformers' ``generate`` on the processor's
-inputs (fp32), in one batch with text-only requests, through chunked prefill (an image never split),
+"""Image input, end to end offline, on tiny random-weight LLaVA (LlavaForConditionalGeneration: CLIP +
+projector + Llama) and Gemma 3 (Gemma3ForConditionalGeneration: SigLIP + projector + Gemma 3 text)
+checkpoints built here with transformers and the real processor classes: greedy ids with one and
+two images equal transformers' ``generate`` on the processor's inputs (fp32), in one batch with
+text-only requests, through chunked prefill (an image never split),
 prefix caching (on == off with different images behind the same text) and the encoder cache (a
 repeated image is not encoded again, counted); every block back in the pool afterwards."""
 from __future__ import annotations
@@ -130,4 +131,27 @@ def test_chat_with_image_parts_equals_generate(family):
     chat = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
     text = f"<|user|>{mark}the king and</s><|assistant|>"
     assert list(chat.outputs[0].token_ids) == hf_generate(model, proc, text, [img], N)
+    assert_pool_empty(llm)
+
+
+def test_speculative_decoding_beside_image_prefills(family):
+    """n-gram proposals verified in the same steps as other requests' image prompt chunks: the same ids."""
+    name, d, model, proc, mark = family
+    cases = prompts(mark)
+    text = ("the king and the queen and the king and the queen and the king and", [])  # proposals from the start
+    cases = [text, text, *cases[:3]]  # text first: they decode (and propose) while the images prefill
+    want = expected(model, proc, cases)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(d, kv_cache_memory=4 << 20, speculative_config=spec, max_num_batched_tokens=20)
+    sp = llm.llm_engine.speculator
+    real, mixed = sp.prepare_inputs, []
+
+    def recording(*a):
+        plan = real(*a)
+        mixed.append(plan is not None and plan.model_input.mm is not None)
+        return plan
+    sp.prepare_inputs = recording
+    outs = llm.generate([engine_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert any(mixed)  # a verification batch carried image tokens
     assert_pool_empty(llm)

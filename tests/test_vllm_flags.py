@@ -24,7 +24,7 @@ DATA = os.path.join(ROOT, "tests", "data", "vllm_serve_flags.txt")
 ADDED_ELSEWHERE = {"--enforce-eager"}
 # A plausible value per value-taking flag where "1" would not be one (the rest get "1" or their first choice).
 SAMPLES = {
-    "--host": "0.0.0.0", "--api-key": "token-abc123", "--chat-template": "{{ messages[0]['content'] }}",
+    "--host": "0.0.0.0", "--limit-mm-per-prompt": '{"image": 1}', "--api-key": "token-abc123", "--chat-template": "{{ messages[0]['content'] }}",
     "--tokenizer": DEMO_MODEL_PATH, "--model": DEMO_MODEL_PATH, "--served-model-name": "demo",
     "--quantization": "int8", "--dtype": "half", "--load-format": "auto", "--reasoning-parser": "deepseek_r1",
     "--tool-call-parser": "hermes", "--distributed-executor-backend": "mp", "--kv-cache-dtype": "auto",

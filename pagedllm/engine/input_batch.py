@@ -39,7 +39,7 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.layers.mrope import mrope_positions_at
 from pagedllm.lora.slots import LoRASlotTable
-from pagedllm.multimodal.encoder_cache import EncoderCacheManager
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager, MultiModalStep
 from pagedllm.worker.model_input import ModelInput
 
 
@@ -62,6 +62,83 @@ def _t(a: np.ndarray, device: str) -> torch.Tensor:
     """A tensor over ``a`` (a fresh array, not a view of the persistent ones) on ``device``."""
     t = torch.from_numpy(a)
     return t if device == "cpu" else t.to(device)
+
+
+def image_step(cache: EncoderCacheManager, rows: list[tuple[Request, int, int]]) -> Optional[MultiModalStep]:
+    """The step's MultiModalStep for ``rows`` (request, tokens scheduled from its computed count, first
+    row of them in the flat batch), None when none of those tokens is an image's: where each image
+    token's embedding row goes, and the encoder cache's plan (encode / evict)."""
+    needed: list = []
+    scatter: list[tuple[str, int, int, int]] = []
+    for r, k, row in rows:
+        start = r.num_computed_tokens
+        if not r.mm_features or start >= r.num_prompt_tokens:
+            continue
+        end = start + k
+        for f in r.mm_features:
+            lo, hi = max(f.offset, start), min(f.offset + f.length, end)
+            if lo >= hi:
+                continue
+            if f.is_embed is None:
+                scatter.append((f.identifier, row + lo - start, lo - f.offset, hi - lo))
+            else:  # only the span tokens marked is_embed take rows, in order
+                src = sum(f.is_embed[:lo - f.offset])
+                p = lo
+                while p < hi:
+                    if not f.is_embed[p - f.offset]:
+                        p += 1
+                        continue
+                    q = p
+                    while q < hi and f.is_embed[q - f.offset]:
+                        q += 1
+                    scatter.append((f.identifier, row + p - start, src, q - p))
+                    src += q - p
+                    p = q
+            if all(g.identifier != f.identifier for g in needed):
+                needed.append(f)
+    if not needed:
+        return None
+    step = cache.plan(needed)
+    step.scatter = scatter
+    return step
+
+
+def image_spans(r: Request, seq: PrefillSeq) -> tuple[tuple[int, int], ...]:
+    """The placeholder spans [lo, hi) of ``r``'s images that prefill chunk ``seq`` computes tokens of
+    (``PrefillSeq.bidirectional`` for a model whose image tokens attend both ways)."""
+    first = seq.seq_len - (seq.query_end - seq.query_start)
+    return tuple((f.offset, f.offset + f.length) for f in r.mm_features
+                 if f.offset < seq.seq_len and first < f.offset + f.length)
+
+
+def mrope_positions(positions: np.ndarray, decodes: list[Request], prefills: list[tuple[Request, int]],
+                    n: int) -> np.ndarray:
+    """``positions`` [N] as they are, unless a request of the step carries M-RoPE positions (Qwen2-VL's
+    images: ``Request.mrope_positions`` [3, L]): then [3, N] int64, where a prompt token at p takes its
+    request's column p, a later token p + ``mrope_position_delta`` on every row, and a request without
+    them p on every row (text only: the three streams agree)."""
+    if not any(r.mrope_positions is not None for r in decodes) and \
+            not any(r.mrope_positions is not None for r, _ in prefills):
+        return positions
+    out = np.broadcast_to(positions, (3, len(positions))).copy()
+
+    def fill(r: Request, row: int, k: int) -> None:
+        mp = r.mrope_positions
+        if mp is None:
+            return
+        ps = positions[row:row + k]
+        inside = ps < mp.shape[1]
+        block = out[:, row:row + k]  # (a view)
+        block[:, inside] = mp.numpy()[:, ps[inside]]
+        block[:, ~inside] = ps[~inside] + r.mrope_position_delta
+
+    for i, r in enumerate(decodes):
+        fill(r, i, 1)
+    row = n
+    for r, k in prefills:
+        fill(r, row, k)
+        row += k
+    return out
 
 
 class InputBatch:
@@ -296,11 +373,7 @@ class InputBatch:
             prefill_seqs = [PrefillSeq(starts[j], starts[j + 1], p_lens[j]) for j in range(len(prefills))]
             if self.mm_bidirectional:
                 for seq, (r, _) in zip(prefill_seqs, prefills):
-                    if r.mm_features:
-                        seq.bidirectional = tuple((f.offset, f.offset + f.length) for f in r.mm_features
-                                                  if f.offset < seq.seq_len and seq.seq_len - (seq.query_end
-                                                                                               - seq.query_start)
-                                                  < f.offset + f.length)
+                    seq.bidirectional = image_spans(r, seq)
         rest = sample_idx + plp_idx
         logits_indices = (np.concatenate([sample_idx_np, np.array(rest, np.int64)]) if rest
                           else sample_idx_np.copy())
@@ -308,6 +381,8 @@ class InputBatch:
             slot_mapping=_t(slots, device), num_decode_tokens=n, prefills=prefill_seqs,
             block_tables=_t(tables, device), seq_lens=_t(seq_lens, device), query_start_loc=_t(qsl, device),
             block_size=bs, max_decode_seq_len=int(pos.max()) + 1 if n else 0)
+        if self.encoder_cache is not None:  # an M-RoPE model's image requests: 3-row positions [3, N]
+            positions = mrope_positions(positions, decodes, prefills, n)
         model_input = ModelInput(
             input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
             logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())
@@ -324,47 +399,13 @@ class InputBatch:
         return StepPlan(model_input, sampling_requests, plp_spans, self.generation, fresh)
 
     def _mm_step(self, decodes: list[Request], prefills: list[tuple[Request, int]], n: int):
-        """The step's MultiModalStep (None when no scheduled token is an image's): for every prompt
-        chunk that covers image placeholder tokens, where their embedding rows go in the flat batch
-        (decode rows first, then the prefill chunks in order), and the encoder cache's plan."""
-        spans: list[tuple[Request, int, int, int]] = []  # (request, first position, tokens, first batch row)
-        for i, r in enumerate(decodes):
-            if r.mm_features and r.num_computed_tokens < r.num_prompt_tokens:
-                spans.append((r, r.num_computed_tokens, 1, i))
+        """The step's MultiModalStep (``image_step``) for decode rows first, then the prefill chunks."""
+        spans = [(r, 1, i) for i, r in enumerate(decodes)]
         row = n
         for r, k in prefills:
-            if r.mm_features and r.num_computed_tokens < r.num_prompt_tokens:
-                spans.append((r, r.num_computed_tokens, k, row))
+            spans.append((r, k, row))
             row += k
-        needed, scatter = [], []
-        for r, start, k, row in spans:
-            end = start + k
-            for f in r.mm_features:
-                lo, hi = max(f.offset, start), min(f.offset + f.length, end)
-                if lo >= hi:
-                    continue
-                if f.is_embed is None:
-                    scatter.append((f.identifier, row + lo - start, lo - f.offset, hi - lo))
-                else:  # only the span tokens marked is_embed take rows, in order
-                    src = sum(f.is_embed[:lo - f.offset])
-                    p = lo
-                    while p < hi:
-                        if not f.is_embed[p - f.offset]:
-                            p += 1
-                            continue
-                        q = p
-                        while q < hi and f.is_embed[q - f.offset]:
-                            q += 1
-                        scatter.append((f.identifier, row + p - start, src, q - p))
-                        src += q - p
-                        p = q
-                if all(g.identifier != f.identifier for g in needed):
-                    needed.append(f)
-        if not needed:
-            return None
-        step = self.encoder_cache.plan(needed)
-        step.scatter = scatter
-        return step
+        return image_step(self.encoder_cache, spans)
 
     def record_sampled(self, plan: StepPlan, token_ids: Sequence[int]) -> None:
         """The tokens sampled from ``plan``'s logits (``token_ids[j]`` for ``plan.sampling_requests[j]``):

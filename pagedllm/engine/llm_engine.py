@@ -120,6 +120,9 @@ class LLMEngine:
         if self.mm_processor is not None:
             self.input_batch.encoder_cache = EncoderCacheManager(encoder_cache_capacity(config))
             self.input_batch.mm_bidirectional = self.mm_processor.tower_cls.bidirectional_image_attention
+            if self.speculator is not None:  # its verification batches carry prompt chunks' images too
+                self.speculator.encoder_cache = self.input_batch.encoder_cache
+                self.speculator.mm_bidirectional = self.input_batch.mm_bidirectional
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
@@ -225,7 +228,8 @@ class LLMEngine:
         if mm is None:
             data = prompt["multi_modal_data"] or {}
             if not isinstance(data, dict) or set(data) - {"image"}:
-                raise ValueError(f"multi_modal_data takes 'image' only, got {list(data) if isinstance(data, dict) else type(data).__name__}")
+                got = list(data) if isinstance(data, dict) else type(data).__name__
+                raise ValueError(f"multi_modal_data takes 'image' only, got {got}")
             images = data.get("image")
             images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
             if not images:

@@ -29,9 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, SpeculativeConfig
+from pagedllm.engine.input_batch import image_spans, image_step, mrope_positions
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, banned_token_ids
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -115,6 +117,10 @@ class Speculator:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._said: set[str] = set()
         self.propose_seconds = 0.0
+        # for an image-text model (set by the engine, as InputBatch's): the encoder cache's plan, whether image
+        # tokens attend both ways
+        self.encoder_cache = None
+        self.mm_bidirectional = False
         self.lora_slots = None  # under --enable-lora (set by the engine): the LoRASlotTable of the target
 
     def startup_line(self) -> str:
@@ -237,6 +243,21 @@ class Speculator:
             block_copies=self.kv.take_pending_copies())
         if self.lora_slots is not None:  # each token's adapter slot (proposals verify under their adapter)
             model_input.lora = self.lora_slots.batch([(r, n) for r, n, _ in entries], dev)
+        if self.encoder_cache is not None:  # image tokens of the prompt chunks beside the verifications
+            rows, offset = [], 0
+            for r, n, _ in entries:
+                rows.append((r, n, offset))
+                offset += n
+            model_input.mm = image_step(self.encoder_cache, rows)
+            if self.mm_bidirectional:
+                nd = meta.num_decode_tokens
+                for seq, (r, _, _) in zip(meta.prefills, entries[nd:]):
+                    seq.bidirectional = image_spans(r, seq)
+            nd = meta.num_decode_tokens
+            pos3 = mrope_positions(np.asarray(positions, np.int64), [e[0] for e in entries[:nd]],
+                                   [(r, n) for r, n, _ in entries[nd:]], nd)
+            if pos3.ndim == 2:  # an M-RoPE request among them
+                model_input.positions = torch.from_numpy(pos3).to(dev)
         draft_probs = {}
         if self.draft is not None:
             draft_probs = {r.request_id: self.draft.last_probs[r.request_id][:len(d)] for r, d, _ in spec

@@ -194,7 +194,7 @@ def _apply_so_config(args: argparse.Namespace, values: Sequence[str]) -> Optiona
 
 _LOG = "logging only"
 _GPU = "GPU-only tuning (CUDA graphs, kernels, compilation); no effect on outputs"
-_MM = "no multimodal models here"
+_MM = "not for the image-text models served here (images: --limit-mm-per-prompt, --allowed-local-media-path)"
 _LORA = "LoRA tuning pagedllm does not need (adapters are served with --enable-lora / --lora-modules)"
 _DP = "multi-node data parallelism is not supported; --data-parallel-size replicas are local processes"
 _EP = "expert placement across GPUs; no effect on outputs"
@@ -269,7 +269,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
         "bool", "pagedllm runs only its own model implementations; a model needing remote code for an "
                 "architecture pagedllm lacks is refused", validate=_remote_code_model),
     "--hf-config-path": VllmFlag("value", "the config is the model folder's config.json", refuse=_always),
-    "--allowed-local-media-path": VllmFlag("value", _MM),
     "--revision": VllmFlag("value", "a hub model is fetched at its default branch (download the revision and "
                                     "pass its folder)", refuse=_unless("main", "none")),
     "--code-revision": VllmFlag("value", "no remote model code is run"),
@@ -371,7 +370,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--mamba-block-size": VllmFlag("value", "no Mamba models here"),
     "--calculate-kv-scales": VllmFlag("bool", "no fp8 KV cache"),
     # --- multimodal ---
-    "--limit-mm-per-prompt": VllmFlag("value", _MM, json=True),
     "--media-io-kwargs": VllmFlag("value", _MM, json=True),
     "--mm-processor-kwargs": VllmFlag("value", _MM, json=True),
     "--disable-mm-preprocessor-cache": VllmFlag("bool", _MM),

@@ -11,18 +11,14 @@ encode: {"pixel_values": [3, S, S]} per image -> [mm_tokens_per_image, text_hidd
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.vision import VisionTower, strip_prefix
-from pagedllm.models.vit import VitEncoder, load_module_weights
-
-# (the Hub's checkpoints nest the tower under "vision_model."; transformers 5 saves it without)
-_TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
-_PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
+from pagedllm.models.vision import VisionTower
+from pagedllm.models.vit import VitEncoder
 
 
 class Gemma3VisionTower(VisionTower):
@@ -45,16 +41,6 @@ class Gemma3VisionTower(VisionTower):
             torch.empty(vc.hidden_size, hf_config.text_config.hidden_size, dtype=dtype))
         self.projector.mm_soft_emb_norm = nn.Module()
         self.projector.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(vc.hidden_size, dtype=dtype))
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower, proj = [], []
-        for name, w in weights:
-            if (rest := strip_prefix(name, _TOWER)) is not None:
-                tower.append((rest, w))
-            elif (rest := strip_prefix(name, _PROJECTOR)) is not None:
-                proj.append((rest, w))
-        load_module_weights(self.vision_model, tower, "Gemma 3 vision tower")
-        load_module_weights(self.projector, proj, "Gemma 3 projector")
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

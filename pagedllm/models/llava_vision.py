@@ -9,17 +9,13 @@ encode: {"pixel_values": [3, H, W]} per image -> [(H/p)*(W/p) (+1 with "full"), 
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.models.vision import VisionTower, strip_prefix
-from pagedllm.models.vit import VitEncoder, activation, load_module_weights
-
-# (the Hub's checkpoints nest the tower under "vision_model."; transformers 5 saves it without)
-_TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.", "vision_tower.")
-_PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
+from pagedllm.models.vision import VisionTower
+from pagedllm.models.vit import VitEncoder, activation
 
 
 class LlavaVisionTower(VisionTower):
@@ -41,16 +37,6 @@ class LlavaVisionTower(VisionTower):
         self.projector.linear_1 = nn.Linear(vc.hidden_size * len(self.keep), text_hidden, bias=bias, dtype=dtype)
         self.projector.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype)
         self.act = activation(hf_config.projector_hidden_act)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        tower, proj = [], []
-        for name, w in weights:
-            if (rest := strip_prefix(name, _TOWER)) is not None:
-                tower.append((rest, w))
-            elif (rest := strip_prefix(name, _PROJECTOR)) is not None:
-                proj.append((rest, w))
-        load_module_weights(self.vision_model, tower, "LLaVA vision tower")
-        load_module_weights(self.projector, proj, "LLaVA projector")
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

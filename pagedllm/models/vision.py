@@ -26,6 +26,13 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.
                    "model.multi_modal_projector.", "model.visual.")
 
 
+# A LLaVA-style checkpoint's tower (transformers' vision model) and projector. The Hub's checkpoints nest
+# the tower under "vision_model."; transformers 5 saves it without.
+TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_tower.",
+                  "vision_tower.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+
 class VisionTower(nn.Module):
     """Base of a family's vision tower + projector.
 
@@ -118,8 +125,12 @@ class VisionTower(nn.Module):
     # ---- model runner side ------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """The checkpoint's vision tensors (names as in the checkpoint, starting with one of
-        VISION_PREFIXES). Raises ValueError on a shape mismatch or a missing tensor."""
-        raise NotImplementedError
+        VISION_PREFIXES). Raises ValueError on a shape mismatch or a missing tensor. Default: a
+        LLaVA-style layout, the tower (TOWER_PREFIXES) into ``self.vision_model``, the projector
+        (PROJECTOR_PREFIXES) into ``self.projector``, under transformers' names."""
+        name = type(self).__name__
+        load_parts(weights, [(TOWER_PREFIXES, self.vision_model, f"{name}'s tower"),
+                             (PROJECTOR_PREFIXES, self.projector, f"{name}'s projector")])
 
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """One dict per image (``split_items``' tensors, on this tower's device) -> per image its
@@ -133,3 +144,38 @@ def strip_prefix(name: str, prefixes: tuple[str, ...]) -> Optional[str]:
         if name.startswith(p):
             return name[len(p):]
     return None
+
+
+def load_module_weights(module: nn.Module, weights: list[tuple[str, torch.Tensor]], what: str) -> None:
+    """Copy (name, tensor) pairs into ``module``'s parameters of those names; names it lacks are
+    skipped (layers past the ones a tower uses, a pooling head it does not). Raises ValueError on a
+    shape mismatch or a parameter left unloaded, naming ``what``."""
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, w in weights:
+        p = params.get(name)
+        if p is None:
+            continue
+        w = w[:] if not isinstance(w, torch.Tensor) else w  # (a safetensors slice)
+        if tuple(w.shape) != tuple(p.shape):
+            raise ValueError(f"{what} weight {name}: shape {tuple(w.shape)} does not match {tuple(p.shape)}")
+        p.data.copy_(w.to(p.dtype))
+        loaded.add(name)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"{what}: checkpoint is missing weights: {sorted(missing)[:6]}")
+
+
+def load_parts(weights: Iterable[tuple[str, Any]], parts: list[tuple[tuple[str, ...], nn.Module, str]]) -> None:
+    """Route checkpoint tensors into modules by name prefix: ``parts`` lists (prefixes, module, what);
+    a tensor goes, its first matching prefix stripped, to the first part whose prefixes it starts with
+    (``load_module_weights`` per part: names a module lacks are skipped, a missing one raises)."""
+    routed: list[list] = [[] for _ in parts]
+    for name, w in weights:
+        for i, (prefixes, _, _) in enumerate(parts):
+            rest = strip_prefix(name, prefixes)
+            if rest is not None:
+                routed[i].append((rest, w))
+                break
+    for (_, module, what), items in zip(parts, routed):
+        load_module_weights(module, items, what)

@@ -123,23 +123,3 @@ class VitEncoder(nn.Module):
         if keep:
             return [kept[i] for i in keep]
         return [self.post_layernorm(x) if self.post_layernorm is not None else x]
-
-
-def load_module_weights(module: nn.Module, weights: list[tuple[str, torch.Tensor]], what: str) -> None:
-    """Copy (name, tensor) pairs into ``module``'s parameters of those names; names it lacks are
-    skipped (layers past the ones a tower uses, a pooling head it does not). Raises ValueError on a
-    shape mismatch or a parameter left unloaded, naming ``what``."""
-    params = dict(module.named_parameters())
-    loaded = set()
-    for name, w in weights:
-        p = params.get(name)
-        if p is None:
-            continue
-        w = w[:] if not isinstance(w, torch.Tensor) else w  # (a safetensors slice)
-        if tuple(w.shape) != tuple(p.shape):
-            raise ValueError(f"{what} weight {name}: shape {tuple(w.shape)} does not match {tuple(p.shape)}")
-        p.data.copy_(w.to(p.dtype))
-        loaded.add(name)
-    missing = set(params) - loaded
-    if missing:
-        raise ValueError(f"{what}: checkpoint is missing weights: {sorted(missing)[:6]}")

@@ -24,7 +24,8 @@ def image_placeholder(engine: Any, first_param: str, kind: str) -> str:
     return mm.placeholder
 
 
-async def image_prompt(engine: Any, parts: list[tuple[str, str]], render: Callable[[str], str]) -> tuple[list[int], dict]:
+async def image_prompt(engine: Any, parts: list[tuple[str, str]],
+                       render: Callable[[str], str]) -> tuple[list[int], dict]:
     """``parts``: (request parameter path, image URL) in prompt order; ``render(placeholder)``: the prompt
     text with one placeholder per image. Returns (prompt token ids, the engine prompt dict)."""
     mm = engine.mm_processor

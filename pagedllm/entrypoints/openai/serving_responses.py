@@ -176,7 +176,8 @@ class OpenAIServingResponses:
         effort = self.chat.reasoning_effort(effort, "reasoning") if effort is not None else None
         render_tools = chat_tools if tool_choice != "none" else []
         parts = [(f"input.{i}.content.{j}", p["image_url"]["url"]) for i, m in enumerate(messages)
-                 if isinstance(m.get("content"), list) for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
+                 if isinstance(m.get("content"), list)
+                 for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
         if parts:  # input_image parts (this input's or an earlier turn's): loaded, processed with the text
             image_placeholder(self.llm.engine, parts[0][0], "input_image")
             ids, prompt = await image_prompt(self.llm.engine, parts, lambda placeholder: self._render(

@@ -116,21 +116,19 @@ def mrope_positions(positions: np.ndarray, decodes: list[Request], prefills: lis
     """``positions`` [N] as they are, unless a request of the step carries M-RoPE positions (Qwen2-VL's
     images: ``Request.mrope_positions`` [3, L]): then [3, N] int64, where a prompt token at p takes its
     request's column p, a later token p + ``mrope_position_delta`` on every row, and a request without
-    them p on every row (text only: the three streams agree)."""
+    them p on every row (text only: the three streams agree). For a batch whose positions are the tokens'
+    indexes (the speculator's verification batch); ``InputBatch.prepare`` builds its own (decode rows
+    stay [N], at index + delta)."""
     if not any(r.mrope_positions is not None for r in decodes) and \
             not any(r.mrope_positions is not None for r, _ in prefills):
         return positions
     out = np.broadcast_to(positions, (3, len(positions))).copy()
 
     def fill(r: Request, row: int, k: int) -> None:
-        mp = r.mrope_positions
-        if mp is None:
-            return
-        ps = positions[row:row + k]
-        inside = ps < mp.shape[1]
-        block = out[:, row:row + k]  # (a view)
-        block[:, inside] = mp.numpy()[:, ps[inside]]
-        block[:, ~inside] = ps[~inside] + r.mrope_position_delta
+        if r.mrope_positions is not None:  # (a request's tokens of a step are consecutive)
+            start = int(positions[row])
+            out[:, row:row + k] = mrope_positions_at(r.mrope_positions, r.mrope_position_delta, start,
+                                                     start + k).numpy()
 
     for i, r in enumerate(decodes):
         fill(r, i, 1)
@@ -381,8 +379,6 @@ class InputBatch:
             slot_mapping=_t(slots, device), num_decode_tokens=n, prefills=prefill_seqs,
             block_tables=_t(tables, device), seq_lens=_t(seq_lens, device), query_start_loc=_t(qsl, device),
             block_size=bs, max_decode_seq_len=int(pos.max()) + 1 if n else 0)
-        if self.encoder_cache is not None:  # an M-RoPE model's image requests: 3-row positions [3, N]
-            positions = mrope_positions(positions, decodes, prefills, n)
         model_input = ModelInput(
             input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
             logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())

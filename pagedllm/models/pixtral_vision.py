@@ -33,12 +33,9 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ReplicatedLinear, load_full
 from pagedllm.models.image_prompt import ImagePromptProcessor, OwnPromptProcessor
 from pagedllm.models.qwen2_vl_vision import GatedVisionMLP, segment_attention
-from pagedllm.models.vision import VisionTower, strip_prefix
-from pagedllm.models.vit import load_module_weights
+from pagedllm.models.vision import PROJECTOR_PREFIXES, TOWER_PREFIXES, VisionTower, load_parts
 from pagedllm.platforms import ops
 
-_TOWER = ("model.vision_tower.", "vision_tower.")
-_PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
 class PixtralAttention(nn.Module):
@@ -224,17 +221,14 @@ class PixtralVisionTower(OwnPromptProcessor, VisionTower):
     # ---- model runner side ----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """The checkpoint's ``vision_tower.`` and ``multi_modal_projector.`` tensors (``model.``-prefixed
-        in transformers 5). Raises ValueError on a shape mismatch or a missing weight."""
-        tower, proj = [], []
-        for name, w in weights:
-            if (rest := strip_prefix(name, _TOWER)) is not None:
-                if rest == "patch_conv.weight":  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
-                    w = load_full(w).flatten(1)
-                tower.append((rest, w))
-            elif (rest := strip_prefix(name, _PROJECTOR)) is not None:
-                proj.append((rest, w))
-        load_module_weights(self.vision_tower, tower, "Pixtral vision encoder")  # (blocks past the last used: skipped)
-        load_module_weights(self.multi_modal_projector, proj, "Mistral 3 projector")
+        in transformers 5; blocks past the feature layer skipped). Raises ValueError on a shape mismatch
+        or a missing weight."""
+        def conv_as_linear(pairs):  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
+            for name, w in pairs:
+                yield name, load_full(w).flatten(1) if name.endswith("vision_tower.patch_conv.weight") else w
+
+        load_parts(conv_as_linear(weights), [(TOWER_PREFIXES, self.vision_tower, "Pixtral vision encoder"),
+                                             (PROJECTOR_PREFIXES, self.multi_modal_projector, "Mistral 3 projector")])
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

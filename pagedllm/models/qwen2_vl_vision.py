@@ -47,8 +47,7 @@ from pagedllm.layers.layernorm import LayerNorm, RMSNorm
 from pagedllm.layers.linear import ReplicatedLinear, load_full
 from pagedllm.layers.mrope import mrope_input_positions
 from pagedllm.models.image_prompt import ImagePromptProcessor, OwnPromptProcessor
-from pagedllm.models.vision import VisionTower, strip_prefix
-from pagedllm.models.vit import load_module_weights
+from pagedllm.models.vision import VisionTower, load_module_weights, strip_prefix
 from pagedllm.platforms import ops
 
 _VISUAL = ("model.visual.", "visual.")

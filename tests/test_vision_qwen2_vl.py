@@ -424,3 +424,26 @@ def test_real_checkpoint_when_installed(globs):
     out = llm.generate([{"prompt": text, "multi_modal_data": {"image": [img]}}],
                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == want
+
+
+def test_speculative_decoding_with_mrope(vl_checkpoint):
+    """n-gram proposals of image requests verified at index + delta (and their prompt chunks' images in the
+    verification batch beside other requests' proposals): the same ids as transformers."""
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
+    d, model = vl_checkpoint
+    imgs = _images(9)
+    rep = " the king and the queen and the king and the queen and the king and"
+    prompts = [("the king and the queen and the king and the queen and the king and", []),
+               (f"{PH}{rep}", [imgs[0]]), (f"one {PH} two {PH}{rep}", imgs[:2])]
+    want = [hf_generate(d, model, t, ims) for t, ims in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512, speculative_config=spec,
+              max_num_batched_tokens=24)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts], sp,
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    stats = llm.llm_engine.speculator.stats
+    assert stats.num_draft_tokens > 0
+    assert_pool_empty(llm)

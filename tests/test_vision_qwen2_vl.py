@@ -447,3 +447,20 @@ def test_speculative_decoding_with_mrope(vl_checkpoint):
     stats = llm.llm_engine.speculator.stats
     assert stats.num_draft_tokens > 0
     assert_pool_empty(llm)
+
+
+def test_tensor_parallel_with_images(vl_checkpoint):
+    """TP=2 (worker processes): the tower on each rank, M-RoPE positions and images in the step sent to both
+    ranks; greedy ids with images equal transformers'."""
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
+    d, model = vl_checkpoint
+    imgs = _images(10)
+    prompts = [(f"Describe {PH} briefly please", [imgs[0]]), (f"one {PH} and two {PH} compared", imgs[:2]),
+               ("text only, no image here at all", [])]
+    llm = LLM(d, dtype="float32", tensor_parallel_size=2, kv_cache_memory=4 << 20, max_model_len=512)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in prompts], sp,
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(d, model, t, ims) for t, ims in prompts]
+    assert_pool_empty(llm)

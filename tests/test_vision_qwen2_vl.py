@@ -464,3 +464,25 @@ def test_tensor_parallel_with_images(vl_checkpoint):
                         use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_generate(d, model, t, ims) for t, ims in prompts]
     assert_pool_empty(llm)
+
+
+def test_bad_qwen_image_inputs_and_the_engine_serves_on(vl_checkpoint):
+    """Inputs Qwen's processing refuses: a ValueError naming why (a 400 through the server), then the engine
+    answers a good prompt as before."""
+    from conftest import assert_pool_empty
+    from pagedllm import LLM, SamplingParams
+    d, _ = vl_checkpoint
+    llm = LLM(d, dtype="float32", kv_cache_memory=4 << 20, max_model_len=512)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    img = _images(11)[0]
+    good = {"prompt": f"Describe {PH} please", "multi_modal_data": {"image": img}}
+    want = llm.generate(good, sp, use_tqdm=False)[0].outputs[0].token_ids
+    thin = Image.new("RGB", (600, 2))  # aspect ratio over 200: Qwen2VLImageProcessor refuses it
+    bad = [({"prompt": f"a {PH}", "multi_modal_data": {"image": thin}}, "aspect ratio"),
+           ({"prompt": f"a {PH} b <|image_pad|>", "multi_modal_data": {"image": img}}, "placeholder"),
+           ({"prompt": f"a {PH} {PH}", "multi_modal_data": {"image": img}}, "placeholder")]
+    for prompt, why in bad:
+        with pytest.raises(ValueError, match=why):
+            llm.generate(prompt, sp, use_tqdm=False)
+    assert llm.generate(good, sp, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert_pool_empty(llm)

@@ -122,6 +122,16 @@ def test_encoder_cache_hit_is_counted(family):
     assert_pool_empty(llm)
 
 
+def test_llava_with_a_siglip_tower(tmp_path):
+    """LLaVA-Interleave's layout: a SigLIP tower (every patch, the last layer) and a Qwen2 language model."""
+    model, proc = build_llava(str(tmp_path), seed=3, tower="siglip")
+    cases = prompts("<image>")[:2]
+    llm = LLM(str(tmp_path), kv_cache_memory=4 << 20)
+    outs = llm.generate([engine_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected(model, proc, cases)
+    assert_pool_empty(llm)
+
+
 def test_chat_with_image_parts_equals_generate(family):
     name, d, model, proc, mark = family
     img = make_image(31)
@@ -154,4 +164,40 @@ def test_speculative_decoding_beside_image_prefills(family):
     outs = llm.generate([engine_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert any(mixed)  # a verification batch carried image tokens
+    assert_pool_empty(llm)
+
+
+def _local_vision_checkpoint() -> str:
+    """A real image-text checkpoint on this machine: $PAGEDLLM_TEST_VISION_MODEL (a folder), or one of a
+    few small Hub checkpoints already in the Hugging Face cache; "" when there is none."""
+    import os
+
+    path = os.environ.get("PAGEDLLM_TEST_VISION_MODEL", "")
+    if path:
+        return path if os.path.isdir(path) else ""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return ""
+    for repo in ("llava-hf/llava-interleave-qwen-0.5b-hf", "google/gemma-3-4b-it", "llava-hf/llava-1.5-7b-hf"):
+        try:
+            return snapshot_download(repo, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the cache
+            continue
+    return ""
+
+
+def test_real_checkpoint_when_installed():
+    """A real checkpoint's tower loads and its answer depends on the image (greedy, 8 tokens)."""
+    path = _local_vision_checkpoint()
+    if not path:
+        pytest.skip("no real image-text checkpoint here (set PAGEDLLM_TEST_VISION_MODEL to a LLaVA or Gemma 3 "
+                    "folder, or have one in the Hugging Face cache)")
+    llm = LLM(path, max_model_len=2048, dtype="float32")
+    answers = []
+    for seed in (1, 2):
+        msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": make_image(seed, (224, 224))},
+                                             {"type": "text", "text": "Describe the picture."}]}]
+        answers.append(llm.chat(msgs, GREEDY, use_tqdm=False)[0].outputs[0].text)
+    assert all(answers) and answers[0] != answers[1]
     assert_pool_empty(llm)

@@ -57,21 +57,29 @@ def _randomize(model, seed: int) -> None:
                                                                      and "soft_emb" not in name else 0.0))
 
 
-def build_llava(d: str, seed: int = 0):
-    """(transformers model, processor) of a tiny LLaVA (CLIP 28x28, patch 14 -> 4 image tokens, Llama)."""
+def build_llava(d: str, seed: int = 0, tower: str = "clip"):
+    """(transformers model, processor) of a tiny LLaVA (CLIP 28x28, patch 14 -> 4 image tokens, Llama), or
+    with ``tower="siglip"`` LLaVA-Interleave's layout (SigLIP, a Qwen2 language model, all patches)."""
     tok = build_tokenizer(d, ["<image>"], LLAVA_CHAT_TEMPLATE)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
-    config = transformers.LlavaConfig(text_config=_text_config(tok, model_type="llama"), vision_config=vision,
+    vision = dict(model_type=f"{tower}_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    siglip = tower == "siglip"
+    text = _text_config(tok, model_type="qwen2" if siglip else "llama")
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision,
                                       image_token_index=tok.convert_tokens_to_ids("<image>"),
-                                      vision_feature_layer=-2, tie_word_embeddings=False)
+                                      vision_feature_layer=-1 if siglip else -2,
+                                      vision_feature_select_strategy="full" if siglip else "default",
+                                      tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).eval()
     _randomize(model, seed)
     model.save_pretrained(d)
     ip = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    if siglip:
+        ip = transformers.SiglipImageProcessor(size={"height": 28, "width": 28})
     proc = transformers.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14,
-                                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                       vision_feature_select_strategy=config.vision_feature_select_strategy,
+                                       num_additional_image_tokens=0 if siglip else 1,
                                        image_token="<image>", chat_template=LLAVA_CHAT_TEMPLATE)
     proc.save_pretrained(d)
     return model, proc

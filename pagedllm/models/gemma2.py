@@ -92,6 +92,8 @@ class Gemma2Attention(nn.Module):
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
         self.logits_soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.backend = backend
+        # steps with image spans that attend both ways, on a backend that cannot (PrefillSeq.bidirectional)
+        self.reference_backend = TorchPagedAttention()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, cos_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -102,8 +104,11 @@ class Gemma2Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm.forward_heads_(q), self.k_norm.forward_heads_(k)
         q, k = self.rotary_emb(positions, q, k, cos_sin=cos_sin)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
-                                 logits_soft_cap=self.logits_soft_cap)
+        backend = self.backend
+        if not backend.supports_bidirectional and meta.has_bidirectional:  # images of Gemma 3 (a GPU kernel)
+            backend = self.reference_backend
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(o.reshape(n, -1))
 
 

@@ -1,5 +1,5 @@
 """LLaVA's vision side (Liu et al., 2023, "Visual Instruction Tuning"; transformers'
-``modeling_llava.py``): a CLIP vision transformer whose hidden states at ``vision_feature_layer``
+``modeling_llava.py``): a CLIP (or SigLIP: LLaVA-Interleave, LLaVA-OneVision's tower) vision transformer whose hidden states at ``vision_feature_layer``
 (one index, or several concatenated along the hidden size; negative counts from the last layer,
 -1 the last) go, without the class token under ``vision_feature_select_strategy="default"``,
 through a two-layer MLP projector (linear_1, ``projector_hidden_act``, linear_2) into the language
@@ -22,15 +22,17 @@ class LlavaVisionTower(VisionTower):
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         vc = hf_config.vision_config
-        if getattr(vc, "model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"LLaVA with a {vc.model_type!r} vision tower is not supported (CLIP only)")
+        kind = getattr(vc, "model_type", "clip_vision_model")
+        if kind not in ("clip_vision_model", "siglip_vision_model"):
+            raise ValueError(f"LLaVA with a {kind!r} vision tower is not supported (CLIP or SigLIP)")
+        clip = kind == "clip_vision_model"  # (SigLIP: no class token, a patch bias, no pre-norm)
         n = vc.num_hidden_layers
         layers = hf_config.vision_feature_layer
         layers = [layers] if isinstance(layers, int) else list(layers)
         self.keep = tuple(i if i >= 0 else n + 1 + i for i in layers)  # as indices of hidden_states
         self.drop_cls = hf_config.vision_feature_select_strategy == "default"
         self.dtype = dtype
-        self.vision_model = VitEncoder(vc, dtype, class_token=True, patch_bias=False, pre_norm=True,
+        self.vision_model = VitEncoder(vc, dtype, class_token=clip, patch_bias=not clip, pre_norm=clip,
                                        post_norm=False, num_layers=max(self.keep))
         text_hidden, bias = hf_config.text_config.hidden_size, getattr(hf_config, "multimodal_projector_bias", True)
         self.projector = nn.Module()

@@ -94,8 +94,8 @@ class ModelRunner:
             stack = self.platform().layer_stack(self.model)
             if stack is not None and getattr(self.vision, "bidirectional_image_attention", False):
                 # (its C attention is causal; image embeddings themselves it takes as any input)
-                logger.info("cpu layer runner: steps with image tokens run the layer loop (an image's tokens "
-                            "attend to each other both ways)")
+                logger.info("cpu layer runner (where it covers the model): steps with image tokens run the layer "
+                            "loop (an image's tokens attend to each other both ways)")
             if stack is not None and self.lora is not None:
                 # The fused stack calls no Python linear, so no LoRA hook would run: it takes only the
                 # steps without a LoRA token; the others run the layer loop.

@@ -32,6 +32,9 @@ class AttentionBackend:
     name = "base"
     # True when the backend may read slots no sequence has written (then they must hold finite values).
     needs_zeroed_cache = True
+    # Whether it honours PrefillSeq.bidirectional (Gemma 3's image spans); a step with such spans runs
+    # the torch reference where not (``bidirectional_fallback``).
+    supports_bidirectional = False
 
     @classmethod
     def unsupported_reason(cls, *, device: str, dtype: torch.dtype, head_dim: int,
@@ -53,6 +56,7 @@ class SlidingWindowBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend, window: int) -> None:
         self.inner, self.window = inner, window
         self.name, self.needs_zeroed_cache = inner.name, inner.needs_zeroed_cache
+        self.supports_bidirectional = inner.supports_bidirectional
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Optional[torch.Tensor],
                 meta: AttentionMetadata, scale: float, **kw: Any) -> torch.Tensor:

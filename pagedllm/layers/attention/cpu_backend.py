@@ -138,6 +138,7 @@ class CpuPagedAttention(AttentionBackend):
     """
 
     name = "cpu"
+    supports_bidirectional = True  # (those sequences through the torch reference)
     LONG_PREFILL: Optional[int] = None
     needs_zeroed_cache = False  # reads only positions < seq_len, all written
 

@@ -88,6 +88,7 @@ def flat_cache(kv_cache: torch.Tensor, i: int) -> torch.Tensor:
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+    supports_bidirectional = True
 
     def forward(self, q, k, v, kv_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None, sinks=None,
                 attention_chunk=None):

@@ -105,13 +105,9 @@ def write_model_shape(out_dir: str, shape: str = "qwen2-0.5b") -> str:
         return write_vision_shape(out_dir, shape)
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join([*SHAPES, *VISION_SHAPES])}")
-    marker = os.path.join(out_dir, "shape.json")
     stamp = {"shape": shape, "spec": SHAPES[shape], "tokenizer": "bpe1024+padded-v2"}
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == stamp:
-                return out_dir
-    os.makedirs(out_dir, exist_ok=True)
+    if _written(out_dir, stamp):
+        return out_dir
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
     tok = build_tokenizer(out_dir, spec["vocab_size"])
@@ -120,8 +116,7 @@ def write_model_shape(out_dir: str, shape: str = "qwen2-0.5b") -> str:
                  pad_token_id=tok.pad_token_id, architectures=[{"qwen2": "Qwen2ForCausalLM",
                                                                 "llama": "LlamaForCausalLM"}[arch]])
     config.save_pretrained(out_dir)
-    with open(marker, "w") as f:
-        json.dump(stamp, f)
+    _mark(out_dir, stamp)
     return out_dir
 
 
@@ -134,6 +129,22 @@ def resolve_model(model: Optional[str], load_format: str, output_dir: str) -> tu
     return model, load_format
 
 
+def _written(out_dir: str, stamp: dict) -> bool:
+    """Whether ``out_dir`` holds what ``stamp`` describes (its ``shape.json``); else the folder is made."""
+    marker = os.path.join(out_dir, "shape.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == stamp:
+                return True
+    os.makedirs(out_dir, exist_ok=True)
+    return False
+
+
+def _mark(out_dir: str, stamp: dict) -> None:
+    with open(os.path.join(out_dir, "shape.json"), "w") as f:
+        json.dump(stamp, f)
+
+
 def write_vision_shape(out_dir: str, shape: str) -> str:
     """A Qwen2-VL config folder of ``shape`` (VISION_SHAPES): config.json, tokenizer with the vision
     tokens, preprocessor_config.json (transformers' defaults: 14-pixel patches merged 2 x 2), unless there."""
@@ -141,13 +152,9 @@ def write_vision_shape(out_dir: str, shape: str) -> str:
     # lazily: transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    marker = os.path.join(out_dir, "shape.json")
     stamp = {"shape": shape, "spec": VISION_SHAPES[shape], "tokenizer": "bpe1024+padded-v2+vision"}
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == stamp:
-                return out_dir
-    os.makedirs(out_dir, exist_ok=True)
+    if _written(out_dir, stamp):
+        return out_dir
     spec = VISION_SHAPES[shape]
     tok = build_tokenizer(out_dir, spec["text"]["vocab_size"], extra_special=_VISION_TOKENS)
     ids = dict(zip(["vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"],
@@ -159,8 +166,7 @@ def write_vision_shape(out_dir: str, shape: str) -> str:
                                         architectures=["Qwen2VLForConditionalGeneration"], **ids)
     config.save_pretrained(out_dir)
     Qwen2VLImageProcessorPil().save_pretrained(out_dir)
-    with open(marker, "w") as f:
-        json.dump(stamp, f)
+    _mark(out_dir, stamp)
     return out_dir
 
 

@@ -13,6 +13,7 @@ pictures; the default model is a Qwen2-VL-2B-shaped config with random weights (
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 
@@ -92,6 +93,8 @@ def run(args: argparse.Namespace) -> dict:
             _measure(llm, _prompts(args, mark, images, turn=1), args.output_len)
         modes[mode] = _measure(llm, _prompts(args, mark, images, turn=2), args.output_len)
         llm.llm_engine.shutdown()
+        del llm
+        gc.collect()  # (one engine's weights at a time: a 2B model's are 7 GiB in float32)
     cold, warm = modes["cold"], modes["warm"]
     same = cold.pop("output_token_ids") == warm.pop("output_token_ids")
     result = {**run_metadata(), "bench": "images", "model": args.model, "num_prompts": args.num_prompts,

@@ -8,7 +8,6 @@ repeated image is not encoded again, counted); every block back in the pool afte
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import assert_pool_empty, record_schedule
 from pagedllm import LLM, SamplingParams
@@ -200,4 +199,20 @@ def test_real_checkpoint_when_installed():
                                              {"type": "text", "text": "Describe the picture."}]}]
         answers.append(llm.chat(msgs, GREEDY, use_tqdm=False)[0].outputs[0].text)
     assert all(answers) and answers[0] != answers[1]
+    assert_pool_empty(llm)
+
+
+def test_preemption_recomputes_images(tmp_path_factory):
+    """A KV cache too small for the batch: requests with images are preempted and recomputed (their
+    images encoded again or taken from the encoder cache) and still give transformers' ids."""
+    d = str(tmp_path_factory.mktemp("llava_preempt"))
+    model, proc = build_llava(d, seed=5)
+    cases = prompts("<image>")[:3] * 2
+    n = 24
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm = LLM(d, kv_cache_memory=7 * 8192, max_model_len=64, block_size=16)
+    outs = llm.generate([engine_prompt(t, i) for t, i in cases], sp, use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    want = [hf_generate(model, proc, t, i, n) for t, i in cases[:3]] * 2
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert_pool_empty(llm)

@@ -22,6 +22,9 @@ COMMANDS = {
     "matmul": ("pagedllm.benchmarks.matmul", "float32 vs bfloat16 linear layers at decode shapes on this CPU"),
     "prefix-caching": ("pagedllm.benchmarks.prefix_caching",
                        "shared-prefix workload: TTFT and throughput with prefix caching on vs off"),
+    "image": ("pagedllm.benchmarks.image",
+              "image workload (a question + a 448x448 picture per request): TTFT and throughput with the "
+              "encoder cache on vs off"),
     "quantization": ("pagedllm.benchmarks.quantization",
                      "int8 (W8A8) vs fp32: held-out perplexity, greedy agreement, matmul speed, throughput"),
     "overhead": ("pagedllm.benchmarks.overhead",

@@ -102,6 +102,21 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def on_off_ratios(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float]:
+    """How much a feature helps, from two runs' results (``ttft_ms`` summaries, ``total_throughput_tok_s``):
+    mean TTFT off / on and throughput on / off."""
+    return {"ttft_speedup_mean": off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"],
+            "throughput_ratio": on["total_throughput_tok_s"] / off["total_throughput_tok_s"]}
+
+
+def describe_on_off(feature: str, off: dict[str, Any], on: dict[str, Any], ratios: dict[str, float],
+                    extra: str = "") -> str:
+    """One line: mean TTFT and throughput of both runs, the ratios, ``extra`` at the end."""
+    return (f"{feature} off: TTFT mean {off['ttft_ms']['mean']:.0f} ms, {off['total_throughput_tok_s']:.1f} tok/s | "
+            f"on: TTFT mean {on['ttft_ms']['mean']:.0f} ms, {on['total_throughput_tok_s']:.1f} tok/s | "
+            f"TTFT {ratios['ttft_speedup_mean']:.2f}x faster, throughput {ratios['throughput_ratio']:.2f}x{extra}")
+
+
 def write_result(output_dir: str, name: str, result: dict[str, Any], fig=None) -> tuple[str, Optional[str]]:
     """Write ``<name>.json`` (and ``<name>.png`` from a matplotlib figure) into ``output_dir``.
     Returns (json path, png path or None)."""

@@ -13,7 +13,7 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import pyplot, run_metadata, summarize, write_result
+from pagedllm.benchmarks.common import describe_on_off, on_off_ratios, pyplot, run_metadata, summarize, write_result
 from pagedllm.benchmarks.model_shapes import resolve_model
 from pagedllm.engine.arg_utils import resolve_model_path
 from pagedllm.llm import LLM
@@ -83,13 +83,11 @@ def run(args: argparse.Namespace) -> dict:
     same = on.pop("output_token_ids") == off.pop("output_token_ids")
     result = {**run_metadata(), "bench": "prefix-caching", "num_prompts": len(prompts),
               "prefix_len": args.prefix_len, "question_len": args.question_len, "output_len": args.output_len,
-              "arrival": args.arrival, "caching_off": off, "caching_on": on, "outputs_identical": same,
-              "ttft_speedup_mean": off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"],
-              "throughput_ratio": on["total_throughput_tok_s"] / off["total_throughput_tok_s"]}
-    print(f"prefix caching off: TTFT mean {off['ttft_ms']['mean']:.0f} ms, {off['total_throughput_tok_s']:.1f} tok/s | "
-          f"on: TTFT mean {on['ttft_ms']['mean']:.0f} ms, {on['total_throughput_tok_s']:.1f} tok/s | "
-          f"TTFT {result['ttft_speedup_mean']:.2f}x faster, throughput {result['throughput_ratio']:.2f}x, "
-          f"hit rate {on['prefix_cache_hits'] / max(1, on['prefix_cache_queries']):.1%}, outputs identical: {same}")
+              "arrival": args.arrival, "caching_off": off, "caching_on": on, "outputs_identical": same}
+    result.update(on_off_ratios(off, on))
+    print(describe_on_off("prefix caching", off, on, result,
+                          f", hit rate {on['prefix_cache_hits'] / max(1, on['prefix_cache_queries']):.1%}, "
+                          f"outputs identical: {same}"))
     plt = pyplot()
     fig = None
     if plt is not None:

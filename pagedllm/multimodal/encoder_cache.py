@@ -37,7 +37,7 @@ class MultiModalStep:
 class EncoderCacheManager:
     """The engine's view of the runner's encoder cache: an LRU of (identifier -> embedding rows) holding
     at most ``capacity`` rows (an image larger than that is still encoded, and kept until the next
-    image needs the room)."""
+    image needs the room). ``capacity`` 0: off (each step encodes the images it needs, none is reused)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -49,6 +49,8 @@ class EncoderCacheManager:
     def plan(self, needed: list[MultiModalFeature]) -> MultiModalStep:
         """The step's encode/evict lists for the images ``needed`` (scatter is the caller's)."""
         step = MultiModalStep()
+        if self.capacity <= 0:  # the cache off: what an earlier step encoded is dropped, never reused
+            step.evict = self.reset()
         now = {f.identifier for f in needed}
         for f in needed:
             if f.identifier in self.entries:

@@ -34,8 +34,6 @@ COMMANDS = {
     "gguf-decode": ("pagedllm.benchmarks.gguf_decode",
                     "batch-1 decode of a random GGUF of a real shape: blocks on our kernels vs dequantized, "
                     "with the memory floor"),
-    "images": ("pagedllm.benchmarks.images",
-               "image requests (one image + a question each): TTFT and throughput with the encoder cache cold vs warm"),
     "lora": ("pagedllm.benchmarks.lora", "LoRA adapters: w48 throughput with 1/4/16 adapters vs the base model; "
                                          "the batched op grouped vs bmm"),
 }

@@ -11,6 +11,7 @@ TTFT (mean / median / p99), throughput, the encoder-cache queries and hits, and 
 gave the same tokens.
 
     pagedllm bench image --model /path/to/llava-or-gemma3 --num-prompts 16
+    pagedllm bench image --model shape:qwen2-vl-2b --max-model-len 2048   (random weights of that shape)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import random
 import time
 
 from pagedllm.benchmarks.common import describe_on_off, on_off_ratios, run_metadata, summarize, write_result
+from pagedllm.benchmarks.model_shapes import resolve_model
 from pagedllm.engine.arg_utils import resolve_model_path
 from pagedllm.llm import LLM
 from pagedllm.sampling_params import SamplingParams
@@ -27,7 +29,8 @@ _WORDS = "what is in this picture describe the colors shapes count objects left 
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="an image-text model folder (LLaVA, Gemma 3)")
+    p.add_argument("--model", required=True, help="an image-text model folder (LLaVA, Gemma 3, Qwen2-VL, ...), or "
+                   "shape:qwen2-vl-2b / shape:qwen2-vl-tiny (random weights of that shape)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--image-size", type=int, default=448, help="width and height of each picture (pixels)")
@@ -35,6 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--arrival", choices=["all", "sequential"], default="all")
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench_results")
     p.set_defaults(func=run)
@@ -62,8 +66,9 @@ def _workload(args, placeholder: str) -> list[dict]:
             for i in range(args.num_prompts)]
 
 
-def _run_mode(args, model_path: str, cache: bool) -> dict:
-    llm = LLM(model_path, load_format=args.load_format, kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+def _run_mode(args, model_path: str, load_format: str, cache: bool) -> dict:
+    llm = LLM(model_path, load_format=load_format, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+              max_model_len=args.max_model_len)
     engine = llm.llm_engine
     if engine.mm_processor is None:
         raise ValueError(f"{model_path} takes no images: pass an image-text model (LLaVA, Gemma 3)")
@@ -93,9 +98,10 @@ def _run_mode(args, model_path: str, cache: bool) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    model_path = resolve_model_path(args.model)
-    off = _run_mode(args, model_path, cache=False)
-    on = _run_mode(args, model_path, cache=True)
+    model_path, load_format = resolve_model(args.model, args.load_format, args.output_dir)
+    model_path = resolve_model_path(model_path)
+    off = _run_mode(args, model_path, load_format, cache=False)
+    on = _run_mode(args, model_path, load_format, cache=True)
     same = on.pop("output_token_ids") == off.pop("output_token_ids")
     result = {**run_metadata(), "bench": "image", "num_prompts": args.num_prompts, "image_size": args.image_size,
               "distinct_images": args.distinct_images, "output_len": args.output_len, "arrival": args.arrival,

@@ -18,6 +18,12 @@ So a decode step whose sequences all stay is a few array operations and one list
 large the batch; the per-sequence Python is O(changed sequences). The tensors handed to the model are
 fresh copies (a batch in flight never sees the next step's writes). Prefill chunks are built from
 their requests as before (their cost is in proportion to their tokens anyway).
+
+M-RoPE (Qwen2-VL's image positions, ``layers/mrope.py``): a request whose prompt holds images carries its
+prompt's positions [3, L] and a ``delta``. The model sees a decode row at position + delta (the three
+streams agree past the prompt: plain RoPE, shifted), so a decode-only step keeps [N] positions; a step
+with a prefill chunk of such a prompt gets [3, N] positions (each stream a row). The slots, sequence
+lengths and block tables always follow the token's index.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.layers.mrope import mrope_positions_at
 from pagedllm.lora.slots import LoRASlotTable
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager, MultiModalStep
 from pagedllm.worker.model_input import ModelInput
@@ -109,21 +116,19 @@ def mrope_positions(positions: np.ndarray, decodes: list[Request], prefills: lis
     """``positions`` [N] as they are, unless a request of the step carries M-RoPE positions (Qwen2-VL's
     images: ``Request.mrope_positions`` [3, L]): then [3, N] int64, where a prompt token at p takes its
     request's column p, a later token p + ``mrope_position_delta`` on every row, and a request without
-    them p on every row (text only: the three streams agree)."""
+    them p on every row (text only: the three streams agree). For a batch whose positions are the tokens'
+    indexes (the speculator's verification batch); ``InputBatch.prepare`` builds its own (decode rows
+    stay [N], at index + delta)."""
     if not any(r.mrope_positions is not None for r in decodes) and \
             not any(r.mrope_positions is not None for r, _ in prefills):
         return positions
     out = np.broadcast_to(positions, (3, len(positions))).copy()
 
     def fill(r: Request, row: int, k: int) -> None:
-        mp = r.mrope_positions
-        if mp is None:
-            return
-        ps = positions[row:row + k]
-        inside = ps < mp.shape[1]
-        block = out[:, row:row + k]  # (a view)
-        block[:, inside] = mp.numpy()[:, ps[inside]]
-        block[:, ~inside] = ps[~inside] + r.mrope_position_delta
+        if r.mrope_positions is not None:  # (a request's tokens of a step are consecutive)
+            start = int(positions[row])
+            out[:, row:row + k] = mrope_positions_at(r.mrope_positions, r.mrope_position_delta, start,
+                                                     start + k).numpy()
 
     for i, r in enumerate(decodes):
         fill(r, i, 1)
@@ -145,7 +150,8 @@ class InputBatch:
 
     Arrays (row i = the i-th one-token sequence of the last step): ``token`` [R] int64 next input token,
     ``pos`` [R] int64 its position, ``tables`` [R, W] int32 block table (0 past ``num_blocks``),
-    ``num_blocks`` [R] int32, ``steady`` [R] bool (the row sampled last step and the arrays are current).
+    ``num_blocks`` [R] int32, ``steady`` [R] bool (the row sampled last step and the arrays are current),
+    ``delta`` [R] int64 what the model's position differs from ``pos`` by (M-RoPE's; 0 for most).
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_model_len: int, device: str) -> None:
@@ -158,6 +164,7 @@ class InputBatch:
         self.tables = np.zeros((rows, width), np.int32)
         self.num_blocks = np.zeros(rows, np.int32)
         self.steady = np.zeros(rows, bool)
+        self.delta = np.zeros(rows, np.int64)
         self.rows: list[Request] = []  # the requests of the rows, in batch order
         self.row_of: dict[Request, int] = {}
         self.generation = 0
@@ -186,7 +193,7 @@ class InputBatch:
     def _grow(self, rows: int, width: int) -> None:
         rows = max(rows, len(self.token))
         width = max(width, self.tables.shape[1])
-        for name in ("token", "pos", "num_blocks", "steady"):
+        for name in ("token", "pos", "num_blocks", "steady", "delta"):
             old = getattr(self, name)
             new = np.zeros(rows, old.dtype)
             new[:len(old)] = old
@@ -222,6 +229,7 @@ class InputBatch:
             used = int(self.num_blocks[:len(self.rows)].max()) if self.rows else 0
             self.token[:n] = self.token[src]
             self.pos[:n] = self.pos[src]
+            self.delta[:n] = self.delta[src]
             self.num_blocks[:n] = self.num_blocks[src]  # (a joining row's is rewritten by _refresh)
             self.steady[:n] = self.steady[src] & kept
             if used:
@@ -238,6 +246,7 @@ class InputBatch:
         start = r.num_computed_tokens
         self.token[i] = r.all_token_ids[start]
         self.pos[i] = start
+        self.delta[i] = r.mrope_position_delta
         self._write_table(i, self.kv.get_block_ids(r.request_id), 0)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -316,8 +325,9 @@ class InputBatch:
         block_idx, offset = np.divmod(pos, bs)
         dec_slots = self.tables[self._arange[:n], block_idx] * np.int64(bs) + offset  # (int64: no overflow)
         max_blocks = int(self.num_blocks[:n].max()) if n else 0
+        model_pos = pos + self.delta[:n]  # (a new array)
         if not prefills:
-            input_ids, positions, slots = self.token[:n].copy(), pos.copy(), dec_slots
+            input_ids, positions, slots = self.token[:n].copy(), model_pos, dec_slots
             tables = self.tables[:n, :max_blocks].copy()
             seq_lens = (pos + 1).astype(np.int32)
             qsl = self._arange[:n + 1].astype(np.int32)
@@ -329,18 +339,26 @@ class InputBatch:
             p_tables: list[list[int]] = []
             p_lens: list[int] = []
             starts = [n]
+            p_mrope: list[tuple[int, torch.Tensor]] = []  # (batch offset, [3, k] positions) of M-RoPE chunks
             for r, k in prefills:
                 start = r.num_computed_tokens
                 table = kv.get_block_ids(r.request_id)
                 note_outputs(r, start, k, starts[-1])
                 p_ids.extend(r.all_token_ids[start:start + k])
-                p_pos.extend(range(start, start + k))
+                delta = r.mrope_position_delta
+                if r.mrope_positions is not None:
+                    p_mrope.append((starts[-1], mrope_positions_at(r.mrope_positions, delta, start, start + k)))
+                p_pos.extend(range(start + delta, start + k + delta))
                 p_slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + k))
                 p_tables.append(table)
                 p_lens.append(start + k)
                 starts.append(starts[-1] + k)
             input_ids = np.concatenate([self.token[:n], np.array(p_ids, np.int64)])
-            positions = np.concatenate([pos, np.array(p_pos, np.int64)])
+            positions = np.concatenate([model_pos, np.array(p_pos, np.int64)])
+            if p_mrope:  # three streams: t, h, w (equal but on image tokens)
+                positions = np.repeat(positions[None], 3, axis=0)
+                for at, p3 in p_mrope:
+                    positions[:, at:at + p3.shape[1]] = p3.numpy()
             slots = np.concatenate([dec_slots, np.array(p_slots, np.int64)])
             max_blocks = max(max_blocks, max(map(len, p_tables)))
             tables = np.zeros((n + len(prefills), max_blocks), np.int32)
@@ -361,8 +379,6 @@ class InputBatch:
             slot_mapping=_t(slots, device), num_decode_tokens=n, prefills=prefill_seqs,
             block_tables=_t(tables, device), seq_lens=_t(seq_lens, device), query_start_loc=_t(qsl, device),
             block_size=bs, max_decode_seq_len=int(pos.max()) + 1 if n else 0)
-        if self.encoder_cache is not None:  # an M-RoPE model's image requests: 3-row positions [3, N]
-            positions = mrope_positions(positions, decodes, prefills, n)
         model_input = ModelInput(
             input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
             logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())

@@ -19,6 +19,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    # x * sigmoid(1.702 x) (CLIP's and Qwen2-VL's vision towers; transformers' QuickGELUActivation)
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 
 

@@ -69,6 +69,9 @@ _MODELS: dict[str, tuple[str, str]] = {
 _VISION_TOWERS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("llava_vision", "LlavaVisionTower"),
     "Gemma3ForConditionalGeneration": ("gemma3_vision", "Gemma3VisionTower"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl_vision", "Qwen2VLVisionTower"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl_vision", "Qwen2VLVisionTower"),
+    "Mistral3ForConditionalGeneration": ("pixtral_vision", "PixtralVisionTower"),
 }
 
 

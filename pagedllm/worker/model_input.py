@@ -15,7 +15,8 @@ from pagedllm.multimodal.encoder_cache import MultiModalStep
 class ModelInput:
     """Everything a model-runner rank needs for one forward pass (picklable).
 
-    ``input_ids``/``positions`` [N] int64; ``logits_indices`` [M] int64 rows of the hidden states
+    ``input_ids``/``positions`` [N] int64 (``positions`` [3, N] in a step that prefills an M-RoPE
+    prompt's image positions: ``engine/input_batch.py``); ``logits_indices`` [M] int64 rows of the hidden states
     whose logits are computed: first one per sampling request, then prompt-logprob positions.
     """
 

@@ -116,7 +116,7 @@ def op_compare(hf_config, dtype: torch.dtype, rank: int, n_adapters: int = 16, r
                                  ("gate_up", (2 * shapes["gate_proj"][0], 2))):
             x = torch.randn(tokens, hidden, dtype=dtype)
             a = torch.randn(n_adapters, s * rank, hidden, dtype=dtype)
-            b = torch.randn(n_adapters, out, rank, dtype=dtype)
+            b = torch.randn(n_adapters, rank, out, dtype=dtype)  # B transposed (lora/layers.py)
             ranks = [rank] * n_adapters
             part = out // s
             slices = [(i * part, part) for i in range(s)]

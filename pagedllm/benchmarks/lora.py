@@ -5,8 +5,9 @@ down of every layer) and spread round-robin over the requests; the engine serves
 (``--max-loras`` = the number of adapters). Runs, each in a fresh engine on the same requests:
 
 - ``base``: the base model as served without LoRA (the CPU layer runner on where it applies);
-- ``base (lora engine)``: ``--enable-lora`` with no request naming an adapter: the same Python layer
-  loop the adapters run in, so the op's own cost is the gap to the adapter runs;
+- ``base (lora engine)``: ``--enable-lora`` with no request naming an adapter (the same layer loop the
+  adapters run in: on a CPU the C++ layer runner, which adds them with ``platforms/cpu/lora_ops.cpp``),
+  so the op's own cost is the gap to the adapter runs;
 - ``N adapters`` for each ``--num-adapters`` N, with the batched op's grouping ``--op-mode``.
 
 Then the batched op alone at the model's shapes (decode: 48 tokens; prefill: 2,048 tokens) over 16

@@ -19,6 +19,9 @@ panels (its ``panel_linear``); the CPU paged-attention backend over a cache in t
 int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
 KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels: 128 on a VNNI
 CPU), the Python loop runs. Why it does not apply is logged once per model.
+Under ``--enable-lora`` it adds the adapters (``attach_lora``): after each target linear the grouped
+shrink and expand of ``platforms/cpu/lora_ops.cpp`` over the step's tokens of each adapter slot, on the
+LoRA hooks' slot tables read in place (their outputs equal the hooks' within float32 summation order).
 ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 

@@ -1,8 +1,9 @@
 """The batched LoRA op: one step's tokens of many adapters (and of the base model) at once.
 
 For a target linear with base output y [N, out] and input x [N, in], every token t whose adapter sits
-in slot s gets y[t] += B_s (A_s x[t]) (B_s stored transposed, Bt_s [R, out]) (the scale folded into B_s at load), never merged into the base
-weight. Tokens are grouped by slot once a step (``make_step``); then per linear either
+in slot s gets y[t] += B_s (A_s x[t]) (B_s stored transposed, Bt_s [R, out], the scale folded in at
+load), never merged into the base weight. Tokens are grouped by slot once a step (``make_step``); then
+per linear either
 
 - ``grouped``: x gathered in group order, per adapter one shrink (x_g A_s^T) and one expand
   (h_g B_s^T) matmul over its tokens, one scatter-add back (S-LoRA's per-adapter GEMMs), or

@@ -7,8 +7,8 @@
 // plays on a GPU.
 //
 // The kernels live in their own libraries (platforms/cpu/fused_ops.cpp, platforms/cpu/float_gemm.cpp, platforms/cpu/int8_gemm.cpp,
-// attention/paged_attention_cpu.cpp, platforms/cpu/lora_ops.cpp: LoRA adapters after each target linear); Python hands their addresses in (RunnerKernels), so this
-// file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
+// attention/paged_attention_cpu.cpp, platforms/cpu/lora_ops.cpp: LoRA adapters after each target
+// linear); Python hands their addresses in (RunnerKernels), so this file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
 // bytes each. Plain C ABI (ctypes); the structs mirror platforms/cpu/layer_runner.py's ctypes.Structures.
 #include <chrono>
 #include <cstdint>

@@ -137,11 +137,11 @@ def test_ops_equal_reference(slices):
     x = torch.randn(n, din)
     ranks = [6, 2, 0, 4]
     a = torch.zeros(slots, len(slices) * rmax, din)
-    b = torch.zeros(slots, dout, rmax)
+    b = torch.zeros(slots, rmax, dout)  # B transposed
     for s, r in enumerate(ranks):
         for i in range(len(slices)):
             a[s, i * rmax:i * rmax + r] = torch.randn(r, din)
-        b[s, :, :r] = torch.randn(dout, r)
+        b[s, :r] = torch.randn(r, dout)
     token_slots = torch.tensor([random.Random(i).choice([-1, 0, 1, 2, 3]) for i in range(n)])
     y0 = torch.randn(n, dout)
     ref = y0.clone()

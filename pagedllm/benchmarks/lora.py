@@ -5,8 +5,9 @@ down of every layer) and spread round-robin over the requests; the engine serves
 (``--max-loras`` = the number of adapters). Runs, each in a fresh engine on the same requests:
 
 - ``base``: the base model as served without LoRA (the CPU layer runner on where it applies);
-- ``base (lora engine)``: ``--enable-lora`` with no request naming an adapter: the same Python layer
-  loop the adapters run in, so the op's own cost is the gap to the adapter runs;
+- ``base (lora engine)``: ``--enable-lora`` with no request naming an adapter (the same layer loop the
+  adapters run in: on a CPU the C++ layer runner, which adds them with ``platforms/cpu/lora_ops.cpp``),
+  so the op's own cost is the gap to the adapter runs;
 - ``N adapters`` for each ``--num-adapters`` N, with the batched op's grouping ``--op-mode``.
 
 Then the batched op alone at the model's shapes (decode: 48 tokens; prefill: 2,048 tokens) over 16
@@ -36,6 +37,7 @@ from pagedllm.lora.ops import lora_add_, make_step
 from pagedllm.lora.peft import TARGETS, expected_shapes
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.checkpoint import load_hf_config
+from pagedllm.platforms.cpu import lora_ops as cpu_lora_ops
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -106,7 +108,9 @@ def _run(args, model, load_format, reqs, loras: list | None, n_adapters: int) ->
 
 
 def op_compare(hf_config, dtype: torch.dtype, rank: int, n_adapters: int = 16, repeats: int = 20) -> dict:
-    """Seconds per call of the batched op on the model's fused qkv and gate_up shapes, grouped vs bmm."""
+    """Microseconds per call of the batched op on the model's fused qkv and gate_up shapes: grouped vs bmm
+    (the Python loop's torch ops) and, where it builds, the CPU layer runner's kernel (``cpu_kernel_us``:
+    ``platforms/cpu/lora_ops.cpp``), alternated."""
     shapes = expected_shapes(hf_config)
     hidden = hf_config.hidden_size
     res = {}
@@ -116,20 +120,29 @@ def op_compare(hf_config, dtype: torch.dtype, rank: int, n_adapters: int = 16, r
                                  ("gate_up", (2 * shapes["gate_proj"][0], 2))):
             x = torch.randn(tokens, hidden, dtype=dtype)
             a = torch.randn(n_adapters, s * rank, hidden, dtype=dtype)
-            b = torch.randn(n_adapters, out, rank, dtype=dtype)
+            b = torch.randn(n_adapters, rank, out, dtype=dtype)  # B transposed (lora/layers.py)
             ranks = [rank] * n_adapters
             part = out // s
-            slices = [(i * part, part) for i in range(s)]
+            slices = [(i * part, part if i < s - 1 else out - i * part) for i in range(s)]  # covering out
             times = {"grouped": [], "bmm": []}
             steps = {m: make_step(slots, m) for m in times}
+            if cpu_lora_ops.kernel_address(dtype) is not None:
+                times["cpu_kernel"] = []
+                steps["cpu_kernel"] = steps["grouped"]
+            ranks_t = torch.tensor(ranks, dtype=torch.int32)
+            bounds = [0] + [off + size for off, size in slices]
             y = torch.zeros(tokens, out, dtype=dtype)
             for _ in range(repeats):  # alternated A/B
                 for m in times:
+                    st = steps[m]
                     t0 = time.perf_counter()
-                    lora_add_(y, x, a, b, ranks, slices, steps[m])
+                    if m == "cpu_kernel":
+                        cpu_lora_ops.lora_add(y, x, a, b, ranks_t, bounds, st.order, st.bounds, st.slots)
+                    else:
+                        lora_add_(y, x, a, b, ranks, slices, st)
                     times[m].append(time.perf_counter() - t0)
             med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
-            res[f"{label}/{target}"] = {"grouped_us": med["grouped"] * 1e6, "bmm_us": med["bmm"] * 1e6,
+            res[f"{label}/{target}"] = {**{f"{m}_us": t * 1e6 for m, t in med.items()},
                                         "bmm_over_grouped": med["bmm"] / med["grouped"]}
     return res
 
@@ -150,7 +163,9 @@ def run(args: argparse.Namespace) -> dict:
     print(f"LoRA op, {hf_config.hidden_size}-wide model, 16 adapters of rank {args.rank} (median us per call):")
     result["op"] = op_compare(hf_config, dtype, args.rank, repeats=args.op_repeats)
     for k, v in result["op"].items():
-        print(f"  {k:22s} grouped {v['grouped_us']:9.1f}  bmm {v['bmm_us']:9.1f}  bmm/grouped {v['bmm_over_grouped']:.2f}")
+        kernel = f"  cpu kernel {v['cpu_kernel_us']:9.1f}" if "cpu_kernel_us" in v else ""
+        print(f"  {k:22s} grouped {v['grouped_us']:9.1f}  bmm {v['bmm_us']:9.1f}  bmm/grouped "
+              f"{v['bmm_over_grouped']:.2f}{kernel}")
     if args.skip_engine:
         write_result(args.output_dir, "lora", result)
         return result

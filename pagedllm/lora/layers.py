@@ -2,8 +2,11 @@
 
 The base layer is untouched (its quantization method, float / int8 / bf16, computes y = x W^T + b);
 a forward hook adds the LoRA term of the step's tokens (``ops.lora_add_``) to its output. Slot
-buffers per target: A [max_loras, S * R, in_per_rank], B [max_loras, out_per_rank, R] (S slices:
-3 for qkv, 2 for gate_up, else 1; R = --max-lora-rank; each slice's B in its output rows, scale folded in).
+buffers per target: A [max_loras, S * R, in_per_rank], Bt [max_loras, R, out_per_rank] (B transposed:
+the expand streams its rows; S slices: 3 for qkv, 2 for gate_up, else 1; R = --max-lora-rank; each
+slice's B in its output columns, scale folded in); ``ranks_t`` [max_loras] int32 mirrors ``ranks``. The
+CPU layer runner reads these tables in place (``platforms/cpu/layer_runner.py``: the pointers once, the
+ranks each step), so a slot loaded or evicted here is what its next step computes with.
 
 Tensor parallelism (as vLLM's ColumnParallelLinearWithLoRA / RowParallelLinearWithLoRA): a
 column-parallel target keeps A whole and this rank's rows of B (per slice, with the base layer's
@@ -45,9 +48,11 @@ class LoRATarget:
         out = sum(s[2] for s in slices)
         self.out_slices = [(off, size) for _, off, size, _ in slices]
         self.a = torch.zeros(max_loras, len(slices) * max_rank, self.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, out, dtype=dtype, device=device)  # B transposed
         self.max_rank = max_rank
         self.ranks = [0] * max_loras  # rank of the adapter in each slot (0: none, or this target untouched)
+        self.ranks_t = torch.zeros(max_loras, dtype=torch.int32)  # the same, for the CPU layer runner
+        self.module = module
         self.ctx = ctx
         self.reduce = tensor_model_parallel_all_reduce if row_parallel and self.tp_size > 1 else None
         self.handle = module.register_forward_hook(self.hook)
@@ -57,6 +62,7 @@ class LoRATarget:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.ranks[slot] = 0
+        self.ranks_t[slot] = 0
         if adapter is None:
             return
         r, used = adapter.rank, False
@@ -68,10 +74,11 @@ class LoRATarget:
             if self.row_parallel:
                 a = a[:, self.tp_rank * self.in_features:(self.tp_rank + 1) * self.in_features]
             self.a[slot, i * self.max_rank:i * self.max_rank + r] = a.to(self.a.dtype)
-            self.b[slot, offset:offset + size, :r] = (b[start:start + size] * adapter.scale).to(self.b.dtype)
+            self.b[slot, :r, offset:offset + size] = (b[start:start + size] * adapter.scale).t().to(self.b.dtype)
             used = True
         if used:
             self.ranks[slot] = r
+            self.ranks_t[slot] = r
 
     def hook(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         step = self.ctx.step

@@ -1,8 +1,9 @@
 """The batched LoRA op: one step's tokens of many adapters (and of the base model) at once.
 
 For a target linear with base output y [N, out] and input x [N, in], every token t whose adapter sits
-in slot s gets y[t] += B_s (A_s x[t]) (the scale folded into B_s at load), never merged into the base
-weight. Tokens are grouped by slot once a step (``make_step``); then per linear either
+in slot s gets y[t] += B_s (A_s x[t]) (B_s stored transposed, Bt_s [R, out], the scale folded in at
+load), never merged into the base weight. Tokens are grouped by slot once a step (``make_step``); then
+per linear either
 
 - ``grouped``: x gathered in group order, per adapter one shrink (x_g A_s^T) and one expand
   (h_g B_s^T) matmul over its tokens, one scatter-add back (S-LoRA's per-adapter GEMMs), or
@@ -81,8 +82,8 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     """y [N, out] += the LoRA term of each token (in place).
 
     x [N, in]; a [slots, S * R, in]: slice i's A of slot s in rows i R .. i R + ranks[s] (the rest zero);
-    b [slots, out, R]: slice i's B (scale folded in) in rows off_i .. off_i + size_i,
-    columns :ranks[s]; ``slices``: (off_i, size_i); ranks[s] 0: slot s does not touch this target.
+    b [slots, R, out]: slice i's B transposed (scale folded in) in columns off_i .. off_i + size_i,
+    rows :ranks[s]; ``slices``: (off_i, size_i); ranks[s] 0: slot s does not touch this target.
     ``reduce``: sums a shrink result over the tensor-parallel ranks (row-parallel targets), None: nothing."""
     n_slices = len(slices)
     big_r = a.shape[1] // n_slices
@@ -97,7 +98,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         yp = torch.empty(g, length, y.shape[1], dtype=y.dtype, device=y.device)
         for i, (off, size) in enumerate(slices):
             yp[:, :, off:off + size] = torch.bmm(h[:, :, i * big_r:i * big_r + r],
-                                                 b[step.slots_t, off:off + size, :r].transpose(1, 2))
+                                                 b[step.slots_t, :r, off:off + size])
         y.index_add_(0, step.order, yp.view(g * length, -1).index_select(0, step.pad_valid))
         return
     xs = x.index_select(0, step.order)
@@ -110,7 +111,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             h = torch.mm(xs[lo:hi], a[s, :r].t())
             if reduce is not None:
                 h = reduce(h)
-            torch.mm(h, b[s, :, :r].t(), out=ys[lo:hi])
+            torch.mm(h, b[s, :r], out=ys[lo:hi])
             continue
         # one shrink for every slice (rows past a slice's rank are zero: read, but 0 when r = R)
         h = torch.mm(xs[lo:hi], (a[s] if r == big_r else a[s].view(n_slices, big_r, -1)[:, :r].reshape(-1, a.shape[2])).t())
@@ -118,7 +119,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             h = reduce(h)
         hr = big_r if r == big_r else r
         for i, (off, size) in enumerate(slices):
-            ys[lo:hi, off:off + size].addmm_(h[:, i * hr:i * hr + r], b[s, off:off + size, :r].t())
+            ys[lo:hi, off:off + size].addmm_(h[:, i * hr:i * hr + r], b[s, :r, off:off + size])
     y.index_add_(0, step.order, ys)
 
 
@@ -130,4 +131,4 @@ def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
         for i, (off, size) in enumerate(slices):
             if r:
                 big_r = a.shape[1] // len(slices)
-                y[t, off:off + size] += b[s, off:off + size, :r] @ (a[s, i * big_r:i * big_r + r] @ x[t])
+                y[t, off:off + size] += b[s, :r, off:off + size].t() @ (a[s, i * big_r:i * big_r + r] @ x[t])

@@ -146,9 +146,11 @@ class Platform:
     def prepare_process(self) -> None:
         """Tune this process for the platform's kernels before a model loads (the CPU wing: glibc malloc)."""
 
-    def layer_stack(self, model: Any) -> Optional[Callable]:
+    def layer_stack(self, model: Any, lora: Optional[Any] = None) -> Optional[Callable]:
         """A fused stack of ``model``'s decoder layers, set as ``model.layer_stack`` by the model
-        runner (the model's forward calls it in place of its layer loop); None: the loop runs."""
+        runner (the model's forward calls it in place of its layer loop); None: the loop runs.
+        ``lora`` (--enable-lora): the ``LoRARuntime`` whose adapters the stack must add to the steps
+        with adapter tokens (``lora.ctx.step``), or return None for those steps (the loop's hooks do)."""
         return None
 
     def __repr__(self) -> str:

@@ -94,23 +94,13 @@ class ModelRunner:
         fused stack of its decoder layers, where the platform has one (``layer_stack(model)``: the CPU
         layer runner, which decides on its first call whether it covers the model)."""
         if hasattr(self.model, "layer_stack"):
-            stack = self.platform().layer_stack(self.model)
+            # under --enable-lora the stack adds the adapters itself (it calls no Python linear, so no
+            # LoRA hook runs), or leaves the steps with adapter tokens to the loop
+            stack = self.platform().layer_stack(self.model, self.lora)
             if stack is not None and getattr(self.vision, "bidirectional_image_attention", False):
                 # (its C attention is causal; image embeddings themselves it takes as any input)
                 logger.info("cpu layer runner (where it covers the model): steps with image tokens run the layer "
                             "loop (an image's tokens attend to each other both ways)")
-            if stack is not None and self.lora is not None:
-                # The fused stack calls no Python linear, so no LoRA hook would run: it takes only the
-                # steps without a LoRA token; the others run the layer loop.
-                ctx = self.lora.ctx
-                if torch.device(self.device).type == "cpu":
-                    logger.info("cpu layer runner: steps without LoRA tokens only (adapters are added by hooks "
-                                "on the Python linears)")
-
-                def stack_without_lora(*args, _stack=stack):
-                    return None if ctx.step is not None else _stack(*args)
-                self.model.layer_stack = stack_without_lora
-                return
             self.model.layer_stack = stack
 
     @property

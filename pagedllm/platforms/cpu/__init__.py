@@ -6,6 +6,7 @@
 - ``float_gemm.py`` (``float_gemm.cpp``), ``int8_gemm.py`` (``int8_gemm.cpp``), ``panel_gemm.h``: packed GEMMs.
 - ``attention.py`` (``paged_attention.cpp``, ``paged_attention_simd.h``): the paged-attention kernels.
 - ``layer_runner.py`` (``layer_runner.cpp``): all decoder layers of a step in one C call.
+- ``lora_ops.py`` (``lora_ops.cpp``): the batched LoRA shrink/expand the layer runner calls after each target linear.
 - ``threads.py``, ``malloc.py``: intra-op threads and glibc malloc tuning for this process.
 - ``cpu_math.h``: the vector helpers the C++ sources share.
 """
@@ -27,9 +28,9 @@ class CpuPlatform(Platform):
         malloc.keep_freed_memory()  # activations reuse freed pages (malloc.py)
 
     # ---- the fused layer stack (layer_runner.py) ----
-    def layer_stack(self, model: Any) -> Optional[Callable]:
+    def layer_stack(self, model: Any, lora: Optional[Any] = None) -> Optional[Callable]:
         """The callable the model runner sets as ``model.layer_stack`` (which the model's forward calls
         in place of its layer loop): all decoder layers of a step in one C call where the runner covers
         the model and the step, else None from the call (the loop runs). Whether it applies is decided,
-        and logged, on its first call."""
-        return layer_runner.layer_stack(model)
+        and logged, on its first call. ``lora``: the LoRA runtime (--enable-lora) whose adapters it adds."""
+        return layer_runner.layer_stack(model, lora)

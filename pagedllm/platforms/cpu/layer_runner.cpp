@@ -7,8 +7,8 @@
 // plays on a GPU.
 //
 // The kernels live in their own libraries (platforms/cpu/fused_ops.cpp, platforms/cpu/float_gemm.cpp, platforms/cpu/int8_gemm.cpp,
-// attention/paged_attention_cpu.cpp); Python hands their addresses in (RunnerKernels), so this
-// file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
+// attention/paged_attention_cpu.cpp, platforms/cpu/lora_ops.cpp: LoRA adapters after each target
+// linear); Python hands their addresses in (RunnerKernels), so this file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
 // bytes each. Plain C ABI (ctypes); the structs mirror platforms/cpu/layer_runner.py's ctypes.Structures.
 #include <chrono>
 #include <cstdint>
@@ -46,6 +46,13 @@ typedef void (*AttentionFn)(const void* q, const void* k_cache, const void* v_ca
                             int head_dim, int block_size, float scale, int window, float soft_cap,
                             int max_query_len, const float* sinks);
 
+// The batched LoRA op of one target linear (platforms/cpu/lora_ops.cpp: lora_add_*): y [m, out] (row
+// stride ldy) += each grouped token's B_s A_s x.
+typedef void (*LoRAFn)(const void* x, int64_t ldx, void* y, int64_t ldy, int64_t in, int64_t out, const void* a,
+                       const void* b, const int32_t* ranks, int64_t max_rank, int n_slices, const int64_t* slice_bounds,
+                       const int64_t* order, const int64_t* group_start, const int64_t* group_slot, int64_t num_groups,
+                       float* h);
+
 struct RunnerKernels {
   NormFn add_rms_norm;
   GemmFn gemm;
@@ -57,6 +64,7 @@ struct RunnerKernels {
   AttentionFn attention;
   GemmaNormFn gemma_rms_norm;  // Gemma only
   Int8LinearFn int8_linear;    // the int8 linears (--quantization int8)
+  LoRAFn lora_add;             // LoRA adapters (--enable-lora; null: none)
 };
 
 // The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -76,6 +84,23 @@ struct RunnerLinear {
   const void *w, *b, *wsum, *scale;
 };
 
+// One target linear's LoRA slot tables (pagedllm/lora/layers.py: LoRATarget): A [slots, S R, in], Bt
+// [slots, R, out] in the model's dtype, the rank of each slot's adapter on this target (0: untouched).
+// a null: the linear has no LoRA target.
+struct RunnerLoRA {
+  const void *a, *b;
+  const int32_t* ranks;
+};
+
+// A step's tokens grouped by adapter slot (pagedllm/lora/ops.py: LoRAStep): order [T] (the rows of the
+// flat batch that carry an adapter, in group order), group_start [G + 1], group_slot [G]; max_rank: R;
+// h: float32 scratch [T, 3 R].
+struct RunnerLoRAStep {
+  const int64_t *order, *group_start, *group_slot;
+  int64_t num_groups, max_rank;
+  float* h;
+};
+
 // One layer's linears, norm weights (q_norm, k_norm [head_dim]: null, none; pre_ff_norm,
 // post_ff_norm: Gemma's) and KV cache halves; window: its sliding window (0: none); rope: which of
 // the step's RoPE tables it takes (0 or 1).
@@ -85,6 +110,7 @@ struct RunnerLayer {
   void *k_cache, *v_cache;
   int64_t window, rope;
   float in_eps, post_eps, q_eps, k_eps, pre_ff_eps, post_ff_eps;
+  const RunnerLoRA* lora;  // [4]: the LoRA tables of qkv, o, gate_up, down (null: no adapters served)
 };
 
 // One step: N tokens. x [N, hidden]: the first layer's input; residual [N, hidden]: the residual
@@ -106,6 +132,7 @@ struct RunnerStep {
   // null, or the seconds of each phase of a layer (cpu_layer_runner.PHASES, or GEMMA_PHASES: in the
   // order of the calls below) added up over the layers: bench profile's breakdown of a runner step.
   double* timings;
+  const RunnerLoRAStep* lora;  // null: no token of this step has an adapter
 };
 
 namespace {
@@ -136,6 +163,24 @@ inline void linear(const RunnerKernels* k, const RunnerLinear& lin, const void* 
     k->gemm(x, ldx, lin.w, lin.b, y, n, static_cast<int>(m), static_cast<int>(n), static_cast<int>(kdim));
 }
 
+enum LoRATarget { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 };
+
+// y [N, out] += the LoRA term of the step's adapter tokens for target `t` of layer w (x [N, in], row
+// stride ldx; y's row stride out), as the Python path's forward hook adds it to the linear's output
+// (pagedllm/lora/layers.py); the output slices: qkv's q, k, v, gate_up's halves, else one.
+void lora_target(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s, int t,
+                 const void* x, int64_t ldx, void* y, int64_t in, int64_t out) {
+  const RunnerLoRAStep* ls = s->lora;
+  if (ls == nullptr || w.lora == nullptr || w.lora[t].a == nullptr) return;
+  const int64_t q = d->num_heads * d->head_dim, kv = d->num_kv_heads * d->head_dim, inter = d->intermediate;
+  const int64_t qkv_bounds[4] = {0, q, q + kv, q + 2 * kv}, gate_up_bounds[3] = {0, inter, 2 * inter},
+                one[2] = {0, out};
+  const int64_t* bounds = t == LORA_QKV ? qkv_bounds : t == LORA_GATE_UP ? gate_up_bounds : one;
+  const int n_slices = t == LORA_QKV ? 3 : t == LORA_GATE_UP ? 2 : 1;
+  k->lora_add(x, ldx, y, out, in, out, w.lora[t].a, w.lora[t].b, w.lora[t].ranks, ls->max_rank, n_slices, bounds,
+              ls->order, ls->group_start, ls->group_slot, ls->num_groups, ls->h);
+}
+
 // self_attn on `in` [N, hidden] -> s->x_out: qkv_proj, the q/k norms (Qwen3, Gemma 3, OLMo 2) and
 // RoPE on q and k in place, K/V into the cache, attention, o_proj. Phases 1-5.
 void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
@@ -146,6 +191,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
   char* const k_new = qkv + q_size * es;
   char* const v_new = qkv + (q_size + kv_size) * es;
   linear(k, w.qkv, in, hidden, qkv, n, qkv_cols, hidden);
+  lora_target(k, d, w, s, LORA_QKV, in, hidden, qkv, hidden, qkv_cols);
   clock.done(1);
   if (w.q_norm != nullptr && d->qk_norm_whole) {  // one row of q_size (kv_size) a token
     k->rms_norm_heads(qkv, qkv_cols, q_size, n, 1, q_size, w.q_norm, w.q_eps);
@@ -171,6 +217,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
                d->block_size, d->scale, static_cast<int>(w.window), d->soft_cap, 0, nullptr);
   clock.done(4);
   linear(k, w.o, s->attn, q_size, s->x_out, n, hidden, q_size);
+  lora_target(k, d, w, s, LORA_O, s->attn, q_size, s->x_out, q_size, hidden);
   clock.done(5);
 }
 
@@ -179,10 +226,12 @@ void mlp_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w
                PhaseClock& clock, const void* in) {
   const int64_t n = s->num_tokens, hidden = d->hidden, inter = d->intermediate;
   linear(k, w.gate_up, in, hidden, s->gate_up, n, 2 * inter, hidden);
+  lora_target(k, d, w, s, LORA_GATE_UP, in, hidden, s->gate_up, hidden, 2 * inter);
   clock.done(7);
   k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
   clock.done(8);
   linear(k, w.down, s->act, inter, s->x_out, n, hidden, inter);
+  lora_target(k, d, w, s, LORA_DOWN, s->act, inter, s->x_out, inter, hidden);
   clock.done(9);
 }
 

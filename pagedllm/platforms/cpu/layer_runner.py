@@ -19,6 +19,9 @@ panels (its ``panel_linear``); the CPU paged-attention backend over a cache in t
 int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
 KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels: 128 on a VNNI
 CPU), the Python loop runs. Why it does not apply is logged once per model.
+Under ``--enable-lora`` it adds the adapters (``attach_lora``): after each target linear the grouped
+shrink and expand of ``platforms/cpu/lora_ops.cpp`` over the step's tokens of each adapter slot, on the
+LoRA hooks' slot tables read in place (their outputs equal the hooks' within float32 summation order).
 ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 
@@ -41,6 +44,7 @@ import torch
 from pagedllm import envs
 from pagedllm.platforms.cpu import attention as attention_kernels
 from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
+from pagedllm.platforms.cpu import lora_ops as cpu_lora_ops
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 from pagedllm.platforms.layout import NORM_SLOTS, DecoderLayout
 
@@ -54,7 +58,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "rms_norm_heads", "silu_and_mul", "kv_write",
-                                        "kv_write_int8", "attention", "gemma_rms_norm", "int8_linear")]
+                                        "kv_write_int8", "attention", "gemma_rms_norm", "int8_linear", "lora_add")]
 
 
 class _Dims(ctypes.Structure):
@@ -70,10 +74,19 @@ class _Linear(ctypes.Structure):  # a float weight packed for the GEMM, or int8 
 _LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
 
 
+class _LoRA(ctypes.Structure):  # one target linear's LoRA slot tables (lora/layers.py: LoRATarget)
+    _fields_ = [("a", _p), ("b", _p), ("ranks", _p)]
+
+
+class _LoRAStep(ctypes.Structure):  # the step's tokens grouped by slot (lora/ops.py: LoRAStep)
+    _fields_ = [("order", _p), ("group_start", _p), ("group_slot", _p), ("num_groups", _i64), ("max_rank", _i64),
+                ("h", _p)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(f"{name}_norm", _p) for name in NORM_SLOTS] + [(name, _Linear) for name in _LINEAR_NAMES] + \
                [("k_cache", _p), ("v_cache", _p), ("window", _i64), ("rope", _i64)] + \
-               [(f"{name}_eps", _f32) for name in NORM_SLOTS]
+               [(f"{name}_eps", _f32) for name in NORM_SLOTS] + [("lora", _p)]
 
 
 def _linears(layer: Any) -> tuple:
@@ -112,7 +125,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("x", _p), ("residual", _p), ("x_out", _p), ("has_residual", _i64),
                 ("cos_sin", _p * 2), ("slot_mapping", _p), ("block_tables", _p), ("seq_lens", _p),
                 ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH] + \
-               [("timings", _p)]
+               [("timings", _p), ("lora", ctypes.POINTER(_LoRAStep))]
 
 
 def _build() -> ctypes.CDLL:
@@ -236,6 +249,14 @@ class CpuLayerRunner:
         self.layers: Optional[ctypes.Array] = None
         self.cache_key: tuple = ()  # (the caches' pointers, the block size) self.layers was built for
         self.held: list = []  # the tensors self.layers points into
+        # --enable-lora: the LoRA runtime whose adapters each step adds (attach_lora), the layers' target
+        # tables (4 a layer: qkv, o, gate_up, down), or why the runner leaves steps with adapter tokens
+        # to the Python loop; the steps with adapter tokens it ran
+        self.lora: Optional[Any] = None
+        self.lora_tables: Optional[ctypes.Array] = None
+        self.lora_off: str = ""
+        self.lora_held: list = []  # the tensors lora_tables points into
+        self.lora_steps_run = 0
         attn = model.layers[0].self_attn
         self.q_size = attn.num_heads * attn.head_dim
         self.kv_size = attn.num_kv_heads * attn.head_dim
@@ -327,6 +348,48 @@ class CpuLayerRunner:
         runner.max_rows = max_rows
         return runner, ""
 
+    def attach_lora(self, lora: Any) -> str:
+        """Add the adapters of ``lora`` (a ``pagedllm.lora.runtime.LoRARuntime``: its targets' slot tables,
+        read in place each step, and ``ctx.step``, the step's grouping) to the steps this runner runs.
+        Returns "" where it can, else why not (then steps with adapter tokens go to the Python loop,
+        whose forward hooks add them)."""
+        self.lora, self.lora_tables, self.layers = lora, None, None  # the layer structs point at the tables
+        addr = cpu_lora_ops.kernel_address(self.dtype)
+        if addr is None:
+            self.lora_off = f"no CPU LoRA kernel ({cpu_lora_ops._LIBRARY.error or self.dtype})"
+            return self.lora_off
+        by_module = {id(t.module): t for t in lora.targets}
+        d = self.dims
+        bounds = {"qkv": [0, self.q_size, self.q_size + self.kv_size, self.q_size + 2 * self.kv_size],
+                  "o": [0, d.hidden], "gate_up": [0, d.intermediate, 2 * d.intermediate], "down": [0, d.hidden]}
+        tables, held = (_LoRA * (4 * len(self.model.layers)))(), []
+        for i, layer in enumerate(self.model.layers):
+            for j, (name, lin) in enumerate(zip(_LINEAR_NAMES, _linears(layer))):
+                t = by_module.get(id(lin))
+                if t is None:
+                    continue  # a linear no adapter may target: null tables
+                slice_bounds = [t.out_slices[0][0]] + [off + size for off, size in t.out_slices]
+                if (t.reduce is not None or t.a.dtype != self.dtype or t.b.dtype != self.dtype or not t.a.is_cpu
+                        or not t.a.is_contiguous() or not t.b.is_contiguous() or slice_bounds != bounds[name]
+                        or t.max_rank != lora.max_rank):
+                    self.lora_off = f"the LoRA slots of {t.name} are not laid out as the runner reads them"
+                    return self.lora_off
+                tables[4 * i + j] = _LoRA(t.a.data_ptr(), t.b.data_ptr(), t.ranks_t.data_ptr())
+                held += [t.a, t.b, t.ranks_t]
+        for kernels in self.kernel_sets.values():
+            kernels.lora_add = addr
+        self.lora_tables, self.lora_held, self.lora_off = tables, held, ""
+        return ""
+
+    def _lora_step(self) -> tuple[Optional[_LoRAStep], list]:
+        """(the step's grouping for the C loop, the tensors it points into) from ``self.lora.ctx.step``."""
+        step = self.lora.ctx.step
+        order, starts, slots = cpu_lora_ops.group_tensors(step.order, step.bounds, step.slots)
+        h = torch.empty(order.numel(), 3 * self.lora.max_rank, dtype=torch.float32)
+        ls = _LoRAStep(order=order.data_ptr(), group_start=starts.data_ptr(), group_slot=slots.data_ptr(),
+                       num_groups=len(step.slots), max_rank=self.lora.max_rank, h=h.data_ptr())
+        return ls, [order, starts, slots, h]
+
     def _layer_structs(self, kv_caches: list, block_size: int) -> Optional[ctypes.Array]:
         """The layers' pointers for these KV caches of ``block_size``-token blocks (the step's
         ``meta.block_size``; rebuilt when the caches or the block size change), or None when a cache
@@ -345,7 +408,7 @@ class CpuLayerRunner:
         # A block's token rows: an int8 cache's float32 scales follow its rows, ceil(4 * block_size /
         # head_dim) rows more (kv_quant.scale_rows; the kernels find them from block_size and head_dim).
         rows = block_size + (-(-4 * block_size // d.head_dim) if cache_dtype == torch.int8 else 0)
-        for s, layer, cache in zip(structs, self.model.layers, kv_caches):
+        for index, (s, layer, cache) in enumerate(zip(structs, self.model.layers, kv_caches)):
             if (cache is None or cache.dtype != cache_dtype or not cache.is_contiguous() or cache.dim() != 5
                     or cache.shape[0] != 2 or cache.shape[2] != rows or cache.shape[-2:] != (d.num_kv_heads, d.head_dim)):
                 return None
@@ -366,6 +429,8 @@ class CpuLayerRunner:
                 held += tensors
                 setattr(s, name, _Linear(*(_ptr(t) for t in tensors)))
             s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
+            if self.lora_tables is not None:
+                s.lora = ctypes.addressof(self.lora_tables) + 4 * index * ctypes.sizeof(_LoRA)
         self.layers, self.cache_key, self.held = structs, key, held
         self.kernels = self.kernel_sets["int8" if cache_dtype == torch.int8 else "auto"]
         d.block_size = block_size
@@ -384,6 +449,9 @@ class CpuLayerRunner:
             return None
         if self.max_rows is not None and x.shape[0] > self.max_rows:
             return None  # the int8 layers leave their panels for oneDNN's GEMM in the loop
+        with_lora = self.lora is not None and self.lora.ctx.step is not None
+        if with_lora and self.lora_tables is None:
+            return None  # adapters the runner cannot add (attach_lora's reason): the loop's hooks add them
         layers = self._layer_structs(kv_caches, meta.block_size)
         if layers is None:
             return None
@@ -412,12 +480,17 @@ class CpuLayerRunner:
                      query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
         if self.timings is not None:
             step.timings = ctypes.addressof(self.timings)
+        lora_held: list = []
+        if with_lora:
+            lora_step, lora_held = self._lora_step()
+            step.lora = ctypes.pointer(lora_step)
         base, es = work.data_ptr(), work.element_size()
         for k, size in zip(_SCRATCH, sizes):
             setattr(step, k, base)
             base += size * es
         self.run_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers), ctypes.byref(step))
         self.steps_run += 1
+        self.lora_steps_run += int(with_lora)
         return x_out, (x if residual is None else residual)
 
     def timing_on(self) -> None:
@@ -432,9 +505,10 @@ class CpuLayerRunner:
 
 
 def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
-               kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+               kv_caches: list, meta: Any, lora: Optional[Any] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``model``'s decoder layers through its runner (built and checked on first use; why not,
-    logged once), or None: the caller runs its Python loop. Arguments as ``CpuLayerRunner.run``."""
+    logged once), or None: the caller runs its Python loop. Arguments as ``CpuLayerRunner.run``;
+    ``lora``: the LoRA runtime whose adapters the steps add (``CpuLayerRunner.attach_lora``), or None."""
     if not getattr(model, "use_cpu_layer_runner", True) or not x.is_cpu:
         return None
     runner = model.__dict__.get("_cpu_layer_runner")
@@ -445,12 +519,17 @@ def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], co
                     else f"off ({why})")
     if not runner:
         return None
+    if lora is not None and runner.lora is not lora:
+        why = runner.attach_lora(lora)
+        logger.info("cpu layer runner: %s", f"steps with LoRA tokens run the Python loop ({why})" if why
+                    else "LoRA adapters added inside the layer loop (platforms/cpu/lora_ops.cpp)")
     return runner.run(x, residual, cos_sin, kv_caches, meta)
 
 
-def layer_stack(model: Any) -> Callable[..., Optional[tuple[torch.Tensor, torch.Tensor]]]:
+def layer_stack(model: Any, lora: Optional[Any] = None) -> Callable[..., Optional[tuple[torch.Tensor, torch.Tensor]]]:
     """What the model runner sets as ``model.layer_stack`` on a CPU: ``(x, residual, cos_sin, kv_caches,
     meta) -> (x, residual)`` through ``model``'s runner (``run_layers``), or None where the step or the
     model is not one it covers (the model then runs its Python layer loop). The runner is built, and
-    whether it applies logged, on the first call (``model.use_cpu_layer_runner = False`` defers both)."""
-    return functools.partial(run_layers, model)
+    whether it applies logged, on the first call (``model.use_cpu_layer_runner = False`` defers both).
+    ``lora``: under --enable-lora, the LoRA runtime whose adapters the runner adds in its loop."""
+    return functools.partial(run_layers, model, lora=lora)

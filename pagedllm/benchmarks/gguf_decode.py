@@ -168,6 +168,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="alternated kernels/dequantized rounds")
+    p.add_argument("--paths", nargs="+", default=["blocks", "dequantized"], choices=["blocks", "dequantized"],
+                   help="which paths each round runs, in this order")
     p.add_argument("--output-dir", default="bench_results")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -194,7 +196,7 @@ def main(a: argparse.Namespace) -> None:
           f"({bw * 1e9 / size:.1f} tok/s)", flush=True)
     rows = []
     for r in range(a.rounds):
-        for kernels in ("1", "0"):
+        for kernels in ["1" if which == "blocks" else "0" for which in a.paths]:
             env = {**os.environ, "PAGEDLLM_CPU_GGUF_KERNELS": kernels}
             cmd = [sys.executable, "-m", "pagedllm.benchmarks.cli", "bench", "gguf-decode", "--child", "--path", path,
                    "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len)]

@@ -211,5 +211,6 @@ def main(a: argparse.Namespace) -> None:
                   f"+{res['rss_after_load_mib']:.0f} MiB, peak {res['peak_rss_mib']:.0f} MiB", flush=True)
     result = {"file": path, "shape": a.shape, "qtype": a.qtype, "file_bytes": size, "read_gb_s": bw, "rows": rows}
     name = os.path.basename(path).removesuffix(".gguf") if a.file else f"{a.shape}_{a.qtype}"
+    os.makedirs(a.output_dir, exist_ok=True)
     with open(os.path.join(a.output_dir, f"gguf_decode_{name}.json"), "w") as f:
         json.dump(result, f, indent=1)

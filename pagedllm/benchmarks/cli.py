@@ -34,6 +34,9 @@ COMMANDS = {
     "gguf-decode": ("pagedllm.benchmarks.gguf_decode",
                     "batch-1 decode of a random GGUF of a real shape: blocks on our kernels vs dequantized, "
                     "with the memory floor"),
+    "perplexity": ("pagedllm.benchmarks.perplexity",
+                   "perplexity of a text as llama.cpp's llama-perplexity computes it (windows of --ctx, second "
+                   "half scored), GGUF blocks on/off; greedy ids blocks vs dequantized"),
     "lora": ("pagedllm.benchmarks.lora", "LoRA adapters: w48 throughput with 1/4/16 adapters vs the base model; "
                                          "the batched op grouped vs bmm"),
 }

@@ -7,8 +7,13 @@ The file is written here without llama.cpp: Qwen2.5-1.5B's shape (``--shape``), 
 weight ``--qtype`` (Q4_K or Q8_0) made of random blocks with small fp16 scales (the values do not
 matter for speed), norms and q/k/v biases F32, token embedding Q4_K/Q8_0 and an untied output
 matrix Q6_K (as in a Q4_K_M file), a byte-level BPE tokenizer (``model_shapes.build_tokenizer``).
+``--qtype F16`` writes every matrix as random float16 (std 0.02): the input of llama.cpp's
+``llama-quantize``, whose output (a Q4_K_M file of llama.cpp's own mix) ``--file`` then decodes.
 
     pagedllm bench gguf-decode --qtype Q4_K --rounds 2 --tokens 32
+    pagedllm bench gguf-decode --qtype F16 --write-only      # prints the F16 file's path
+    llama-quantize bench_results/models/qwen2.5-1.5b-F16.gguf q4km.gguf Q4_K_M 2
+    pagedllm bench gguf-decode --file q4km.gguf --rounds 2 --tokens 64
 
 ``--qtype GPTQ`` writes a GPTQ int4 checkpoint of the shape instead (a Hugging Face folder: config.json
 with its ``quantization_config``, symmetric, group 128; random codes, small fp16 scales; embedding and
@@ -35,7 +40,10 @@ _BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 
 
 
 def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, cols / block * bytes] of random bytes, each fp16 scale a small random value."""
+    """uint8 [rows, cols / block * bytes] of random bytes, each fp16 scale a small random value; for
+    ``F16``, float16 [rows, cols] of normal values (std 0.02), the input of ``llama-quantize``."""
+    if qtype == "F16":
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
     elems, nbytes, halves = _BLOCK[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // elems, nbytes), dtype=np.uint8)
     for off in halves:
@@ -81,7 +89,10 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
     ones = np.ones(h, dtype=np.float32)
 
     def q(name, rows, cols, t=qtype):
-        w.add_tensor(name, random_blocks(rows, cols, t, rng), raw_dtype=gguf.GGMLQuantizationType[t])
+        if t == "F16":
+            w.add_tensor(name, random_blocks(rows, cols, t, rng))
+        else:
+            w.add_tensor(name, random_blocks(rows, cols, t, rng), raw_dtype=gguf.GGMLQuantizationType[t])
 
     q("token_embd.weight", vocab, h)
     for i in range(layers):
@@ -99,7 +110,7 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
         q(b + "ffn_up.weight", inter, h)
         q(b + "ffn_down.weight", h, inter)
     w.add_tensor("output_norm.weight", ones)
-    q("output.weight", vocab, h, "Q6_K" if h % 256 == 0 else "Q8_0")
+    q("output.weight", vocab, h, "F16" if qtype == "F16" else "Q6_K" if h % 256 == 0 else "Q8_0")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -185,7 +196,11 @@ def run_one(path: str, tokens: int, prompt_len: int) -> dict:
 
     base = _rss_mib()
     t = time.perf_counter()
-    llm = LLM(path, tokenizer=path if os.path.isdir(path) else path + ".tokenizer", max_model_len=prompt_len + tokens + 16,
+    if os.path.isdir(path):  # a GPTQ folder holds its tokenizer
+        tokenizer = path
+    else:
+        tokenizer = path + ".tokenizer" if os.path.isdir(path + ".tokenizer") else None  # else the file's own
+    llm = LLM(path, tokenizer=tokenizer, max_model_len=prompt_len + tokens + 16,
               kv_cache_memory=64 << 20, max_num_seqs=1)
     load_s = time.perf_counter() - t
     loaded = _rss_mib()
@@ -202,11 +217,17 @@ def run_one(path: str, tokens: int, prompt_len: int) -> dict:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
-    p.add_argument("--qtype", default="Q4_K", choices=["Q4_K", "Q8_0", "GPTQ"],
-                   help="GGUF type of the linear weights, or GPTQ: an int4 GPTQ checkpoint folder")
+    p.add_argument("--qtype", default="Q4_K", choices=["Q4_K", "Q8_0", "F16", "GPTQ"],
+                   help="type of the written file's matrices (F16: the input of llama-quantize), or GPTQ: "
+                        "an int4 GPTQ checkpoint folder")
+    p.add_argument("--file", default=None, help="decode this GGUF file instead of writing one (e.g. "
+                                                "llama-quantize's output)")
+    p.add_argument("--write-only", action="store_true", help="write the file, print its path and stop")
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="alternated kernels/dequantized rounds")
+    p.add_argument("--paths", nargs="+", default=["blocks", "dequantized"], choices=["blocks", "dequantized"],
+                   help="which paths each round runs, in this order")
     p.add_argument("--output-dir", default="bench_results")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -217,19 +238,26 @@ def main(a: argparse.Namespace) -> None:
     if a.child:
         print("RESULT " + json.dumps(run_one(a.path, a.tokens, a.prompt_len)), flush=True)
         return
-    os.makedirs(os.path.join(a.output_dir, "models"), exist_ok=True)
-    if a.qtype == "GPTQ":
-        path = write_gptq(os.path.join(a.output_dir, "models", f"{a.shape}-GPTQ"), a.shape)
-        size = os.path.getsize(os.path.join(path, "model.safetensors"))
+    if a.file is not None:
+        if not os.path.isfile(a.file):
+            raise SystemExit(f"pagedllm bench gguf-decode: error: no GGUF file at {a.file!r}")
+        path = a.file
     else:
-        path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
-        size = os.path.getsize(path)
+        os.makedirs(os.path.join(a.output_dir, "models"), exist_ok=True)
+        if a.qtype == "GPTQ":
+            path = write_gptq(os.path.join(a.output_dir, "models", f"{a.shape}-GPTQ"), a.shape)
+        else:
+            path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
+        if a.write_only:
+            print(path)
+            return
+    size = os.path.getsize(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path)
     bw = read_bandwidth()
     print(f"file {size / 2**20:.1f} MiB; read bandwidth {bw:.1f} GB/s; floor {size / bw / 1e6:.1f} ms a token "
           f"({bw * 1e9 / size:.1f} tok/s)", flush=True)
     rows = []
     for r in range(a.rounds):
-        for kernels in ("1", "0"):
+        for kernels in ["1" if which == "blocks" else "0" for which in a.paths]:
             env = {**os.environ, "PAGEDLLM_CPU_GGUF_KERNELS": kernels}
             cmd = [sys.executable, "-m", "pagedllm.benchmarks.cli", "bench", "gguf-decode", "--child", "--path", path,
                    "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len)]
@@ -242,6 +270,8 @@ def main(a: argparse.Namespace) -> None:
             print(f"round {r} {'blocks+kernels' if res['kernels'] else 'dequantized  '}: {res['tok_s']:.2f} tok/s "
                   f"({res['ms_per_token']:.1f} ms) | load {res['load_s']:.1f} s | RSS after load "
                   f"+{res['rss_after_load_mib']:.0f} MiB, peak {res['peak_rss_mib']:.0f} MiB", flush=True)
-    result = {"shape": a.shape, "qtype": a.qtype, "file_bytes": size, "read_gb_s": bw, "rows": rows}
-    with open(os.path.join(a.output_dir, f"gguf_decode_{a.shape}_{a.qtype}.json"), "w") as f:
+    result = {"file": path, "shape": a.shape, "qtype": a.qtype, "file_bytes": size, "read_gb_s": bw, "rows": rows}
+    name = os.path.basename(path).removesuffix(".gguf") if a.file else f"{a.shape}_{a.qtype}"
+    os.makedirs(a.output_dir, exist_ok=True)
+    with open(os.path.join(a.output_dir, f"gguf_decode_{name}.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.benchmarks.common import run_metadata, summarize, write_result
+from pagedllm.benchmarks.perplexity import token_nlls
 from pagedllm.engine.arg_utils import resolve_model_path
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization import QUANTIZATION_METHODS, Int8Config, process_weights_after_loading
@@ -115,14 +116,9 @@ def heldout_windows(tokenizer, path: str, fraction: float, window: int, min_toke
 
 
 def perplexity(llm, windows: list[list[int]]) -> tuple[float, int]:
-    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], sp, use_tqdm=False)
-    nll, count = 0.0, 0
-    for w, out in zip(windows, outs):
-        for pos in range(1, len(w)):
-            nll -= out.prompt_logprobs[pos][w[pos]].logprob
-            count += 1
-    return math.exp(nll / count), count
+    """(perplexity, scored tokens) of every token but the first of each window."""
+    nlls = token_nlls(llm, windows)
+    return math.exp(sum(nlls) / len(nlls)), len(nlls)
 
 
 def greedy_outputs(llm, n: int) -> list[list[int]]:

@@ -37,6 +37,7 @@ import os
 from typing import Optional
 
 from pagedllm.benchmarks.common import run_metadata, write_result
+from pagedllm.benchmarks.greedy import first_difference, greedy_outputs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -113,7 +114,7 @@ def _load(a: argparse.Namespace, blocks: str, kernels_env: Optional[str]):
     """LLM of ``a.model`` with the GGUF blocks path ``blocks`` (auto keeps the caller's
     ``PAGEDLLM_CPU_GGUF_KERNELS``, ``kernels_env``)."""
     from pagedllm.llm import LLM  # lazily: the engine
-    from pagedllm.models import loader
+    from pagedllm.models import loader  # lazily: the engine
 
     if blocks != "auto":
         os.environ["PAGEDLLM_CPU_GGUF_KERNELS"] = "0" if blocks == "off" else "1"
@@ -155,7 +156,6 @@ def run(a: argparse.Namespace) -> dict:
         raise SystemExit(f"pagedllm bench perplexity: error: no text file at {a.text!r}")
     if a.ctx < 4:
         raise SystemExit(f"pagedllm bench perplexity: error: --ctx must be at least 4, got {a.ctx}")
-    from pagedllm.benchmarks.quantization import first_difference, greedy_outputs  # lazily: torch ops
 
     with open(a.text) as f:
         text = f.read()

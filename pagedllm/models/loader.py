@@ -156,11 +156,11 @@ def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
 
 def _block_weights(hf_config: Any):
     """Which checkpoint names may stay in GGUF blocks: the linear layers' weights (not a MoE's
-    experts, whose stacked loaders take floats), and an untied LM head's (a tied one is the
-    embedding's table, which the lookup reads as floats)."""
+    experts, whose stacked loaders take floats), an untied LM head's, and the token embedding's
+    (``VocabParallelEmbedding`` dequantizes the looked-up rows; a head tied to it multiplies its blocks)."""
     tied = getattr(hf_config, "tie_word_embeddings", False)
     return lambda name: ((_LINEAR_WEIGHT.search(name) is not None and ".experts." not in name)
-                         or (name == "lm_head.weight" and not tied))
+                         or (name == "lm_head.weight" and not tied) or name.endswith("embed_tokens.weight"))
 
 
 def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, how: str) -> str:
@@ -171,16 +171,34 @@ def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, 
     for t in types:
         kept, deq = stats.get((t, "blocks"), 0), stats.get((t, "dequantized"), 0)
         if kept:
-            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (the embedding, or not a linear's weight)"
-                                                     if deq else ""))
+            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (not a matrix of a linear layer or the "
+                                                     f"embedding)" if deq else ""))
         else:
             why = ("no kernel" if t not in blocks and t not in ("F32", "F16", "BF16") else "float") if blocks else how
             parts.append(f"{t}: {deq} dequantized ({why})")
     mixed = [m for m in model.modules() if getattr(m, "gguf_types", None) and getattr(m, "gguf_bytes", None) is None]
     kept, floats = resident_bytes(model)
-    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "")
+    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "") + describe_head(model)
             + (f" | {len(mixed)} layers dequantized (rows of types without a kernel)" if mixed else "")
             + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
+
+
+def describe_head(model: torch.nn.Module) -> str:
+    """" | LM head: ..." for the start-up line: where the LM head's and the embedding's weights are
+    (blocks of which type, tied or not, or float), empty for a model without a head."""
+    head = next((m for m in model.modules() if getattr(m, "is_lm_head", False)), None)
+    if head is None:
+        return ""
+    if getattr(head, "gguf_segments", None) is not None:
+        where = "/".join(sorted(head.gguf_types)) + " blocks" + (" (tied: the embedding's)"
+                                                                 if getattr(head, "gguf_tied", False) else "")
+    else:
+        where = "float"
+    emb = next((m for m in model.modules() if hasattr(m, "vocab_start") and not getattr(m, "is_lm_head", False)), None)
+    blocks = getattr(emb, "gguf_embedding", None)
+    if emb is not None and not getattr(head, "gguf_tied", False):
+        where += f"; embedding: {blocks.type_name + ' blocks' if blocks is not None else 'float'}"
+    return " | LM head: " + where
 
 
 def resident_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -205,7 +223,7 @@ def describe_int4_paths(model: torch.nn.Module, fmt: Any, stats: dict, how: str)
     return (f"int4 checkpoint ({fmt.describe()}): linear weights " + ("; ".join(parts) or "none")
             + (f" | kernels: {how}" if kept else "")
             + (f" | {len(mixed)} fused layers dequantized (parts quantized in different act orders)" if mixed else "")
-            + f" | resident {kept / 2**20:.1f} MiB in blocks + {floats / 2**20:.1f} MiB float")
+            + describe_head(model) + f" | resident {kept / 2**20:.1f} MiB in blocks + {floats / 2**20:.1f} MiB float")
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

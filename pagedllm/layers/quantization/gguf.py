@@ -21,6 +21,10 @@ column of each block column: the layer keeps it as ``gguf_perm`` and gathers its
 before the GEMM. All parts of a fused layer must share it (GPTQ's q/k/v, or gate/up, see one input, so
 one Hessian order); a part with another one is dequantized, and with it the whole layer.
 
+The token embedding of a GGUF file may stay in blocks too (``keep_embedding_blocks``): its lookup
+dequantizes the looked-up rows only (``embed_rows``), and where the LM head is tied to it the head
+multiplies the same blocks (``tied_head_blocks``; one copy, counted once).
+
 One tensor-parallel rank only: with more, the loader dequantizes (rows of blocks cannot be cut
 along k, which row-parallel layers need).
 """
@@ -111,6 +115,50 @@ def dequantize_blocks(raw: Any, type_id: int) -> torch.Tensor:
         return q4_repack.dequantize_q4(raw, type_id)
     from gguf import GGMLQuantizationType, quants  # lazily: gguf, only for a layer with rows of mixed types
     return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(type_id)))
+
+
+def keep_embedding_blocks(embedding: nn.Module, loaded: Any) -> None:
+    """A ``VocabParallelEmbedding``'s loader given the whole table in blocks (one rank): keep them as
+    ``embedding.gguf_embedding`` and release the float table (its parameter becomes empty; a tied
+    LM head shares that parameter and finds the blocks on it as ``gguf_blocks``)."""
+    param = embedding.weight
+    embedding.gguf_embedding = loaded
+    embedding.embed_dtype = param.dtype
+    embedding.gguf_bytes = embedding.packed_bytes = int(loaded.raw.nbytes)
+    param.gguf_blocks = loaded
+    param.data = torch.empty(0, param.shape[1], dtype=param.dtype, device=param.device)
+
+
+def embed_rows(blocks: Any, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [*ids.shape, cols]: the rows ``ids`` (int64, any shape) of a table in blocks,
+    dequantized (``dequantize_blocks``: ggml's formulas), the others untouched."""
+    flat = ids.reshape(-1)
+    raw = blocks.raw
+    rows = raw.index_select(0, flat.cpu()) if isinstance(raw, torch.Tensor) else raw[flat.cpu().numpy()]
+    out = dequantize_blocks(rows, blocks.ggml_type) if len(flat) else torch.empty(0, blocks.cols)
+    return out.to(ids.device).view(*ids.shape, blocks.cols)
+
+
+def tied_head_blocks(head: nn.Module, keep_blocks: bool) -> bool:
+    """After loading: an LM head tied to an embedding kept in blocks (its weight carries
+    ``gguf_blocks``) multiplies those blocks with ``GGUFLinearMethod`` (when ``keep_blocks``: the
+    head's method is the float one); otherwise the table is dequantized into the shared weight.
+    Returns whether the head is on the blocks."""
+    w = head.weight
+    blocks = w.gguf_blocks
+    if not keep_blocks:
+        w.data = dequantize_blocks(blocks.raw, blocks.ggml_type).to(w.dtype)
+        return False
+    head.gguf_perm = None
+    head.gguf_out_features = blocks.raw.shape[0]
+    del head.weight
+    head.weight = None
+    head.gguf_segments = [(0, blocks.ggml_type, blocks.raw)]
+    head.gguf_types = {blocks.type_name}
+    head.gguf_bytes = head.packed_bytes = 0  # the embedding's blocks, counted there
+    head.gguf_tied = True
+    head.quant_method = GGUFLinearMethod()
+    return True
 
 
 class GGUFLinearMethod(LinearMethodBase):

@@ -7,6 +7,7 @@ The file is written here without llama.cpp: Qwen2.5-1.5B's shape (``--shape``), 
 weight ``--qtype`` (Q4_K or Q8_0) made of random blocks with small fp16 scales (the values do not
 matter for speed), norms and q/k/v biases F32, token embedding Q4_K/Q8_0 and an untied output
 matrix Q6_K (as in a Q4_K_M file), a byte-level BPE tokenizer (``model_shapes.build_tokenizer``).
+``--tied``: no output matrix, the head tied to a Q6_K token embedding (a tied model's Q4_K_M, as Qwen2.5-1.5B's).
 
     pagedllm bench gguf-decode --qtype Q4_K --rounds 2 --tokens 32
 
@@ -44,8 +45,9 @@ def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) ->
     return raw.reshape(rows, -1)
 
 
-def write_gguf(path: str, shape: str, qtype: str) -> str:
-    """Write the random-weight ``shape`` model with ``qtype`` linear weights to ``path`` (once)."""
+def write_gguf(path: str, shape: str, qtype: str, tied: bool = False) -> str:
+    """Write the random-weight ``shape`` model with ``qtype`` linear weights to ``path`` (once);
+    ``tied``: no output matrix and a Q6_K token embedding (llama-quantize's Q4_K_M of a tied model)."""
     import gguf  # lazily: gguf, only to write the file
 
     if os.path.exists(path):
@@ -83,7 +85,7 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
     def q(name, rows, cols, t=qtype):
         w.add_tensor(name, random_blocks(rows, cols, t, rng), raw_dtype=gguf.GGMLQuantizationType[t])
 
-    q("token_embd.weight", vocab, h)
+    q("token_embd.weight", vocab, h, "Q6_K" if tied and h % 256 == 0 else qtype)
     for i in range(layers):
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", ones)
@@ -99,7 +101,8 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
         q(b + "ffn_up.weight", inter, h)
         q(b + "ffn_down.weight", h, inter)
     w.add_tensor("output_norm.weight", ones)
-    q("output.weight", vocab, h, "Q6_K" if h % 256 == 0 else "Q8_0")
+    if not tied:
+        q("output.weight", vocab, h, "Q6_K" if h % 256 == 0 else "Q8_0")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -207,6 +210,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="alternated kernels/dequantized rounds")
+    p.add_argument("--tied", action="store_true",
+                   help="GGUF: no output matrix, the LM head tied to a Q6_K token embedding (as a tied model's Q4_K_M)")
     p.add_argument("--output-dir", default="bench_results")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -222,7 +227,9 @@ def main(a: argparse.Namespace) -> None:
         path = write_gptq(os.path.join(a.output_dir, "models", f"{a.shape}-GPTQ"), a.shape)
         size = os.path.getsize(os.path.join(path, "model.safetensors"))
     else:
-        path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
+        tag = "-tied" if a.tied else ""
+        path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}{tag}.gguf"), a.shape, a.qtype,
+                          a.tied)
         size = os.path.getsize(path)
     bw = read_bandwidth()
     print(f"file {size / 2**20:.1f} MiB; read bandwidth {bw:.1f} GB/s; floor {size / bw / 1e6:.1f} ms a token "

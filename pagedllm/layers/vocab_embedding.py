@@ -52,7 +52,9 @@ class VocabParallelEmbedding(nn.Module):
         if blocks is not None:
             return gguf_blocks.embed_rows(blocks, input_ids).to(self.embed_dtype)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            out = F.embedding(input_ids, self.weight)
+            dtype = getattr(self, "embed_dtype", None)  # a table kept narrower (gguf.requantize_tied_head)
+            return out if dtype is None else out.to(dtype)
         mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(mask, 0)
         out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0.0)

@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
+from pagedllm.layers.quantization import gguf as gguf_layers
 from pagedllm.layers.quantization.int4_formats import INT4_METHODS, int4_format, int4_weights
 from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
@@ -189,6 +190,10 @@ def describe_head(model: torch.nn.Module) -> str:
     head = next((m for m in model.modules() if getattr(m, "is_lm_head", False)), None)
     if head is None:
         return ""
+    requantized = getattr(head, "gguf_requantized", None)
+    if requantized:
+        return (f" | LM head: Q8_0 blocks (requantized from the tied embedding, whose lookup reads "
+                f"its {requantized} table)")
     if getattr(head, "gguf_segments", None) is not None:
         where = "/".join(sorted(head.gguf_types)) + " blocks" + (" (tied: the embedding's)"
                                                                  if getattr(head, "gguf_tied", False) else "")
@@ -315,6 +320,9 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
     # (no SmoothQuant under LoRA: the adapters' A see the unsmoothed activations; config.ModelConfig)
     smoothing = None if model_config.lora_enabled else smooth_for_quantization(model, quant_config,
                                                                                 model_config.tokenizer)
+    if int4 is not None and blocks and getattr(hf_config, "tie_word_embeddings", False):
+        # the tied float head would be most of the bytes a decode step reads: Q8_0 blocks instead
+        gguf_layers.requantize_tied_head(model)
     report = process_weights_after_loading(model, quant_config)
     if model_config.load_format != "dummy" and is_gguf_file(model_config.model) and get_tp_rank() == 0:
         logger.info("%s", describe_gguf_paths(model, gguf_stats, blocks, why_not))

@@ -161,6 +161,51 @@ def tied_head_blocks(head: nn.Module, keep_blocks: bool) -> bool:
     return True
 
 
+def q8_0_blocks(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+    """uint8 [N, K / 32 * 34]: float ``w`` [N, K] (K a multiple of 32) in ggml Q8_0 blocks, by
+    ggml's ``quantize_row_q8_0_ref``: d = max |x| / 127 per block of 32 (stored float16), q =
+    round-half-away(x / d). Each weight moves by at most d / 2 (plus d's float16 rounding times |q|)."""
+    n, k = w.shape
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    for r in range(0, n, rows_at_once):
+        x = w[r:r + rows_at_once].float().view(-1, k // 32, 32)
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.trunc(x * inv + 0.5 * torch.sign(x)).to(torch.int8)
+        out[r:r + rows_at_once, :, :2] = d.to(torch.float16).view(torch.uint8)
+        out[r:r + rows_at_once, :, 2:] = q.view(torch.uint8)
+    return out.view(n, -1)
+
+
+def requantize_tied_head(model: nn.Module) -> bool:
+    """An int4 checkpoint on the kernels whose LM head is tied to its float embedding: the head
+    multiplies Q8_0 blocks of the table (``q8_0_blocks``; 8.5 bits a weight, read at 1/4 of float32's
+    bytes) and the lookup reads the table in the narrowest float dtype that holds it exactly (the
+    checkpoint's float16 or bfloat16: the embeddings are unchanged). Returns False (nothing done) for
+    a model without both on this rank, or a width not a multiple of 32."""
+    head = next((m for m in model.modules() if getattr(m, "is_lm_head", False)), None)
+    w = getattr(head, "weight", None)
+    emb = next((m for m in model.modules() if m is not head and getattr(m, "weight", None) is w
+                and hasattr(m, "vocab_start")), None) if w is not None else None
+    if emb is None or getattr(head, "tp_size", 1) != 1 or w.shape[1] % 32 or not w.numel():
+        return False
+    table = next((w.data.to(dt) for dt in (torch.float16, torch.bfloat16) if torch.equal(w.data.to(dt).to(w.dtype), w.data)),
+                 w.data)
+    raw = q8_0_blocks(w.data)
+    emb.embed_dtype = w.dtype
+    emb.weight = nn.Parameter(table, requires_grad=False)
+    head.gguf_perm = None
+    head.gguf_out_features = raw.shape[0]
+    del head.weight
+    head.weight = None
+    head.gguf_segments = [(0, 8, raw)]
+    head.gguf_types = {"Q8_0"}
+    head.gguf_bytes = head.packed_bytes = raw.numel()
+    head.gguf_requantized = str(table.dtype).replace("torch.", "")
+    head.quant_method = GGUFLinearMethod()
+    return True
+
+
 class GGUFLinearMethod(LinearMethodBase):
     """``y = x W^T (+ b)`` with W in the layer's ``gguf_segments`` (``finish_blocks`` sets it; the
     layer's float ``create_weights`` ran at construction, as for any GGUF file)."""

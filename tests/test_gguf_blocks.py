@@ -40,6 +40,21 @@ def _k_quant(a: np.ndarray, qtype) -> np.ndarray:
     return raw.reshape(a.shape[0], -1)
 
 
+def _write_with_k_quants(hf_dir: str, path: str, quant_types) -> dict:
+    """``write_llama_gguf`` with the K types' blocks made by ``_k_quant`` (gguf.quants cannot quantize them)."""
+    real = gguf.quants.quantize
+
+    def quantize(a, qtype):
+        return _k_quant(a, qtype) if qtype.name in _BLOCK else real(a, qtype)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf.quants, "quantize", quantize)
+    try:
+        return write_llama_gguf(hf_dir, path, quant_types=quant_types)
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(autouse=True)
 def _blocks_at_any_size(monkeypatch):
     """The tiny files are far under the size from which the loader keeps blocks by default."""
@@ -52,17 +67,7 @@ def block_gguf(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_blocks")
     hf_dir = build_checkpoint(str(root / "hf"), "llama", seed=11, hidden_size=256, intermediate_size=512)
     path = str(root / "tiny-kquants.gguf")
-    real = gguf.quants.quantize
-
-    def quantize(a, qtype):
-        return _k_quant(a, qtype) if qtype.name in _BLOCK else real(a, qtype)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gguf.quants, "quantize", quantize)
-    try:
-        types = write_llama_gguf(hf_dir, path, quant_types=TYPES)
-    finally:
-        mp.undo()
+    types = _write_with_k_quants(hf_dir, path, TYPES)
     assert {"Q4_K", "Q5_K", "Q6_K", "Q8_0"} <= set(types.values())
     return path
 
@@ -158,17 +163,7 @@ def tied_gguf(tmp_path_factory):
     hf_dir = build_checkpoint(str(root / "hf"), "llama", seed=12, hidden_size=256, intermediate_size=512,
                               tie_word_embeddings=True)
     path = str(root / "tiny-tied.gguf")
-    real = gguf.quants.quantize
-
-    def quantize(a, qtype):
-        return _k_quant(a, qtype) if qtype.name in _BLOCK else real(a, qtype)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gguf.quants, "quantize", quantize)
-    try:
-        types = write_llama_gguf(hf_dir, path, quant_types=TYPES[1:] + TYPES[:1])
-    finally:
-        mp.undo()
+    types = _write_with_k_quants(hf_dir, path, TYPES[1:] + TYPES[:1])
     assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
     return path
 

@@ -210,14 +210,7 @@ def test_int4_checkpoint_equals_transformers(tmp_path, monkeypatch, arch, method
     del llm
 
     # the kernel path: the Q4 blocks on the GGUF kernels
-    kinds, _ = ops.gguf_kernel_types()
-    if not {"Q4_0", "Q4_1"} <= kinds:
-        pytest.skip("no Q4 kernels on this platform")
-    from pagedllm.models import loader
-    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
-    with pagedllm_logs() as records:
-        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
-    line = next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
+    llm, line = _on_kernels(qdir, monkeypatch, {"Q4_0", "Q4_1"})
     want_type = "Q4_0" if sym else "Q4_1"
     assert f"14 {want_type} in blocks" in line and "MiB in blocks" in line, line
     layers = _block_layers(llm)
@@ -228,6 +221,18 @@ def test_int4_checkpoint_equals_transformers(tmp_path, monkeypatch, arch, method
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_pool_empty(llm)
     assert greedy_up_to_near_ties(hf, prompts, [o.outputs[0].token_ids for o in outs]) >= 12
+
+
+def _on_kernels(qdir: str, monkeypatch, types: set):
+    """(LLM of ``qdir`` on the kernel path (the size threshold set to 0), its ``int4 checkpoint``
+    start-up line); skips where the platform lacks kernels of ``types``."""
+    if not types <= ops.gguf_kernel_types()[0]:
+        pytest.skip(f"no {sorted(types)} kernels on this platform")
+    from pagedllm.models import loader
+    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
+    with pagedllm_logs() as records:
+        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    return llm, next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
 
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
@@ -446,14 +451,7 @@ def test_int4_tied_head_requantized_to_q8_0(tmp_path, monkeypatch):
         [hf_greedy(hf, p, 8)[0] for p in prompts]
     assert not _block_layers(llm)
     del llm
-    kinds, _ = ops.gguf_kernel_types()
-    if not {"Q4_0", "Q8_0"} <= kinds:
-        pytest.skip("no Q4/Q8 kernels on this platform")
-    from pagedllm.models import loader
-    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
-    with pagedllm_logs() as records:
-        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
-    line = next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
+    llm, line = _on_kernels(qdir, monkeypatch, {"Q4_0", "Q8_0"})
     assert "LM head: Q8_0 blocks (requantized from the tied embedding, whose lookup reads its float16 table)" in line
     model = llm.llm_engine.executor.runner.model
     head, emb = model.lm_head, model.embed_tokens

@@ -32,7 +32,11 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = self.padded_vocab // self.tp_size
         self.vocab_start = self.tp_rank * self.shard
         self.vocab_end = min(self.vocab_start + self.shard, vocab_size)
-        self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
+        # empty, not zeros: pages never written stay unmapped (a table kept in GGUF blocks, or a tied
+        # head's own table, replaced before loading, would otherwise be resident at start-up); the
+        # padding rows past the vocabulary are zeroed
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.data[max(0, self.vocab_end - self.vocab_start):].zero_()
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:

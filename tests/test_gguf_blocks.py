@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_pool_empty, build_checkpoint, greedy_up_to_near_ties
+from conftest import assert_pool_empty, build_checkpoint, greedy_up_to_near_ties, pagedllm_logs
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import resident_bytes
 from pagedllm.platforms import ops
@@ -180,15 +180,14 @@ def _assert_within_int8_bound(m, x: torch.Tensor) -> None:
     assert torch.all((y - ref).abs() <= tol + 1e-6), m.prefix
 
 
-def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch, capfd):
+def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch):
     """A tied Q6_K embedding stays in the file's blocks: the lookup dequantizes the looked-up rows
     (equal to ggml's dequantization), the LM head multiplies the same blocks (logits within the
     int8-activation bound of x @ W^T, decode and prefill shapes), no float table is resident, the
     start-up line says so, and greedy ids are within near-ties of transformers; with the kernels off
     the ids equal transformers'."""
-    capfd.readouterr()
-    llm = LLM(tied_gguf, kv_cache_memory=2 << 20, max_model_len=256)
-    log = capfd.readouterr().err
+    with pagedllm_logs() as records:
+        llm = LLM(tied_gguf, kv_cache_memory=2 << 20, max_model_len=256)
     model = llm.llm_engine.executor.runner.model
     emb, head = model.embed_tokens, model.lm_head
     assert emb.gguf_embedding.type_name == "Q6_K" and emb.weight.numel() == 0
@@ -199,7 +198,7 @@ def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch, capfd):
     torch.manual_seed(0)
     for rows in (1, 7):  # decode and prefill shapes
         _assert_within_int8_bound(head, torch.randn(rows, table.shape[1]))
-    line = next(ln for ln in log.splitlines() if "GGUF weights" in ln)
+    line = next(r.getMessage() for r in records if r.getMessage().startswith("GGUF weights"))
     assert "LM head: Q6_K blocks (tied: the embedding's)" in line, line
     kept, floats = resident_bytes(model)
     assert kept >= emb.gguf_embedding.raw.nbytes and floats < table.numel() * 4

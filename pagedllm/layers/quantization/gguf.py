@@ -177,6 +177,12 @@ def q8_0_blocks(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
     return out.view(n, -1)
 
 
+def _holds_exactly(w: torch.Tensor, dtype: torch.dtype, rows_at_once: int = 4096) -> bool:
+    """Whether every value of ``w`` is a ``dtype`` value (checked a slice of rows at a time: no full-size copy)."""
+    return all(torch.equal(w[r:r + rows_at_once].to(dtype).to(w.dtype), w[r:r + rows_at_once])
+               for r in range(0, w.shape[0], rows_at_once))
+
+
 def requantize_tied_head(model: nn.Module) -> bool:
     """An int4 checkpoint on the kernels whose LM head is tied to its float embedding: the head
     multiplies Q8_0 blocks of the table (``q8_0_blocks``; 8.5 bits a weight, read at 1/4 of float32's
@@ -189,9 +195,9 @@ def requantize_tied_head(model: nn.Module) -> bool:
                 and hasattr(m, "vocab_start")), None) if w is not None else None
     if emb is None or getattr(head, "tp_size", 1) != 1 or w.shape[1] % 32 or not w.numel():
         return False
-    table = next((w.data.to(dt) for dt in (torch.float16, torch.bfloat16) if torch.equal(w.data.to(dt).to(w.dtype), w.data)),
-                 w.data)
     raw = q8_0_blocks(w.data)
+    dt = next((dt for dt in (torch.float16, torch.bfloat16) if _holds_exactly(w.data, dt)), w.dtype)
+    table = w.data.to(dt)
     emb.embed_dtype = w.dtype
     emb.weight = nn.Parameter(table, requires_grad=False)
     head.gguf_perm = None

@@ -262,8 +262,10 @@ def _smollm2_prompts(tok):
 
 # How far below transformers' best logit the GGUF kernels' greedy choice may be (teacher-forced on
 # our ids). SmolLM2's logits have a std of 3.3-4 over the vocabulary; the 8-bit activations (llama.cpp's
-# Q8_1 scheme for Q4_1 weights) turned two near-ties: 0.08 and 0.11 below the best (measured).
-SMOLLM2_NEAR_TIE = 0.25
+# Q8_1 scheme for Q4_1 weights) turned two near-ties: 0.08 and 0.11 below the best (measured); with the
+# tied LM head on the embedding's blocks too (its logits then carry the 8-bit activations' error as
+# well, as llama.cpp's do), a third: 0.28 below (the 16th token of a prompt; measured).
+SMOLLM2_NEAR_TIE = 0.35
 
 
 @needs_smollm2
@@ -275,7 +277,9 @@ def test_smollm2_gguf_kernels_near_transformers(monkeypatch):
     monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)  # SmolLM2 is under it by default
     llm = LLM(SMOLLM2, max_model_len=512, kv_cache_memory=64 << 20, max_num_seqs=8)
     model = llm.llm_engine.executor.runner.model
-    assert sum(getattr(m, "gguf_segments", None) is not None for m in model.modules()) == 30 * 4
+    # 4 block layers a decoder layer, and the tied LM head on the embedding's blocks
+    assert sum(getattr(m, "gguf_segments", None) is not None for m in model.modules()) == 30 * 4 + 1
+    assert model.lm_head.gguf_tied and model.embed_tokens.gguf_embedding is not None
     ids = _smollm2_prompts(llm.get_tokenizer())
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=16),
                         use_tqdm=False)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_pool_empty, build_checkpoint, greedy_up_to_near_ties
+from conftest import assert_pool_empty, build_checkpoint, greedy_up_to_near_ties, pagedllm_logs
 from pagedllm import LLM, SamplingParams
+from pagedllm.models.loader import resident_bytes
 from pagedllm.platforms import ops
 from pagedllm.platforms.cpu import gguf_gemm
 from test_correctness import hf_greedy, make_prompts
@@ -39,6 +40,21 @@ def _k_quant(a: np.ndarray, qtype) -> np.ndarray:
     return raw.reshape(a.shape[0], -1)
 
 
+def _write_with_k_quants(hf_dir: str, path: str, quant_types) -> dict:
+    """``write_llama_gguf`` with the K types' blocks made by ``_k_quant`` (gguf.quants cannot quantize them)."""
+    real = gguf.quants.quantize
+
+    def quantize(a, qtype):
+        return _k_quant(a, qtype) if qtype.name in _BLOCK else real(a, qtype)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf.quants, "quantize", quantize)
+    try:
+        return write_llama_gguf(hf_dir, path, quant_types=quant_types)
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(autouse=True)
 def _blocks_at_any_size(monkeypatch):
     """The tiny files are far under the size from which the loader keeps blocks by default."""
@@ -51,17 +67,7 @@ def block_gguf(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_blocks")
     hf_dir = build_checkpoint(str(root / "hf"), "llama", seed=11, hidden_size=256, intermediate_size=512)
     path = str(root / "tiny-kquants.gguf")
-    real = gguf.quants.quantize
-
-    def quantize(a, qtype):
-        return _k_quant(a, qtype) if qtype.name in _BLOCK else real(a, qtype)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gguf.quants, "quantize", quantize)
-    try:
-        types = write_llama_gguf(hf_dir, path, quant_types=TYPES)
-    finally:
-        mp.undo()
+    types = _write_with_k_quants(hf_dir, path, TYPES)
     assert {"Q4_K", "Q5_K", "Q6_K", "Q8_0"} <= set(types.values())
     return path
 
@@ -119,14 +125,7 @@ def test_block_linear_close_to_float(block_gguf):
     for m in _layers(llm):
         _, first_type, first_raw = m.gguf_segments[0]
         _, elems, nbytes = gguf_gemm.TYPES[first_type]
-        x = torch.randn(5, first_raw.shape[1] // nbytes * elems)
-        y = (m.compute_logits(x) if getattr(m, "is_lm_head", False) else m(x)).double()
-        w = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)))
-                       for _, t, raw in m.gguf_segments]).double()
-        ref = x.double() @ w.t()
-        d = x.double().abs().view(5, -1, 32).amax(-1) / 127
-        tol = (d / 2) @ w.abs().view(w.shape[0], -1, 32).sum(-1).t() * (1 + 1e-5) + 1e-5 * x.double().abs() @ w.abs().t()
-        assert torch.all((y - ref).abs() <= tol + 1e-6), m.prefix
+        _assert_within_int8_bound(m, torch.randn(5, first_raw.shape[1] // nbytes * elems))
 
 
 def test_mixed_rows_fall_back_to_float(block_gguf, monkeypatch):
@@ -153,4 +152,66 @@ def test_mixed_rows_fall_back_to_float(block_gguf, monkeypatch):
     assert fell_back >= 1 and kept >= 1
     out = llm.generate(make_prompts(llm.llm_engine.vocab_size, [5], seed=2), GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+    assert_pool_empty(llm)
+
+
+@pytest.fixture(scope="module")
+def tied_gguf(tmp_path_factory):
+    """A tiny Llama with a tied LM head: the file has no output matrix and a Q6_K token embedding
+    (what llama-quantize gives a tied model's Q4_K_M), the rest as ``block_gguf``."""
+    root = tmp_path_factory.mktemp("gguf_tied")
+    hf_dir = build_checkpoint(str(root / "hf"), "llama", seed=12, hidden_size=256, intermediate_size=512,
+                              tie_word_embeddings=True)
+    path = str(root / "tiny-tied.gguf")
+    types = _write_with_k_quants(hf_dir, path, TYPES[1:] + TYPES[:1])
+    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
+    return path
+
+
+def _assert_within_int8_bound(m, x: torch.Tensor) -> None:
+    """``m``'s output on ``x`` [M, K] against its blocks dequantized, in float64, within the bound of
+    the activations' 8-bit quantization (tests/test_gguf_gemm.py derives it)."""
+    y = (m.compute_logits(x) if getattr(m, "is_lm_head", False) else m(x)).double()
+    w = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)))
+                   for _, t, raw in m.gguf_segments]).double()
+    ref = x.double() @ w.t()
+    d = x.double().abs().view(x.shape[0], -1, 32).amax(-1) / 127
+    tol = (d / 2) @ w.abs().view(w.shape[0], -1, 32).sum(-1).t() * (1 + 1e-5) + 1e-5 * x.double().abs() @ w.abs().t()
+    assert torch.all((y - ref).abs() <= tol + 1e-6), m.prefix
+
+
+def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch):
+    """A tied Q6_K embedding stays in the file's blocks: the lookup dequantizes the looked-up rows
+    (equal to ggml's dequantization), the LM head multiplies the same blocks (logits within the
+    int8-activation bound of x @ W^T, decode and prefill shapes), no float table is resident, the
+    start-up line says so, and greedy ids are within near-ties of transformers; with the kernels off
+    the ids equal transformers'."""
+    with pagedllm_logs() as records:
+        llm = LLM(tied_gguf, kv_cache_memory=2 << 20, max_model_len=256)
+    model = llm.llm_engine.executor.runner.model
+    emb, head = model.embed_tokens, model.lm_head
+    assert emb.gguf_embedding.type_name == "Q6_K" and emb.weight.numel() == 0
+    assert head.weight is None and head.gguf_tied and head.gguf_segments[0][2] is emb.gguf_embedding.raw
+    table = torch.from_numpy(gguf.quants.dequantize(emb.gguf_embedding.raw, gguf.GGMLQuantizationType.Q6_K))
+    ids = torch.tensor([[0, 5, 17], [table.shape[0] - 1, 5, 2]])
+    assert torch.equal(emb(ids), table[ids])
+    torch.manual_seed(0)
+    for rows in (1, 7):  # decode and prefill shapes
+        _assert_within_int8_bound(head, torch.randn(rows, table.shape[1]))
+    line = next(r.getMessage() for r in records if r.getMessage().startswith("GGUF weights"))
+    assert "LM head: Q6_K blocks (tied: the embedding's)" in line, line
+    kept, floats = resident_bytes(model)
+    assert kept >= emb.gguf_embedding.raw.nbytes and floats < table.numel() * 4
+    prompts = make_prompts(llm.llm_engine.vocab_size, [3, 30, 70], seed=7)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_pool_empty(llm)
+    hf = _hf_from_gguf(tied_gguf)
+    assert hf.config.tie_word_embeddings
+    assert greedy_up_to_near_ties(hf, prompts, got) >= 12
+    del llm
+    monkeypatch.setattr(ops, "gguf_kernel_types", lambda: (frozenset(), "off for the test"))
+    llm = LLM(tied_gguf, kv_cache_memory=2 << 20, max_model_len=256)
+    assert getattr(llm.llm_engine.executor.runner.model.embed_tokens, "gguf_embedding", None) is None
+    want = [hf_greedy(hf, p, 8)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert_pool_empty(llm)

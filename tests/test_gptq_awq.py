@@ -114,17 +114,21 @@ def quant_config(method: str, group: int, sym: bool, act_order: bool, v1: bool =
 
 def write_int4(root: str, arch: str, method: str, group: int, sym: bool, act_order: bool, seed: int = 3,
                v1: bool = True, scale_dtype=torch.float16, shared_order: bool = True,
-               lm_head: bool = False) -> tuple[str, str, dict]:
+               lm_head: bool = False, tied: bool = False) -> tuple[str, str, dict]:
     """(quantized checkpoint dir, float oracle dir, {layer: (q, s, z, g_idx)}). ``shared_order``
     False gives every matrix its own act order (the fused layers' parts then differ); ``lm_head``
-    quantizes the (untied) LM head too (GPTQModel's ``lm_head: true``)."""
+    quantizes the (untied) LM head too (GPTQModel's ``lm_head: true``); ``tied`` ties the head to a
+    float16 embedding (as Qwen2.5's int4 checkpoints)."""
     if arch in ("qwen2_moe", "mixtral"):  # hidden 64: group 32 only
         from test_models_moe import build_moe_checkpoint
         float_dir = build_moe_checkpoint(os.path.join(root, "float"), arch, seed=seed)
     else:
         float_dir = build_checkpoint(os.path.join(root, "float"), arch, seed=seed, hidden_size=128,
-                                     intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+                                     intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                     tie_word_embeddings=tied)
     tensors = load_file(os.path.join(float_dir, "model.safetensors"))
+    if tied:
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].half()
     gen = torch.Generator().manual_seed(seed)
     quant, oracle, parts, orders = {}, dict(tensors), {}, {}
     for name, w in tensors.items():
@@ -206,14 +210,7 @@ def test_int4_checkpoint_equals_transformers(tmp_path, monkeypatch, arch, method
     del llm
 
     # the kernel path: the Q4 blocks on the GGUF kernels
-    kinds, _ = ops.gguf_kernel_types()
-    if not {"Q4_0", "Q4_1"} <= kinds:
-        pytest.skip("no Q4 kernels on this platform")
-    from pagedllm.models import loader
-    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
-    with pagedllm_logs() as records:
-        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
-    line = next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
+    llm, line = _on_kernels(qdir, monkeypatch, {"Q4_0", "Q4_1"})
     want_type = "Q4_0" if sym else "Q4_1"
     assert f"14 {want_type} in blocks" in line and "MiB in blocks" in line, line
     layers = _block_layers(llm)
@@ -224,6 +221,18 @@ def test_int4_checkpoint_equals_transformers(tmp_path, monkeypatch, arch, method
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_pool_empty(llm)
     assert greedy_up_to_near_ties(hf, prompts, [o.outputs[0].token_ids for o in outs]) >= 12
+
+
+def _on_kernels(qdir: str, monkeypatch, types: set):
+    """(LLM of ``qdir`` on the kernel path (the size threshold set to 0), its ``int4 checkpoint``
+    start-up line); skips where the platform lacks kernels of ``types``."""
+    if not types <= ops.gguf_kernel_types()[0]:
+        pytest.skip(f"no {sorted(types)} kernels on this platform")
+    from pagedllm.models import loader
+    monkeypatch.setattr(loader, "GGUF_BLOCKS_MIN_FLOAT_BYTES", 0)
+    with pagedllm_logs() as records:
+        llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    return llm, next(r.getMessage() for r in records if r.getMessage().startswith("int4 checkpoint"))
 
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
@@ -425,3 +434,54 @@ def test_int4_quantized_lm_head_in_blocks(tmp_path, monkeypatch):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert greedy_up_to_near_ties(hf, prompts, got) >= 4
     assert_pool_empty(llm)
+
+
+def test_int4_tied_head_requantized_to_q8_0(tmp_path, monkeypatch):
+    """A tied float16 embedding (Qwen2.5's int4 checkpoints): the dequantized path is unchanged
+    (greedy = transformers); on the kernel path the head multiplies Q8_0 blocks of the table (ggml's
+    quantize_row_q8_0, bit for bit), its logits within the weights' Q8_0 error plus the int8-activation
+    bound of x @ W^T, the lookup reads the float16 table exactly, and greedy is within near-ties."""
+    from pagedllm.layers.quantization.gguf import q8_0_blocks
+    qdir, odir, parts = write_int4(str(tmp_path), "qwen2", "gptq", 32, True, False, tied=True)
+    hf = _hf(odir)
+    assert hf.config.tie_word_embeddings
+    llm = LLM(qdir, kv_cache_memory=2 << 20, max_model_len=256)
+    prompts = make_prompts(llm.llm_engine.vocab_size, [4, 33, 70], seed=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [hf_greedy(hf, p, 8)[0] for p in prompts]
+    assert not _block_layers(llm)
+    del llm
+    llm, line = _on_kernels(qdir, monkeypatch, {"Q4_0", "Q8_0"})
+    assert "LM head: Q8_0 blocks (requantized from the tied embedding, whose lookup reads its float16 table)" in line
+    model = llm.llm_engine.executor.runner.model
+    head, emb = model.lm_head, model.embed_tokens
+    table = hf.model.embed_tokens.weight.detach()
+    assert head.weight is None and head.gguf_segments[0][1] == 8
+    assert emb.weight.dtype == torch.float16 and torch.equal(emb.weight.float(), table)
+    ids = torch.tensor([0, 7, table.shape[0] - 1])
+    assert emb(ids).dtype == torch.float32 and torch.equal(emb(ids), table[ids])
+    raw = head.gguf_segments[0][2]
+    try:
+        from gguf import GGMLQuantizationType, quants
+        assert np.array_equal(raw.numpy(), quants.quantize(table.numpy(), GGMLQuantizationType.Q8_0))
+        wq = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType.Q8_0)).double()
+    except ImportError:
+        wq = None
+    assert torch.equal(raw, q8_0_blocks(table))
+    torch.manual_seed(0)
+    for rows in (1, 6):  # decode and prefill shapes
+        x = torch.randn(rows, table.shape[1])
+        y = head.compute_logits(x).double()
+        if wq is not None:  # the int8-activation bound against the Q8_0 weights
+            d = x.double().abs().view(rows, -1, 32).amax(-1) / 127
+            tol = (d / 2) @ wq.abs().view(wq.shape[0], -1, 32).sum(-1).t() * (1 + 1e-5) + 1e-5 * x.double().abs() @ wq.abs().t()
+            assert torch.all((y - x.double() @ wq.t()).abs() <= tol + 1e-6)
+        # and against the float table: plus the weights' Q8_0 step (d_w / 2 per weight, + fp16 rounding of d_w)
+        dw = table.double().abs().view(table.shape[0], -1, 32).amax(-1) / 127
+        wtol = x.double().abs().view(rows, -1, 32).sum(-1) @ (dw * (0.5 + 2.0 ** -11 * 127)).t()
+        dx = x.double().abs().view(rows, -1, 32).amax(-1) / 127
+        xtol = (dx / 2) @ (table.double().abs() + dw.repeat_interleave(32, 1)).view(table.shape[0], -1, 32).sum(-1).t()
+        assert torch.all((y - x.double() @ table.double().t()).abs() <= wtol + xtol * (1 + 1e-5) + 1e-5)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_pool_empty(llm)
+    assert greedy_up_to_near_ties(hf, prompts, got) >= 12

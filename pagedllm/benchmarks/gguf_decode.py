@@ -9,6 +9,7 @@ matter for speed), norms and q/k/v biases F32, token embedding Q4_K/Q8_0 and an 
 matrix Q6_K (as in a Q4_K_M file), a byte-level BPE tokenizer (``model_shapes.build_tokenizer``).
 ``--qtype F16`` writes every matrix as random float16 (std 0.02): the input of llama.cpp's
 ``llama-quantize``, whose output (a Q4_K_M file of llama.cpp's own mix) ``--file`` then decodes.
+``--tied``: no output matrix, the head tied to a Q6_K token embedding (a tied model's Q4_K_M, as Qwen2.5-1.5B's).
 
     pagedllm bench gguf-decode --qtype Q4_K --rounds 2 --tokens 32
     pagedllm bench gguf-decode --qtype F16 --write-only      # prints the F16 file's path
@@ -52,8 +53,9 @@ def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) ->
     return raw.reshape(rows, -1)
 
 
-def write_gguf(path: str, shape: str, qtype: str) -> str:
-    """Write the random-weight ``shape`` model with ``qtype`` linear weights to ``path`` (once)."""
+def write_gguf(path: str, shape: str, qtype: str, tied: bool = False) -> str:
+    """Write the random-weight ``shape`` model with ``qtype`` linear weights to ``path`` (once);
+    ``tied``: no output matrix and a Q6_K token embedding (llama-quantize's Q4_K_M of a tied model)."""
     import gguf  # lazily: gguf, only to write the file
 
     if os.path.exists(path):
@@ -94,7 +96,7 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
         else:
             w.add_tensor(name, random_blocks(rows, cols, t, rng), raw_dtype=gguf.GGMLQuantizationType[t])
 
-    q("token_embd.weight", vocab, h)
+    q("token_embd.weight", vocab, h, "Q6_K" if tied and qtype != "F16" and h % 256 == 0 else qtype)
     for i in range(layers):
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", ones)
@@ -110,7 +112,8 @@ def write_gguf(path: str, shape: str, qtype: str) -> str:
         q(b + "ffn_up.weight", inter, h)
         q(b + "ffn_down.weight", h, inter)
     w.add_tensor("output_norm.weight", ones)
-    q("output.weight", vocab, h, "F16" if qtype == "F16" else "Q6_K" if h % 256 == 0 else "Q8_0")
+    if not tied:
+        q("output.weight", vocab, h, "F16" if qtype == "F16" else "Q6_K" if h % 256 == 0 else "Q8_0")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -228,6 +231,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternated kernels/dequantized rounds")
     p.add_argument("--paths", nargs="+", default=["blocks", "dequantized"], choices=["blocks", "dequantized"],
                    help="which paths each round runs, in this order")
+    p.add_argument("--tied", action="store_true",
+                   help="GGUF: no output matrix, the LM head tied to a Q6_K token embedding (as a tied model's Q4_K_M)")
     p.add_argument("--output-dir", default="bench_results")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -247,7 +252,9 @@ def main(a: argparse.Namespace) -> None:
         if a.qtype == "GPTQ":
             path = write_gptq(os.path.join(a.output_dir, "models", f"{a.shape}-GPTQ"), a.shape)
         else:
-            path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}.gguf"), a.shape, a.qtype)
+            tag = "-tied" if a.tied else ""
+            path = write_gguf(os.path.join(a.output_dir, "models", f"{a.shape}-{a.qtype}{tag}.gguf"), a.shape,
+                              a.qtype, a.tied)
         if a.write_only:
             print(path)
             return

@@ -12,12 +12,17 @@ from pagedllm.distributed.parallel_state import (get_tp_rank, get_tp_size, tenso
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.linear import _copy, load_narrow, loaded_shape
 from pagedllm.layers.quantization import QuantizationConfig, get_linear_method
+from pagedllm.layers.quantization import gguf as gguf_blocks
 from pagedllm.layers.quantization.q8_0 import is_q8_0, load_q8_0
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token ids [N] (int64) -> embeddings [N, hidden]. The vocabulary is padded to a multiple of
-    tp_size; a rank embeds the ids in its slice, zeroes the rest, and the ranks all-reduce."""
+    tp_size; a rank embeds the ids in its slice, zeroes the rest, and the ranks all-reduce.
+
+    A GGUF table kept in its ggml blocks (``models.gguf.GGUFBlocks``, one rank) stays so: the lookup
+    dequantizes only the looked-up rows (``gguf.embed_rows``), the float table is released, and a
+    tied LM head multiplies the same blocks (``gguf.tied_head_blocks``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32) -> None:
         super().__init__()
@@ -27,18 +32,33 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = self.padded_vocab // self.tp_size
         self.vocab_start = self.tp_rank * self.shard
         self.vocab_end = min(self.vocab_start + self.shard, vocab_size)
-        self.weight = nn.Parameter(torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False)
+        # empty, not zeros: pages never written stay unmapped (a table kept in GGUF blocks, or a tied
+        # head's own table, replaced before loading, would otherwise be resident at start-up); the
+        # padding rows past the vocabulary are zeroed
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.data[max(0, self.vocab_end - self.vocab_start):].zero_()
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows = max(0, self.vocab_end - self.vocab_start)
-        if loaded_shape(loaded)[0] != self.vocab_size:
-            raise ValueError(f"embedding has {loaded_shape(loaded)[0]} rows, config says vocab_size={self.vocab_size}")
+        got = loaded.raw.shape[0] if gguf_blocks.is_blocks(loaded) else loaded_shape(loaded)[0]
+        if got != self.vocab_size:
+            raise ValueError(f"embedding has {got} rows, config says vocab_size={self.vocab_size}")
+        if gguf_blocks.is_blocks(loaded):
+            if param is self.weight and self.tp_size == 1 and loaded.cols == param.shape[1]:
+                gguf_blocks.keep_embedding_blocks(self, loaded)
+                return
+            loaded = loaded.dequantize()
         _copy(param, param.data.narrow(0, 0, rows), load_narrow(loaded, 0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        blocks = getattr(self, "gguf_embedding", None)
+        if blocks is not None:
+            return gguf_blocks.embed_rows(blocks, input_ids).to(self.embed_dtype)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            out = F.embedding(input_ids, self.weight)
+            dtype = getattr(self, "embed_dtype", None)  # a table kept narrower (gguf.requantize_tied_head)
+            return out if dtype is None else out.to(dtype)
         mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(mask, 0)
         out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0.0)

@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedllm.layers.attention import get_attention_backend
 from pagedllm.layers.linear import loaded_shape
 from pagedllm.layers.quantization import Int8Config, fp8, get_quantization_config, process_weights_after_loading
+from pagedllm.layers.quantization import gguf as gguf_layers
 from pagedllm.layers.quantization.int4_formats import INT4_METHODS, int4_format, int4_weights
 from pagedllm.layers.quantization.smoothquant import smoothquant_alpha
 from pagedllm.models.checkpoint import text_only_weights
@@ -157,11 +158,11 @@ def gguf_block_types(model_config: ModelConfig) -> tuple[frozenset, str]:
 
 def _block_weights(hf_config: Any):
     """Which checkpoint names may stay in GGUF blocks: the linear layers' weights (not a MoE's
-    experts, whose stacked loaders take floats), and an untied LM head's (a tied one is the
-    embedding's table, which the lookup reads as floats)."""
+    experts, whose stacked loaders take floats), an untied LM head's, and the token embedding's
+    (``VocabParallelEmbedding`` dequantizes the looked-up rows; a head tied to it multiplies its blocks)."""
     tied = getattr(hf_config, "tie_word_embeddings", False)
     return lambda name: ((_LINEAR_WEIGHT.search(name) is not None and ".experts." not in name)
-                         or (name == "lm_head.weight" and not tied))
+                         or (name == "lm_head.weight" and not tied) or name.endswith("embed_tokens.weight"))
 
 
 def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, how: str) -> str:
@@ -172,16 +173,38 @@ def describe_gguf_paths(model: torch.nn.Module, stats: dict, blocks: frozenset, 
     for t in types:
         kept, deq = stats.get((t, "blocks"), 0), stats.get((t, "dequantized"), 0)
         if kept:
-            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (the embedding, or not a linear's weight)"
-                                                     if deq else ""))
+            parts.append(f"{t}: {kept} in blocks" + (f", {deq} dequantized (not a matrix of a linear layer or the "
+                                                     f"embedding)" if deq else ""))
         else:
             why = ("no kernel" if t not in blocks and t not in ("F32", "F16", "BF16") else "float") if blocks else how
             parts.append(f"{t}: {deq} dequantized ({why})")
     mixed = [m for m in model.modules() if getattr(m, "gguf_types", None) and getattr(m, "gguf_bytes", None) is None]
     kept, floats = resident_bytes(model)
-    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "")
+    return ("GGUF weights: " + "; ".join(parts) + (f" | kernels: {how}" if blocks else "") + describe_head(model)
             + (f" | {len(mixed)} layers dequantized (rows of types without a kernel)" if mixed else "")
             + f" | resident {kept / 2**20:.1f} MiB in blocks (memory-mapped file) + {floats / 2**20:.1f} MiB float")
+
+
+def describe_head(model: torch.nn.Module) -> str:
+    """" | LM head: ..." for the start-up line: where the LM head's and the embedding's weights are
+    (blocks of which type, tied or not, or float), empty for a model without a head."""
+    head = next((m for m in model.modules() if getattr(m, "is_lm_head", False)), None)
+    if head is None:
+        return ""
+    requantized = getattr(head, "gguf_requantized", None)
+    if requantized:
+        return (f" | LM head: Q8_0 blocks (requantized from the tied embedding, whose lookup reads "
+                f"its {requantized} table)")
+    if getattr(head, "gguf_segments", None) is not None:
+        where = "/".join(sorted(head.gguf_types)) + " blocks" + (" (tied: the embedding's)"
+                                                                 if getattr(head, "gguf_tied", False) else "")
+    else:
+        where = "float"
+    emb = next((m for m in model.modules() if hasattr(m, "vocab_start") and not getattr(m, "is_lm_head", False)), None)
+    blocks = getattr(emb, "gguf_embedding", None)
+    if emb is not None and not getattr(head, "gguf_tied", False):
+        where += f"; embedding: {blocks.type_name + ' blocks' if blocks is not None else 'float'}"
+    return " | LM head: " + where
 
 
 def resident_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -206,7 +229,7 @@ def describe_int4_paths(model: torch.nn.Module, fmt: Any, stats: dict, how: str)
     return (f"int4 checkpoint ({fmt.describe()}): linear weights " + ("; ".join(parts) or "none")
             + (f" | kernels: {how}" if kept else "")
             + (f" | {len(mixed)} fused layers dequantized (parts quantized in different act orders)" if mixed else "")
-            + f" | resident {kept / 2**20:.1f} MiB in blocks + {floats / 2**20:.1f} MiB float")
+            + describe_head(model) + f" | resident {kept / 2**20:.1f} MiB in blocks + {floats / 2**20:.1f} MiB float")
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -316,6 +339,9 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
     # (no SmoothQuant under LoRA: the adapters' A see the unsmoothed activations; config.ModelConfig)
     smoothing = None if model_config.lora_enabled else smooth_for_quantization(model, quant_config,
                                                                                 model_config.tokenizer)
+    if int4 is not None and blocks and getattr(hf_config, "tie_word_embeddings", False):
+        # the tied float head would be most of the bytes a decode step reads: Q8_0 blocks instead
+        gguf_layers.requantize_tied_head(model)
     report = process_weights_after_loading(model, quant_config)
     if model_config.load_format != "dummy" and is_gguf_file(model_config.model) and get_tp_rank() == 0:
         logger.info("%s", describe_gguf_paths(model, gguf_stats, blocks, why_not))

@@ -83,6 +83,9 @@ def process_weights_after_loading(model: nn.Module, quant_config: Optional[Quant
             # GGUF blocks kept by the loader (gguf.py): multiplied as stored where the layer is float
             # and all its rows came so, else dequantized into the float weight
             gguf.finish_blocks(module, keep_blocks=isinstance(module.quant_method, UnquantizedLinearMethod))
+        if getattr(getattr(module, "weight", None), "gguf_blocks", None) is not None:
+            # an LM head tied to an embedding kept in GGUF blocks: it multiplies the same blocks
+            gguf.tied_head_blocks(module, keep_blocks=isinstance(module.quant_method, UnquantizedLinearMethod))
         module.quant_method.process_weights_after_loading(module)
         count += not isinstance(module.quant_method, UnquantizedLinearMethod)
     return QuantizationReport(quant_config.describe() if quant_config else "none", count, before, _param_bytes(model))

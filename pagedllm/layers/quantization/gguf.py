@@ -21,6 +21,10 @@ column of each block column: the layer keeps it as ``gguf_perm`` and gathers its
 before the GEMM. All parts of a fused layer must share it (GPTQ's q/k/v, or gate/up, see one input, so
 one Hessian order); a part with another one is dequantized, and with it the whole layer.
 
+The token embedding of a GGUF file may stay in blocks too (``keep_embedding_blocks``): its lookup
+dequantizes the looked-up rows only (``embed_rows``), and where the LM head is tied to it the head
+multiplies the same blocks (``tied_head_blocks``; one copy, counted once).
+
 One tensor-parallel rank only: with more, the loader dequantizes (rows of blocks cannot be cut
 along k, which row-parallel layers need).
 """
@@ -111,6 +115,101 @@ def dequantize_blocks(raw: Any, type_id: int) -> torch.Tensor:
         return q4_repack.dequantize_q4(raw, type_id)
     from gguf import GGMLQuantizationType, quants  # lazily: gguf, only for a layer with rows of mixed types
     return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(type_id)))
+
+
+def keep_embedding_blocks(embedding: nn.Module, loaded: Any) -> None:
+    """A ``VocabParallelEmbedding``'s loader given the whole table in blocks (one rank): keep them as
+    ``embedding.gguf_embedding`` and release the float table (its parameter becomes empty; a tied
+    LM head shares that parameter and finds the blocks on it as ``gguf_blocks``)."""
+    param = embedding.weight
+    embedding.gguf_embedding = loaded
+    embedding.embed_dtype = param.dtype
+    embedding.gguf_bytes = embedding.packed_bytes = int(loaded.raw.nbytes)
+    param.gguf_blocks = loaded
+    param.data = torch.empty(0, param.shape[1], dtype=param.dtype, device=param.device)
+
+
+def embed_rows(blocks: Any, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [*ids.shape, cols]: the rows ``ids`` (int64, any shape) of a table in blocks,
+    dequantized (``dequantize_blocks``: ggml's formulas), the others untouched."""
+    flat = ids.reshape(-1)
+    raw = blocks.raw
+    rows = raw.index_select(0, flat.cpu()) if isinstance(raw, torch.Tensor) else raw[flat.cpu().numpy()]
+    out = dequantize_blocks(rows, blocks.ggml_type) if len(flat) else torch.empty(0, blocks.cols)
+    return out.to(ids.device).view(*ids.shape, blocks.cols)
+
+
+def tied_head_blocks(head: nn.Module, keep_blocks: bool) -> bool:
+    """After loading: an LM head tied to an embedding kept in blocks (its weight carries
+    ``gguf_blocks``) multiplies those blocks with ``GGUFLinearMethod`` (when ``keep_blocks``: the
+    head's method is the float one); otherwise the table is dequantized into the shared weight.
+    Returns whether the head is on the blocks."""
+    w = head.weight
+    blocks = w.gguf_blocks
+    if not keep_blocks:
+        w.data = dequantize_blocks(blocks.raw, blocks.ggml_type).to(w.dtype)
+        return False
+    head.gguf_perm = None
+    head.gguf_out_features = blocks.raw.shape[0]
+    del head.weight
+    head.weight = None
+    head.gguf_segments = [(0, blocks.ggml_type, blocks.raw)]
+    head.gguf_types = {blocks.type_name}
+    head.gguf_bytes = head.packed_bytes = 0  # the embedding's blocks, counted there
+    head.gguf_tied = True
+    head.quant_method = GGUFLinearMethod()
+    return True
+
+
+def q8_0_blocks(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+    """uint8 [N, K / 32 * 34]: float ``w`` [N, K] (K a multiple of 32) in ggml Q8_0 blocks, by
+    ggml's ``quantize_row_q8_0_ref``: d = max |x| / 127 per block of 32 (stored float16), q =
+    round-half-away(x / d). Each weight moves by at most d / 2 (plus d's float16 rounding times |q|)."""
+    n, k = w.shape
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    for r in range(0, n, rows_at_once):
+        x = w[r:r + rows_at_once].float().view(-1, k // 32, 32)
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.trunc(x * inv + 0.5 * torch.sign(x)).to(torch.int8)
+        out[r:r + rows_at_once, :, :2] = d.to(torch.float16).view(torch.uint8)
+        out[r:r + rows_at_once, :, 2:] = q.view(torch.uint8)
+    return out.view(n, -1)
+
+
+def _holds_exactly(w: torch.Tensor, dtype: torch.dtype, rows_at_once: int = 4096) -> bool:
+    """Whether every value of ``w`` is a ``dtype`` value (checked a slice of rows at a time: no full-size copy)."""
+    return all(torch.equal(w[r:r + rows_at_once].to(dtype).to(w.dtype), w[r:r + rows_at_once])
+               for r in range(0, w.shape[0], rows_at_once))
+
+
+def requantize_tied_head(model: nn.Module) -> bool:
+    """An int4 checkpoint on the kernels whose LM head is tied to its float embedding: the head
+    multiplies Q8_0 blocks of the table (``q8_0_blocks``; 8.5 bits a weight, read at 1/4 of float32's
+    bytes) and the lookup reads the table in the narrowest float dtype that holds it exactly (the
+    checkpoint's float16 or bfloat16: the embeddings are unchanged). Returns False (nothing done) for
+    a model without both on this rank, or a width not a multiple of 32."""
+    head = next((m for m in model.modules() if getattr(m, "is_lm_head", False)), None)
+    w = getattr(head, "weight", None)
+    emb = next((m for m in model.modules() if m is not head and getattr(m, "weight", None) is w
+                and hasattr(m, "vocab_start")), None) if w is not None else None
+    if emb is None or getattr(head, "tp_size", 1) != 1 or w.shape[1] % 32 or not w.numel():
+        return False
+    raw = q8_0_blocks(w.data)
+    dt = next((dt for dt in (torch.float16, torch.bfloat16) if _holds_exactly(w.data, dt)), w.dtype)
+    table = w.data.to(dt)
+    emb.embed_dtype = w.dtype
+    emb.weight = nn.Parameter(table, requires_grad=False)
+    head.gguf_perm = None
+    head.gguf_out_features = raw.shape[0]
+    del head.weight
+    head.weight = None
+    head.gguf_segments = [(0, 8, raw)]
+    head.gguf_types = {"Q8_0"}
+    head.gguf_bytes = head.packed_bytes = raw.numel()
+    head.gguf_requantized = str(table.dtype).replace("torch.", "")
+    head.quant_method = GGUFLinearMethod()
+    return True
 
 
 class GGUFLinearMethod(LinearMethodBase):

@@ -121,6 +121,19 @@ def test_encoder_cache_hit_is_counted(family):
     assert_pool_empty(llm)
 
 
+def test_two_images_back_to_back(family):
+    """Two placeholders with nothing between them (a chat message [image, image, text] under a
+    template that writes one placeholder per part): after expansion LLaVA's image tokens form one
+    run; it is split per image, as transformers' masked scatter does. Ids equal transformers'."""
+    name, d, model, proc, mark = family
+    a, b = make_image(31), make_image(32, (56, 40))
+    text = f"<|user|>{mark}{mark}the king<|assistant|>"
+    llm = LLM(d, kv_cache_memory=4 << 20)
+    out = llm.generate(engine_prompt(text, [a, b]), GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_generate(model, proc, text, [a, b], N)
+    assert_pool_empty(llm)
+
+
 def test_llava_with_a_siglip_tower(tmp_path):
     """LLaVA-Interleave's layout: a SigLIP tower (every patch, the last layer) and a Qwen2 language model."""
     model, proc = build_llava(str(tmp_path), seed=3, tower="siglip")

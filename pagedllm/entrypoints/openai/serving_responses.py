@@ -105,7 +105,8 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     for i, item in enumerate(req.input):
         if isinstance(item, InputMessage):
-            messages.append({"role": item.role, "content": item.chat_content(f"input.{i}")})  # (developer: apply_chat_template)
+            # (developer: apply_chat_template)
+            messages.append({"role": item.role, "content": item.chat_content(f"input.{i}")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _json_or_text(item.arguments)}}

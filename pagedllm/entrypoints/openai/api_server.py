@@ -179,6 +179,8 @@ def _validation_message(exc: RequestValidationError,
     loc = [str(x) for x in loc if not _UNION_TAG.fullmatch(str(x))]
     raised = (err.get("ctx") or {}).get("error")
     if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
+        if raised.param and loc and raised.param.split(".")[0] == loc[-1]:  # relative to its field
+            return raised.message, ".".join(loc[:-1] + [raised.param])
         return raised.message, ".".join(loc) or raised.param
     if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):
         if "json" not in content_type.lower():  # e.g. curl -d without -H, which sends a form

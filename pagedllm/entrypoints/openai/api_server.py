@@ -152,7 +152,8 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send) -> None:
-        resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes.",
+        resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes "
+                           f"(--max-request-bytes; a large image: raise it, or send a file:// or http(s) URL).",
                       code="request_too_large", path=scope["path"])
         resp.headers["Connection"] = "close"
         await resp(scope, receive, send)

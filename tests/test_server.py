@@ -431,6 +431,7 @@ def test_body_too_large(http):
     big = {"prompt": "x" * (1024 * 1024 + 10)}
     r = http.post("/v1/completions", json=big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "--max-request-bytes" in r.json()["error"]["message"]  # (a big data: URL image hits it first)
 
     def chunked():  # no Content-Length: the limit applies to the bytes received
         yield b'{"prompt": "'

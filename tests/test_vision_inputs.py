@@ -246,6 +246,41 @@ def test_bad_image_inputs_are_400_naming_the_part(server):
         assert h.post("/v1/chat/completions", json=chat(img)).status_code == 200  # the engine serves on
 
 
+def test_malformed_image_url_parts_get_one_clear_sentence(server):
+    """An image_url part without {"url": str} (missing, null, a bare string) or with a detail other than
+    OpenAI's auto/low/high: a 400 saying so, naming the part, not pydantic's union dump."""
+    img = data_url(make_image(3))
+    cases = [({}, "needs"), ({"url": None}, "needs"), (img, "needs"), ({"url": img, "detail": "ultra"}, "detail")]
+    with httpx.Client(base_url=server.url, timeout=120) as h:
+        for image_url, why in cases:
+            body = chat(img)
+            body["messages"][0]["content"].insert(0, {"type": "text", "text": "see"})
+            body["messages"][0]["content"][1] = {"type": "image_url", "image_url": image_url}
+            r = h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "messages.0.content.1" and why in err["message"], err
+            assert "more error" not in err["message"], err
+        assert h.post("/v1/chat/completions", json=chat(img)).status_code == 200
+
+
+def test_responses_bad_image_names_its_input_item(server):
+    """The param of a bad input_image names the input item and part, with or without ``instructions``
+    (which render as a system message before the input) and for a part the server cannot take."""
+    bad = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    cases = [({}, [{"type": "input_text", "text": "hi"}, bad], "input.0.content.1"),
+             ({"instructions": "be brief"}, [{"type": "input_text", "text": "hi"}, bad], "input.0.content.1"),
+             ({}, [{"type": "input_image"}], "input.0.content.0"),
+             ({}, [{"type": "input_image", "image_url": data_url(make_image(3))},
+                   {"type": "input_file", "file_id": "f"}], "input.0.content.1")]
+    with httpx.Client(base_url=server.url, timeout=120) as h:
+        for extra, content, param in cases:
+            r = h.post("/v1/responses", json={"model": MODEL, "max_output_tokens": N, **extra,
+                                              "input": [{"role": "user", "content": content}]})
+            assert r.status_code == 400, (param, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.json())
+
+
 def test_encoder_cache_hits_in_metrics(server):
     img = data_url(make_image(12))
     with httpx.Client(base_url=server.url, timeout=120) as h:

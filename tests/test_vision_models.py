@@ -121,6 +121,54 @@ def test_encoder_cache_hit_is_counted(family):
     assert_pool_empty(llm)
 
 
+def test_two_images_back_to_back(family):
+    """Two placeholders with nothing between them (a chat message [image, image, text] under a
+    template that writes one placeholder per part): after expansion LLaVA's image tokens form one
+    run; it is split per image, as transformers' masked scatter does. Ids equal transformers'."""
+    name, d, model, proc, mark = family
+    a, b = make_image(31), make_image(32, (56, 40))
+    text = f"<|user|>{mark}{mark}the king<|assistant|>"
+    llm = LLM(d, kv_cache_memory=4 << 20)
+    out = llm.generate(engine_prompt(text, [a, b]), GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_generate(model, proc, text, [a, b], N)
+    assert_pool_empty(llm)
+
+
+def test_lora_adapter_with_images(family, tmp_path):
+    """A PEFT LoRA adapter on the language model (q_proj/v_proj) with image prompts: ids equal
+    transformers + peft's with the adapter, and the base model's without it, from one engine."""
+    name, d, model, proc, mark = family
+    if name != "llava":
+        pytest.skip("one family is enough for the LoRA path")
+    peft = pytest.importorskip("peft")
+    import torch
+    from pagedllm.lora.request import LoRARequest
+    base = type(model).from_pretrained(d, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)",
+                          lora_dropout=0.0, init_lora_weights=False)
+    pm = peft.get_peft_model(base, cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.25)
+    pm.save_pretrained(str(tmp_path))
+    pm.eval()
+    cases = [(f"<|user|>{mark}the king<|assistant|>", [make_image(41)]),
+             (f"<|user|>{mark} and {mark}the king<|assistant|>", [make_image(41), make_image(42, (50, 30))])]
+    want = [hf_generate(pm, proc, t, ims, N) for t, ims in cases]
+    with pm.disable_adapter():
+        want_base = [hf_generate(pm, proc, t, ims, N) for t, ims in cases]
+    assert want != want_base
+    llm = LLM(d, kv_cache_memory=4 << 20, enable_lora=True, max_lora_rank=8)
+    prompts = [engine_prompt(t, ims) for t, ims in cases]
+    lora = LoRARequest("ad", 1, str(tmp_path))
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, lora_request=lora,
+                                                                use_tqdm=False)] == want
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want_base
+    assert_pool_empty(llm)
+
+
 def test_llava_with_a_siglip_tower(tmp_path):
     """LLaVA-Interleave's layout: a SigLIP tower (every patch, the last layer) and a Qwen2 language model."""
     model, proc = build_llava(str(tmp_path), seed=3, tower="siglip")

@@ -97,8 +97,8 @@ class VisionTower(nn.Module):
     def placeholder_ranges(cls, hf_config: Any, input_ids: list[int], items: list[dict[str, torch.Tensor]]
                            ) -> list[tuple[int, int, Optional[list[bool]]]]:
         """(offset, length, is_embed) of each image's placeholder span in ``input_ids``, in image order
-        (default: each maximal run of the image token; is_embed None). Raises ValueError when the
-        runs do not match the images."""
+        (default: each maximal run of the image token, adjacent images' runs split evenly; is_embed None).
+        Raises ValueError when the runs do not match the images."""
         tid = cls.image_token_id(hf_config)
         runs: list[tuple[int, int, Optional[list[bool]]]] = []
         i, n = 0, len(input_ids)
@@ -111,9 +111,26 @@ class VisionTower(nn.Module):
                 i = j
             else:
                 i += 1
+        if 0 < len(runs) < len(items):
+            runs = cls._split_adjacent_runs(runs, len(items))
         if len(runs) != len(items):
             raise ValueError(f"the prompt has {len(runs)} image placeholder span(s) for {len(items)} image(s)")
         return runs
+
+    @staticmethod
+    def _split_adjacent_runs(runs: list[tuple[int, int, Optional[list[bool]]]], num_images: int
+                             ) -> list[tuple[int, int, Optional[list[bool]]]]:
+        """Placeholders written back to back ("<image><image>") expand into one run of image tokens;
+        when every image has the same token count (LLaVA: a fixed image size), split each run into
+        spans of that count, as transformers' masked scatter fills them in order. Runs that do not
+        divide evenly are returned unchanged (the caller then refuses the prompt)."""
+        total = sum(length for _, length, _ in runs)
+        if total % num_images:
+            return runs
+        per = total // num_images
+        if any(length % per for _, length, _ in runs):
+            return runs
+        return [(off + k * per, per, None) for off, length, _ in runs for k in range(length // per)]
 
     @classmethod
     def mrope_positions(cls, hf_config: Any, input_ids: list[int], items: list[dict[str, torch.Tensor]]

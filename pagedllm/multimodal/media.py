@@ -94,7 +94,8 @@ def load_image_url(url: str, limits: MediaLimits, what: str = "image_url") -> An
                             limits, what)
     if scheme in ("http", "https"):
         if not limits.allow_remote_media:
-            raise MediaError(f"{what}: remote URLs are not fetched (start the server with --allow-remote-media); "
+            raise MediaError(f"{what}: remote URLs are not fetched (serve with --allow-remote-media; "
+                             f"offline: LLM(..., allow_remote_media=True)); "
                              f"send the image as a data: URL")
         return decode_image(_fetch(url, limits, what), limits, what)
     raise MediaError(f"{what}: unsupported URL scheme {scheme or url[:20]!r} (data:, file:// or http(s)://)")
@@ -118,7 +119,8 @@ def _data_url_bytes(url: str, what: str) -> bytes:
 def _local_bytes(path: str, limits: MediaLimits, what: str) -> bytes:
     root = limits.allowed_local_media_path
     if not root:
-        raise MediaError(f"{what}: local files are not served (start the server with --allowed-local-media-path)")
+        raise MediaError(f"{what}: local files are not served (serve with --allowed-local-media-path DIR; "
+                         f"offline: LLM(..., allowed_local_media_path=DIR))")
     real, real_root = os.path.realpath(path), os.path.realpath(root)
     if os.path.commonpath([real, real_root]) != real_root:
         raise MediaError(f"{what}: {path} is outside --allowed-local-media-path")

@@ -152,7 +152,8 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send) -> None:
-        resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes.",
+        resp = _error(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes "
+                           f"(--max-request-bytes; a large image: raise it, or send a file:// or http(s) URL).",
                       code="request_too_large", path=scope["path"])
         resp.headers["Connection"] = "close"
         await resp(scope, receive, send)
@@ -179,6 +180,8 @@ def _validation_message(exc: RequestValidationError,
     loc = [str(x) for x in loc if not _UNION_TAG.fullmatch(str(x))]
     raised = (err.get("ctx") or {}).get("error")
     if isinstance(raised, RequestError):  # a validator's own clear message, without pydantic's prefix
+        if raised.param and loc and raised.param.split(".")[0] == loc[-1]:  # relative to its field
+            return raised.message, ".".join(loc[:-1] + [raised.param])
         return raised.message, ".".join(loc) or raised.param
     if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):
         if "json" not in content_type.lower():  # e.g. curl -d without -H, which sends a form

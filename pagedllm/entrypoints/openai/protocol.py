@@ -572,11 +572,20 @@ class ChatMessageParam(OpenAIBaseModel):
     def _text_parts_only(cls, value: Any) -> Any:
         # An image/audio/file part gets one clear sentence instead of pydantic's union-mismatch dump.
         # (image_url parts are checked by the server, which knows whether the model takes images)
-        for part in value if isinstance(value, list) else ():
+        # A param "content.{j}" is relative to this field: the error names messages.{i}.content.{j}.
+        for j, part in enumerate(value if isinstance(value, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind not in ("text", "image_url"):
                 raise RequestError(f"This model accepts only text and images, so a message content part of type "
-                                   f"{kind[:40]!r} cannot be used.", "messages")
+                                   f"{kind[:40]!r} cannot be used.", f"content.{j}")
+            if kind == "image_url":
+                image_url = part.get("image_url")
+                if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+                    raise RequestError('an image_url part needs "image_url": {"url": "data:image/png;base64,..."} '
+                                       "(an object with a string url)", f"content.{j}")
+                if image_url.get("detail") not in (None, "auto", "low", "high"):
+                    raise RequestError(f"image_url.detail must be 'auto', 'low' or 'high', got "
+                                       f"{str(image_url.get('detail'))[:40]!r}", f"content.{j}")
         return value
 
     @model_validator(mode="after")

@@ -42,33 +42,36 @@ class InputMessage(OpenAIBaseModel):
     id: Optional[str] = None
     status: Optional[str] = None
 
-    def chat_content(self) -> Any:
+    def chat_content(self, where: str = "input") -> Any:
         """The content as a chat message holds it: the text, or, with input_image parts, a list of
-        text and ``image_url`` parts in order (RequestError for other non-text parts)."""
+        text and ``image_url`` parts in order (RequestError for other non-text parts). ``where``:
+        this item's path in the request ("input.3"), which errors name as ``{where}.content.{j}``."""
         if isinstance(self.content, str) or not any(p.type == "input_image" for p in self.content):
-            return self.text()
+            return self.text(where)
         out: list[dict] = []
-        for i, part in enumerate(self.content):
+        for j, part in enumerate(self.content):
             if part.type == "input_image":
                 if not part.image_url:
                     raise RequestError("an input_image part needs an image_url (file_id is not supported)",
-                                       f"input.content.{i}")
+                                       f"{where}.content.{j}")
                 out.append({"type": "image_url", "image_url": {"url": part.image_url}})
             else:
-                out.append({"type": "text", "text": InputMessage(role=self.role, content=[part]).text()})
+                out.append({"type": "text", "text": _part_text(part, f"{where}.content.{j}")})
         return out
 
-    def text(self) -> str:
+    def text(self, where: str = "input") -> str:
         if isinstance(self.content, str):
             return self.content
-        out = []
-        for i, part in enumerate(self.content):
-            if part.type not in ("input_text", "output_text", "text") or part.text is None:
-                kind = part.type.removeprefix("input_")
-                raise RequestError(f"This model is text-only: it cannot take {kind} input "
-                                   f"(input content part of type {part.type!r}).", f"input.content.{i}")
-            out.append(part.text)
-        return "".join(out)
+        return "".join(_part_text(part, f"{where}.content.{j}") for j, part in enumerate(self.content))
+
+
+def _part_text(part: InputContentPart, param: str) -> str:
+    """A text part's text; RequestError naming ``param`` for a part of another kind."""
+    if part.type not in ("input_text", "output_text", "text") or part.text is None:
+        kind = part.type.removeprefix("input_")
+        raise RequestError(f"This model is text-only: it cannot take {kind} input "
+                           f"(input content part of type {part.type!r}).", param)
+    return part.text
 
 
 class FunctionCallItem(OpenAIBaseModel):

@@ -80,6 +80,20 @@ class _Run:
             self.grew = asyncio.Event()
 
 
+def image_parts(req: ResponsesRequest, previous: list[dict]) -> list[tuple[str, str]]:
+    """(param, url) of every image of the conversation in prompt order: an earlier turn's (from the
+    ``previous`` messages of previous_response_id; param "previous_response_id"), then this input's
+    input_image parts (param "input.{i}.content.{j}": the item and part as the request numbers them;
+    the rendered messages do not: instructions come first, parallel function calls merge)."""
+    out = [("previous_response_id", p["image_url"]["url"]) for m in previous if isinstance(m.get("content"), list)
+           for p in m["content"] if p.get("type") == "image_url"]
+    if not isinstance(req.input, str):
+        out += [(f"input.{i}.content.{j}", p.image_url) for i, item in enumerate(req.input)
+                if isinstance(item, InputMessage) and not isinstance(item.content, str)
+                for j, p in enumerate(item.content) if p.type == "input_image"]
+    return out
+
+
 def history_from_input(req: ResponsesRequest) -> list[dict]:
     """Chat-template messages for the request's ``input`` items (``instructions`` not included).
 
@@ -91,7 +105,8 @@ def history_from_input(req: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     for i, item in enumerate(req.input):
         if isinstance(item, InputMessage):
-            messages.append({"role": item.role, "content": item.chat_content()})  # (developer: apply_chat_template)
+            # (developer: apply_chat_template)
+            messages.append({"role": item.role, "content": item.chat_content(f"input.{i}")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _json_or_text(item.arguments)}}
@@ -161,7 +176,8 @@ class OpenAIServingResponses:
                 raise RequestError(f"Response '{req.previous_response_id}' is still in progress.",
                                    "previous_response_id")
             history = [dict(m) for m in prev.messages]
-        history += history_from_input(req)
+        current = history_from_input(req)
+        history += current
         calls = {c["id"] for m in history for c in m.get("tool_calls") or ()}
         for m in history:
             if m["role"] == "tool" and m["tool_call_id"] not in calls:  # as OpenAI's API answers
@@ -175,9 +191,7 @@ class OpenAIServingResponses:
         effort = (req.reasoning or {}).get("effort")
         effort = self.chat.reasoning_effort(effort, "reasoning") if effort is not None else None
         render_tools = chat_tools if tool_choice != "none" else []
-        parts = [(f"input.{i}.content.{j}", p["image_url"]["url"]) for i, m in enumerate(messages)
-                 if isinstance(m.get("content"), list)
-                 for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
+        parts = image_parts(req, history[:len(history) - len(current)])
         if parts:  # input_image parts (this input's or an earlier turn's): loaded, processed with the text
             image_placeholder(self.llm.engine, parts[0][0], "input_image")
             ids, prompt = await image_prompt(self.llm.engine, parts, lambda placeholder: self._render(

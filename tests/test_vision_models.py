@@ -11,6 +11,7 @@ import pytest
 
 from conftest import assert_pool_empty, record_schedule
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
 from vision_utils import build_gemma3, build_llava, hf_generate, make_image
 
 N = 8
@@ -177,6 +178,14 @@ def test_llava_with_a_siglip_tower(tmp_path):
     outs = llm.generate([engine_prompt(t, i) for t, i in cases], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected(model, proc, cases)
     assert_pool_empty(llm)
+
+
+def test_pipeline_parallel_is_refused_for_an_image_model(family):
+    """Pipeline parallelism's first stage embeds token ids only: an image-text model under it is refused
+    at configuration, naming the architecture (not served with placeholder embeddings)."""
+    with pytest.raises(ValueError, match=r"ForConditionalGeneration: image input with pipeline_parallel_size > 1"):
+        EngineArgs(model=family[1], pipeline_parallel_size=2).create_engine_config()
+    assert EngineArgs(model=family[1]).create_engine_config().model_config.is_multimodal
 
 
 def test_chat_with_image_parts_equals_generate(family):

@@ -418,6 +418,11 @@ class EngineArgs(CliArgs):
             allowed_local_media_path=self.allowed_local_media_path,
             allow_remote_media=self.allow_remote_media,
         )
+        if model_config.is_multimodal and self.pipeline_parallel_size > 1:
+            # (pp_runner's first stage embeds token ids only: image rows would keep their placeholders)
+            arch = getattr(model_config.hf_config, "text_only_of", None) or model_config.architecture
+            raise ValueError(f"{arch}: image input with pipeline_parallel_size > 1 is not supported; use "
+                             f"tensor_parallel_size instead")
         speculative = self._speculative_config(model_config)
         return EngineConfig(
             speculative_config=speculative,

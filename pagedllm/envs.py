@@ -202,6 +202,20 @@ def raw(name: str) -> Optional[str]:
     return os.environ.get(name)
 
 
+def set_raw(name: str, value: Optional[str]) -> None:
+    """Set a declared variable for this process (None: unset it), e.g. a bench that builds one engine
+    with a kernel switch off and the next with it on (every access parses the environment anew).
+
+    Raises:
+        KeyError: ``name`` is not in the table.
+    """
+    ENVIRONMENT_VARIABLES[name]
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def __getattr__(name: str) -> Any:
     # Lazy: parse the environment on each access, so a change after import is seen.
     var = ENVIRONMENT_VARIABLES.get(name)

@@ -36,6 +36,7 @@ import math
 import os
 from typing import Optional
 
+from pagedllm import envs
 from pagedllm.benchmarks.common import run_metadata, write_result
 from pagedllm.benchmarks.greedy import first_difference, greedy_outputs
 from pagedllm.sampling_params import SamplingParams
@@ -116,12 +117,7 @@ def _load(a: argparse.Namespace, blocks: str, kernels_env: Optional[str]):
     from pagedllm.llm import LLM  # lazily: the engine
     from pagedllm.models import loader  # lazily: the engine
 
-    if blocks != "auto":
-        os.environ["PAGEDLLM_CPU_GGUF_KERNELS"] = "0" if blocks == "off" else "1"
-    elif kernels_env is None:
-        os.environ.pop("PAGEDLLM_CPU_GGUF_KERNELS", None)
-    else:
-        os.environ["PAGEDLLM_CPU_GGUF_KERNELS"] = kernels_env
+    envs.set_raw("PAGEDLLM_CPU_GGUF_KERNELS", kernels_env if blocks == "auto" else "0" if blocks == "off" else "1")
     saved = loader.GGUF_BLOCKS_MIN_FLOAT_BYTES
     if blocks == "on":
         loader.GGUF_BLOCKS_MIN_FLOAT_BYTES = 0
@@ -163,7 +159,7 @@ def run(a: argparse.Namespace) -> dict:
     windows = None
     greedy: dict[str, list[list[int]]] = {}
     paths = list(dict.fromkeys(a.gguf_blocks + (["on", "off"] if a.greedy_tokens else [])))
-    kernels_env = os.environ.get("PAGEDLLM_CPU_GGUF_KERNELS")
+    kernels_env = envs.raw("PAGEDLLM_CPU_GGUF_KERNELS")
     for blocks in paths:
         llm = _load(a, blocks, kernels_env)
         if windows is None:

@@ -294,12 +294,14 @@ def test_bad_requests_get_openai_errors(server, http):
         r.json()["error"]["message"]
     r = post({"input": [{"type": "bogus_item", "x": 1}]})
     assert r.status_code == 400 and "input item 0 has type 'bogus_item'" in r.json()["error"]["message"]
-    for item, message in (({"role": "tool", "content": "x"}, "input item 1 (message): role: Input should be"),
-                          ({"type": "function_call_output", "output": "x"},
-                           "input item 1 (function_call_output): call_id: Field required"),
-                          ("hi", "input item 1 must be an object")):
+    # the param names the item's field where the item has one (as chat's messages.N.content.J does)
+    for item, message, param in (({"role": "tool", "content": "x"}, "input item 1 (message): role: Input should be",
+                                  "input.1.role"),
+                                 ({"type": "function_call_output", "output": "x"},
+                                  "input item 1 (function_call_output): call_id: Field required", "input.1.call_id"),
+                                 ("hi", "input item 1 must be an object", "input.1")):
         err = post({"input": [{"role": "user", "content": "hi"}, item]}).json()["error"]
-        assert err["message"].startswith(message) and err["param"] == "input", err
+        assert err["message"].startswith(message) and err["param"] == param, err
     r = post({"input": "hi", "max_output_tokens": 2, "store": None, "background": None, "stream": None,
               "parallel_tool_calls": None, "tool_choice": None})
     assert r.status_code == 200 and r.json()["store"] is True and r.json()["tool_choice"] == "auto"

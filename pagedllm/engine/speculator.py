@@ -39,10 +39,10 @@ from pagedllm.engine.input_batch import image_spans, image_step, mrope_positions
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, banned_token_ids
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.sampler import Sampler, SamplingRow, target_probs, topk_logprobs
 from pagedllm.platforms import ops
 from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.drafting import FlatRows
 from pagedllm.spec_decode.mtp import MTPProposer
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import rejection_sample
@@ -226,10 +226,7 @@ class Speculator:
             return None
         bs = self.kv.block_size
         entries.sort(key=lambda e: e[1] != 1)  # one-token sequences first (stable)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables, seq_lens, query_lens = [], [], []
+        flat = FlatRows()
         sample_idx: list[int] = []
         sampling_requests: list[Request] = []
         plp_idx: list[int] = []
@@ -239,7 +236,7 @@ class Speculator:
         layout = []
         for r, n, drafts in entries:
             start = r.num_computed_tokens
-            offset = len(input_ids)
+            offset = len(flat.ids)
             layout.append((r, start, n, offset, forks.get(r.request_id, [])))
             table = self.kv.get_block_ids(r.request_id)
             toks = r.all_token_ids[start:start + n] if not drafts else r.all_token_ids[start:] + drafts
@@ -257,18 +254,13 @@ class Speculator:
                     if last > first:
                         plp_idx.extend(range(offset + first - start, offset + last - start))
                         plp_spans.append((r, first + 1, last - first))
-            input_ids.extend(toks)
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            tables.append(table)
-            seq_lens.append(start + n)
-            query_lens.append(n)
+            flat.add(toks, start, table, bs)
         head = len(sample_idx) + len(plp_idx)
         spec = [(r, d, head + row) for r, d, row in spec]
         dev = self.device
-        meta = AttentionMetadata.build(_tensor(slots, torch.long, dev), tables, seq_lens, query_lens, bs, dev)
+        input_ids, positions, meta = flat.tensors(bs, dev)
         model_input = ModelInput(
-            input_ids=_tensor(input_ids, torch.long, dev), positions=_tensor(positions, torch.long, dev),
+            input_ids=input_ids, positions=positions,
             attn_metadata=meta, logits_indices=_tensor(sample_idx + plp_idx + spec_idx, torch.long, dev),
             block_copies=self.kv.take_pending_copies(), return_hidden=self.mtp is not None)
         if self.mtp is not None:
@@ -286,7 +278,7 @@ class Speculator:
                 for seq, (r, _, _) in zip(meta.prefills, entries[nd:]):
                     seq.bidirectional = image_spans(r, seq)
             nd = meta.num_decode_tokens
-            pos3 = mrope_positions(np.asarray(positions, np.int64), [e[0] for e in entries[:nd]],
+            pos3 = mrope_positions(np.asarray(flat.positions, np.int64), [e[0] for e in entries[:nd]],
                                    [(r, n) for r, n, _ in entries[nd:]], nd)
             if pos3.ndim == 2:  # an M-RoPE request among them
                 model_input.positions = torch.from_numpy(pos3).to(dev)

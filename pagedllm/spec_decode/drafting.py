@@ -1,5 +1,6 @@
 """What the proposers with a model of their own (the draft model, the MTP layer) share: the flat batch of
-one proposer pass (``proposer_batch``), and drawing proposals from its logits under each request's
+one proposer pass (``FlatRows``, ``proposer_batch``; the speculator's verification batch is built with
+the same ``FlatRows``), and drawing proposals from its logits under each request's
 sampling parameters, so that the rejection sampler can verify them exactly (``draw_proposals``).
 
 The logits go through the request's penalties, logit_bias, allowed and bad tokens (``Sampler.process``,
@@ -9,6 +10,7 @@ from q with the request's own generator where it is seeded, and q goes to the re
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,25 +23,47 @@ if TYPE_CHECKING:
     from pagedllm.engine.request import Request
 
 
+@dataclass
+class FlatRows:
+    """The flat token rows of a forward pass, built one sequence at a time: each sequence's new tokens
+    as a query over its cached prefix, read and written through its block table."""
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+
+    def add(self, toks: list[int], start: int, table: list[int], block_size: int) -> None:
+        """One sequence: tokens ``toks`` at positions ``start`` .. ``start + len(toks) - 1``, slots
+        from its block table ``table`` (physical block ids)."""
+        n = len(toks)
+        self.ids.extend(toks)
+        self.positions.extend(range(start, start + n))
+        self.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        self.tables.append(table)
+        self.seq_lens.append(start + n)
+        self.query_lens.append(n)
+
+    def tensors(self, block_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids [N] int64, positions [N] int64, the paged attention metadata); one-token
+        sequences must have been added first (decodes before prefills, as the metadata reads them)."""
+        meta = AttentionMetadata.build(torch.tensor(self.slots, dtype=torch.long, device=device), self.tables,
+                                       self.seq_lens, self.query_lens, block_size, device)
+        return (torch.tensor(self.ids, dtype=torch.long, device=device),
+                torch.tensor(self.positions, dtype=torch.long, device=device), meta)
+
+
 def proposer_batch(seqs: list[tuple[list[int], int, list[int]]], block_size: int, device: str
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """``seqs`` = (new tokens, first position, block table) per sequence, one-token ones first (a query of
     several tokens over the cached prefix for the others) -> (input_ids [N] int64, positions [N] int64,
     the paged attention metadata (slots from the tables), the row of each sequence's last token [S] int64)."""
-    ids, pos, slots, tables, seq_lens, qlens, last = [], [], [], [], [], [], []
+    rows, last = FlatRows(), []
     for toks, start, table in seqs:
-        n = len(toks)
-        ids.extend(toks)
-        pos.extend(range(start, start + n))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        tables.append(table)
-        seq_lens.append(start + n)
-        qlens.append(n)
-        last.append(len(ids) - 1)
-    meta = AttentionMetadata.build(torch.tensor(slots, dtype=torch.long, device=device), tables, seq_lens, qlens,
-                                   block_size, device)
-    return (torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(pos, dtype=torch.long, device=device),
-            meta, torch.tensor(last, dtype=torch.long, device=device))
+        rows.add(toks, start, table, block_size)
+        last.append(len(rows.ids) - 1)
+    return (*rows.tensors(block_size, device), torch.tensor(last, dtype=torch.long, device=device))
 
 
 def draw_proposals(sampler: Sampler, logits: torch.Tensor, requests: list["Request"], out: dict[str, list[int]],

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.activation import get_act_fn
 from pagedllm.models.vision import VisionTower
-from pagedllm.models.vit import VitEncoder, activation
+from pagedllm.models.vit import VitEncoder
 
 
 class LlavaVisionTower(VisionTower):
@@ -38,7 +39,7 @@ class LlavaVisionTower(VisionTower):
         self.projector = nn.Module()
         self.projector.linear_1 = nn.Linear(vc.hidden_size * len(self.keep), text_hidden, bias=bias, dtype=dtype)
         self.projector.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype)
-        self.act = activation(hf_config.projector_hidden_act)
+        self.act = get_act_fn(hf_config.projector_hidden_act)
 
     @torch.inference_mode()
     def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -10,32 +10,13 @@ no tensor parallelism, no paged cache.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": _quick_gelu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation transformers' ACT2FN names ``name``. Raises ValueError for one we lack."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"vision activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
+from pagedllm.layers.activation import get_act_fn
 
 
 class VitAttention(nn.Module):
@@ -67,7 +48,7 @@ class VitLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.fc1 = nn.Linear(d, cfg.intermediate_size, dtype=dtype)
         self.mlp.fc2 = nn.Linear(cfg.intermediate_size, d, dtype=dtype)
-        self.act = activation(cfg.hidden_act)
+        self.act = get_act_fn(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

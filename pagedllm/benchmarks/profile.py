@@ -220,9 +220,16 @@ def step_cost(engine, batch: int, context: int) -> dict[str, float]:
                 weight_bytes += m.input_size * m.output_size * packed.element_size()
     lm_params = cfg.vocab_size * cfg.hidden_size // engine.config.parallel_config.tensor_parallel_size
     linear_params += lm_params
+    # GGUF blocks kept in the file's format are neither parameters nor buffers (layers/quantization/
+    # gguf.py sets ``gguf_bytes``): the linears' and an untied head's are read whole every step; the
+    # embedding's only by the rows looked up, unless it is the tied head (its weight's ``gguf_blocks``).
+    weight_bytes += sum(getattr(m, "gguf_bytes", 0) for m in model.modules()
+                        if isinstance(m, LinearBase) or m is model.lm_head)
     lm_weight = getattr(model.lm_head, "weight", None)  # absent when the head is quantized
     if getattr(cfg, "tie_word_embeddings", False) and lm_weight is not None:
-        weight_bytes += lm_params * lm_weight.element_size()  # the tied embedding, read again as the head
+        blocks = getattr(lm_weight, "gguf_blocks", None)
+        # the tied embedding, read again as the head
+        weight_bytes += int(blocks.raw.nbytes) if blocks is not None else lm_params * lm_weight.element_size()
     mc = engine.model_config
     heads = cfg.num_attention_heads
     attn_flops = cfg.num_hidden_layers * 2 * 2 * batch * context * heads * mc.head_dim

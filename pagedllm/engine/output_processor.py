@@ -133,8 +133,7 @@ class OutputProcessor:
             out = req.output_token_ids
             new = _text_tokens(req, out[state.num_detokenized[i]:])
             state.num_detokenized[i] = len(out)
-            for tok in new:
-                det.update((tok,))  # (no stop strings: never matches)
+            det.update_each(new)
 
     def output_due(self, request_id: str) -> bool:
         """Whether ``request_id``'s next output should be made now under ``stream_interval`` N (vLLM's

@@ -253,11 +253,11 @@ def test_kernel_bf16(window, soft_cap):
     _compare(seqs, 16, 3, 3, d=64, dtype=torch.bfloat16, seed=9, window=window, soft_cap=soft_cap, tol=2e-2)
 
 
-@pytest.mark.parametrize("d", [24, 48, 80, 128, 256])
+@pytest.mark.parametrize("d", [16, 24, 32, 48, 80, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_head_dims(d, dtype):
     """Every code path of the kernel: head sizes that are not a multiple of 16 (portable loops), a
-    runtime multiple of 16 (vector loops), and the compile-time 64/128 specialisations (vector
+    runtime multiple of 16 (vector loops), and the compile-time 16/32/64/128 specialisations (vector
     loops with register accumulators); decodes, a chunk over a prefix, contexts past one key chunk."""
     seqs = [(0, 1), (300, 1), (17, 1), (600, 1), (40, 20), (0, 33)]
     tol = 1e-5 if dtype == torch.float32 else 2e-2

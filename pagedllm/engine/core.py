@@ -77,7 +77,7 @@ class DeltaCollector(OutputProcessor):
         self._sent[request_id] = _Sent(len(children), plain=len(children) == 1 and sp.logprobs is None
                                        and sp.prompt_logprobs is None and not self.pooling)
 
-    def process(self, updated: list[Request]) -> list[str]:
+    def process(self, updated: list[Request], defer: bool = False) -> list[str]:
         return []
 
     def make_output(self, request_id: str) -> Optional[P.RequestDelta]:

@@ -361,7 +361,7 @@ class CoreClient(AsyncLLM):
             r.send(P.LoRAUpdate(remove_id=lora_int_id))
 
     def _forget(self, request_id: str) -> Optional[_Replica]:
-        self.engine.output_processor.states.pop(request_id, None)
+        self.engine.output_processor.drop(request_id)
         r = self._route.pop(request_id, None)
         if r is not None:
             r.outstanding.pop(request_id, None)

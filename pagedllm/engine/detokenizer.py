@@ -43,8 +43,35 @@ class IncrementalDetokenizer:
         """Add tokens; returns the stop string matched (the text is then cut before it), else None.
         With ``check_stop`` False (still under ``min_tokens``) no stop string is matched; later
         checks start at the text added from then on (as vLLM's detokenizer does)."""
+        self.ids.extend(new_token_ids)
+        delta = self._advance()
+        if delta is None or not self.stop or not check_stop:
+            return None
+        search_from = max(0, len(self.output_text) - len(delta) - self.max_stop_len + 1)
+        best = None
+        for s in self.stop:
+            idx = self.output_text.find(s, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.output_text = self.output_text[: idx + len(s) if self.include_stop else idx]
+        return s
+
+    def update_each(self, token_ids: list[int]) -> None:
+        """``update([t])`` for each token in turn (the same text), for a sequence without stop strings
+        whose one-token updates were put off (OutputProcessor's deferred detokenization)."""
+        assert not self.stop, "stop strings are matched step by step: update() each step"
+        append, advance = self.ids.append, self._advance
+        for t in token_ids:
+            append(t)
+            advance()
+
+    def _advance(self) -> Optional[str]:
+        """Decode the tokens added to ``ids`` since the last text; returns the new text (also added to
+        ``output_text``), or None while it would end in an incomplete character."""
         ids = self.ids
-        ids.extend(new_token_ids)
         po, ro = self.prefix_offset, self.read_offset
         fast = self._fast
         if fast is not None:  # _decode, inlined: this runs for every sequence every step
@@ -62,21 +89,9 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_offset, self.read_offset = ro, len(ids)
         self.output_text += delta
-        if not self.stop or not check_stop:
-            return None
-        search_from = max(0, len(self.output_text) - len(delta) - self.max_stop_len + 1)
-        best = None
-        for s in self.stop:
-            idx = self.output_text.find(s, search_from)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return None
-        idx, s = best
-        self.output_text = self.output_text[: idx + len(s) if self.include_stop else idx]
-        return s
+        return delta
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show now: while running, the last ``max_stop_len - 1`` characters are held

@@ -493,7 +493,9 @@ class LLMEngine:
             if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched_out, sampled)
         self.num_generation_tokens_total += len(sampled)
-        stopped = self.output_processor.process(updated)
+        # Offline final outputs: requests without stop strings are detokenized once they finish (one
+        # token a sample a step is what makes that exact: not with speculative decoding).
+        stopped = self.output_processor.process(updated, self.final_outputs_only and self.speculator is None)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.speculator is not None:

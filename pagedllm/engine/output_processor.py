@@ -18,6 +18,9 @@ class RequestState:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     num_detokenized: list[int] = field(default_factory=list)
+    # No sample has stop strings: its text is needed only for an output, so under final outputs only
+    # (OutputProcessor.process's defer) it is detokenized then, not every step.
+    deferrable: bool = False
     # What the last output carried, per sample: (output tokens, finished); None before the first output
     # (read by OutputProcessor.output_due under a stream interval).
     last_output: Optional[list[tuple[int, bool]]] = None
@@ -26,7 +29,13 @@ class RequestState:
 class OutputProcessor:
     """``stream_interval`` N (vLLM's ``--stream-interval``): the engine loops ask ``output_due`` before
     making a running request's output, so a caller gets one every N tokens of a sample (plus the first
-    and the finishing one) instead of one a step; detokenization and stop strings still run every step."""
+    and the finishing one) instead of one a step; detokenization and stop strings still run every step.
+
+    Deferred detokenization (``process(..., defer=True)``: offline ``LLM.generate``, which wants final
+    outputs only, one token a sample a step): a request none of whose samples has a stop string is
+    not detokenized each step; ``make_output`` catches it up first, feeding its detokenizers the same
+    one-token updates the steps would have (so the text is the same, character for character), and
+    the first step without ``defer`` catches every such request up before its own work."""
 
     def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
@@ -36,6 +45,10 @@ class OutputProcessor:
         self._token_bytes_cache: dict[int, bytes] = {}
         # Each token's text alone, for the detokenizers (skip_special_tokens False, True).
         self._one_token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        # Requests with a stop string (never deferred; ``drop`` keeps the count), and whether some step
+        # since the last catch-up deferred the others.
+        self.num_eager = 0
+        self._lagging = False
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: list[Request]) -> None:
@@ -43,8 +56,17 @@ class OutputProcessor:
                                        c.sampling_params.stop, c.sampling_params.include_stop_str_in_output,
                                        self._one_token_texts[bool(c.sampling_params.skip_special_tokens)])
                 for c in children]
+        deferrable = not any(c.sampling_params.stop for c in children)
+        self.drop(request_id)  # (a reused id: the engine refuses one still running)
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children, dets,
-                                               [0] * len(children))
+                                               [0] * len(children), deferrable=deferrable)
+        self.num_eager += not deferrable
+
+    def drop(self, request_id: str) -> None:
+        """Forget ``request_id``'s state (no output made); nothing for an unknown id."""
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.num_eager -= not state.deferrable
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
@@ -68,23 +90,31 @@ class OutputProcessor:
                 d[tid] = Logprob(v, r, self.token_text(tid))
         return d
 
-    def process(self, updated: list[Request]) -> list[str]:
+    def process(self, updated: list[Request], defer: bool = False) -> list[str]:
         """Detokenize the new tokens of ``updated`` sequences; returns ids of sequences that
-        matched a stop string (the engine finishes them)."""
+        matched a stop string (the engine finishes them). ``defer``: only final outputs are wanted
+        and each sequence got at most one token this step (no speculative decoding): requests without
+        stop strings are left to ``make_output`` (see the class)."""
         stopped = []
         states = self.states
+        if defer:
+            self._lagging = True
+            if not self.num_eager:
+                return stopped
+        elif self._lagging:
+            self._lagging = False
+            for state in states.values():
+                if state.deferrable:
+                    self._catch_up(state)
         for req in updated:
             state = states.get(req.parent_id)
-            if state is None:
+            if state is None or defer and state.deferrable:
                 continue
             i = req.index
             out = req.output_token_ids
             num_out = len(out)
-            new = out[state.num_detokenized[i]:]
+            new = _text_tokens(req, out[state.num_detokenized[i]:])
             state.num_detokenized[i] = num_out
-            stop_reason = req.stop_reason
-            if req.status.finish_reason == "stop" and stop_reason is None or isinstance(stop_reason, int):
-                new = new[:-1]  # EOS / stop token ids are not part of the text
             if not new:
                 continue
             # min_tokens holds back stop strings too: only text ending past it can match one.
@@ -94,6 +124,16 @@ class OutputProcessor:
                 if not req.status.finished:
                     stopped.append(req.request_id)
         return stopped
+
+    def _catch_up(self, state: RequestState) -> None:
+        """Detokenize a deferred request's tokens that ``process`` skipped, one update a token as the
+        steps would have made them (each of those steps gave a sample one token)."""
+        for req, det in zip(state.children, state.detokenizers):
+            i = req.index
+            out = req.output_token_ids
+            new = _text_tokens(req, out[state.num_detokenized[i]:])
+            state.num_detokenized[i] = len(out)
+            det.update_each(new)
 
     def output_due(self, request_id: str) -> bool:
         """Whether ``request_id``'s next output should be made now under ``stream_interval`` N (vLLM's
@@ -120,6 +160,8 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is None:
             return None
+        if state.deferrable and self._lagging:
+            self._catch_up(state)
         outs = []
         for req, det in zip(state.children, state.detokenizers):
             finished = req.is_finished
@@ -147,7 +189,16 @@ class OutputProcessor:
                                finished=finished, metrics=metrics, num_cached_tokens=max(0, first.num_cached_tokens),
                                pooled=first.pooled)
         if finished:
-            del self.states[request_id]
+            self.drop(request_id)
         elif self.stream_interval > 1:
             state.last_output = [(len(c.token_ids), c.finish_reason is not None) for c in outs]
         return output
+
+
+def _text_tokens(req: Request, new: list[int]) -> list[int]:
+    """``new``, the sequence's tokens not detokenized yet, less a finishing EOS or stop token id (not
+    part of the text; it can only be the last)."""
+    stop_reason = req.stop_reason
+    if new and (req.status.finish_reason == "stop" and stop_reason is None or isinstance(stop_reason, int)):
+        return new[:-1]
+    return new

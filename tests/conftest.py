@@ -219,6 +219,24 @@ def record_schedule(llm, monkeypatch) -> list[tuple[str, int, int, int]]:
     return log
 
 
+# ---- one `pagedllm serve` of the tiny Llama for the modules that need no flag of their own ----------
+# A server start is 10-20 s of the suite; test_server, test_server_instructor and test_server_vllm_dropin's
+# flags-off checks used three servers with these same settings (the tokenizer's own chat template).
+TINY_SERVER_ARGS = ("--served-model-name", "tiny", "--max-model-len", "256", "--kv-cache-memory", "4MiB",
+                    "--max-num-seqs", "64", "--disable-access-log", "--max-request-bytes", "1MiB")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(llama_dir, tmp_path_factory):
+    """A RemoteServer of ``llama_dir`` with TINY_SERVER_ARGS, for the whole session; it must exit 0."""
+    from server_utils import RemoteServer
+
+    log = str(tmp_path_factory.mktemp("tiny_server") / "server.log")
+    with RemoteServer(llama_dir, TINY_SERVER_ARGS, log_path=log) as srv:
+        yield srv
+    assert srv.returncode == 0, srv.log()
+
+
 # ---- clients of a test module's ``server`` fixture (a RemoteServer) -------------------------------
 # With an API key, a module names it ``KEY``; both clients then send it.
 @pytest.fixture(scope="module")

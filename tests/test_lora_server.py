@@ -141,10 +141,13 @@ def test_lora_server_in_process(setup, core_process):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", [(), ("--no-engine-core-process",)], ids=["engine-core-process", "engine-thread"])
-def test_lora_server_flags(setup, mode):
+def test_lora_server_flags(setup):
+    """The flags through `pagedllm serve`: the adapters served from start in the engine core process (the
+    default mode), and a rank past --max-lora-rank refusing to start in the engine-thread mode
+    (--no-engine-core-process), so each mode starts once with --enable-lora from the CLI (the adapters
+    themselves in each mode: test_lora_server_in_process; both modes take the same EngineArgs)."""
     d, ads, _ = setup
-    args = (*mode, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules",
+    args = ("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules",
             f"sql={ads['sql']}", json.dumps({"name": "chat", "path": ads["chat"]}), "--kv-cache-memory", "4MiB")
     with RemoteServer(d, args) as srv:
         ids = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
@@ -156,6 +159,7 @@ def test_lora_server_flags(setup, mode):
         r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "law", "lora_path": ads["law"]})
         assert r.status_code == 400 and "allow-runtime-lora-updating" in r.json()["error"]["message"]
     with pytest.raises(RuntimeError, match="greater than max_lora_rank 8"):
-        with RemoteServer(d, (*mode, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
-                              f"law={ads['law']}", "--kv-cache-memory", "4MiB"), startup_timeout=120):
+        with RemoteServer(d, ("--no-engine-core-process", "--dtype", "float32", "--enable-lora", "--max-lora-rank",
+                              "8", "--lora-modules", f"law={ads['law']}", "--kv-cache-memory", "4MiB"),
+                          startup_timeout=120):
             pass

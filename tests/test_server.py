@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, metric, wait_idle
+from server_utils import metric, wait_idle
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -20,15 +20,10 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("server") / "server.log")
-    args = ("--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "4MiB",
-            "--max-num-seqs", "64", "--disable-access-log", "--max-request-bytes", "1MiB")
-    with RemoteServer(llama_dir, args, log_path=log) as srv:
-        yield srv
-    assert srv.returncode == 0, srv.log()
-
-
+def server(tiny_server):
+    """conftest's session server: MODEL, MAX_MODEL_LEN, a 4 MiB KV cache, --max-num-seqs 64,
+    --disable-access-log, --max-request-bytes 1MiB (TINY_SERVER_ARGS)."""
+    return tiny_server
 
 
 def async_client(server) -> openai.AsyncOpenAI:

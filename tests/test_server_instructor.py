@@ -10,8 +10,6 @@ from typing import Literal
 import pydantic
 import pytest
 
-from server_utils import RemoteServer
-
 instructor = pytest.importorskip("instructor")
 
 MODEL = "tiny"
@@ -24,15 +22,9 @@ class Weather(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("instructor")
-    (tmp / "t.jinja").write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    args = ("--served-model-name", MODEL, "--max-model-len", "256", "--kv-cache-memory", "4MiB",
-            "--chat-template", str(tmp / "t.jinja"))
-    with RemoteServer(llama_dir, args, log_path=str(tmp / "server.log")) as srv:
-        yield srv
-    assert srv.returncode == 0, srv.log()
+def server(tiny_server):
+    """conftest's session server (the tokenizer's own chat template: <|role|>content</s>)."""
+    return tiny_server
 
 
 MSGS = [{"role": "user", "content": "weather in Rome?"}]

@@ -47,14 +47,10 @@ def server(llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(llama_dir, tmp_path_factory):
-    """A server without the flags: their features stay off, as in vLLM."""
-    tmp = tmp_path_factory.mktemp("dropin-plain")
-    args = ("--served-model-name", MODEL, "--max-model-len", "256", "--kv-cache-memory", "4MiB")
-    with RemoteServer(llama_dir, args, log_path=str(tmp / "server.log")) as srv:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
-            yield c
-    assert srv.returncode == 0, srv.log()
+def plain(tiny_server):
+    """A server without the flags (conftest's session server): their features stay off, as in vLLM."""
+    with httpx.Client(base_url=tiny_server.url, timeout=120) as c:
+        yield c
 
 
 def sse_chunks(http: httpx.Client, path: str, body: dict) -> list[dict]:

@@ -1,16 +1,19 @@
 """The GEMM over GGUF blocks of ``platforms/cpu/gguf_gemm.cpp``: ``x @ W^T`` with ``W`` kept in its
 ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the activations quantized to int8
-per block of 32 and dotted in integers (llama.cpp's scheme; the .cpp's header says how).
+per block of 32 (per 256 for the K-quants, as llama.cpp's Q8_K) and dotted in integers (llama.cpp's
+scheme; the .cpp's header and ``gguf_kquants.h`` say how).
 
-- ``quantize_rows(x)``: x float [M, K] -> ``Act`` (int8 values, float32 scales and scaled sums per 32).
+- ``quantize_rows(x, block)``: x float [M, K] -> ``Act``: int8 values and per block of ``block``
+  (``act_block(type_id)``: 32, or 256 for Q4_K/Q5_K/Q6_K) the float32 scales, plus the float32
+  scaled sums per 32 or the int16 sums per 16.
 - ``gemm(type_id, act, w, out)``: the N rows of raw blocks ``w`` (uint8 [N, row bytes], a NumPy
   array such as a ``GGUFReader`` memory map, or a tensor) into ``out`` float32 [M, N] (a view; its
   rows may be strided, e.g. a fused layer's column slice).
 
 Accuracy against the dequantized weight in float: each activation is within d / 2 of its int8
-value times d (d = max |x| of its block / 127), so a dot differs from ``x . w`` by at most
-sum over blocks of (d_b / 2) * sum |w| over the block, plus float32 rounding of the sums
-(``tests/test_gguf_gemm.py`` asserts that bound).
+value times d (d = max |x| of its block / 127, blocks of ``act_block(type_id)``), so a dot differs
+from ``x . w`` by at most sum over blocks of (d_b / 2) * sum |w| over the block, plus float32
+rounding of the sums (``tests/test_gguf_gemm.py`` asserts that bound).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ SOURCE = Path(__file__).with_name("gguf_gemm.cpp")
 TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
          8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
+K_QUANTS = (12, 13, 14)  # their activation goes in blocks of 256 (gguf_kquants.h)
 
 
 def build_with(flags: list[str]) -> ctypes.CDLL:
@@ -38,6 +42,8 @@ def build_with(flags: list[str]) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gguf_quantize_rows.argtypes = [p, i64, i32, i64, p, p, p]
     lib.gguf_quantize_rows.restype = None
+    lib.gguf_quantize_rows_k.argtypes = [p, i64, i32, i64, p, p, p]
+    lib.gguf_quantize_rows_k.restype = None
     lib.gguf_gemm.argtypes = [i32, p, p, p, i32, i64, p, i64, p, i64]
     lib.gguf_gemm.restype = i32
     lib.gguf_gemm_vnni.restype = i32
@@ -81,26 +87,45 @@ def has_kernel(type_name: str, cols: int) -> bool:
     return tid is not None and cols % TYPES[tid][1] == 0
 
 
+def act_block(type_id: int) -> int:
+    """The activation's block for weights of ggml type ``type_id``: 256 for the K-quants, else 32."""
+    return 256 if type_id in K_QUANTS else 32
+
+
 class Act(NamedTuple):
-    """Activations quantized per block of 32: q int8 [M, K], d and s float32 [M, K / 32]."""
+    """Activations quantized per ``block``: q int8 [M, K]; d float32 [M, K / block]; s: for blocks
+    of 32 the float32 d * sum(q) [M, K / 32], for 256 the int16 sums of each 16 q [M, K / 16]."""
 
     q: torch.Tensor
     d: torch.Tensor
     s: torch.Tensor
+    block: int = 32
 
 
-def quantize_rows(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> Act:
-    """x [M, K] float (K a multiple of 32; rows may be strided) -> ``Act``; other dtypes go
-    through float32."""
+def quantize_rows(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None, block: int = 32) -> Act:
+    """x [M, K] float (K a multiple of ``block``, 32 or 256; rows may be strided) -> ``Act``; other
+    dtypes go through float32.
+
+    Raises:
+        ValueError: K not a multiple of ``block``, or a block other than 32 and 256.
+    """
     lib = lib or _LIBRARY.get()[0]
+    if block not in (32, 256):
+        raise ValueError(f"gguf_gemm.quantize_rows: block {block} is neither 32 nor 256")
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
     m, k = x.shape
-    if k % 32:
-        raise ValueError(f"gguf_gemm.quantize_rows: K={k} is not a multiple of 32")
-    act = Act(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32))
+    if k % block:
+        raise ValueError(f"gguf_gemm.quantize_rows: K={k} is not a multiple of {block}")
+    if block == 32:
+        act = Act(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32), 32)
+        fn = lib.gguf_quantize_rows
+    else:
+        act = Act(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 256),
+                  torch.empty(m, k // 16, dtype=torch.int16), 256)
+        fn = lib.gguf_quantize_rows_k
     if m:
-        lib.gguf_quantize_rows(x.data_ptr(), x.stride(0), m, k, act.q.data_ptr(), act.d.data_ptr(), act.s.data_ptr())
+        fn(x.data_ptr(), x.stride(0), m, k, act.q.data_ptr(), act.d.data_ptr(), act.s.data_ptr())
     return act
 
 
@@ -115,11 +140,15 @@ def gemm(type_id: int, act: Act, w: Any, out: torch.Tensor, lib: Optional[ctypes
     raw blocks of type ``type_id``, uint8 [N, K / block * block bytes] C-contiguous.
 
     Raises:
-        ValueError: a type without a kernel, or shapes that do not fit.
+        ValueError: a type without a kernel, an ``act`` of another block than ``act_block(type_id)``,
+            or shapes that do not fit.
     """
     lib = lib or _LIBRARY.get()[0]
     if type_id not in TYPES:
         raise ValueError(f"gguf_gemm: no kernel for ggml type {type_id}")
+    if act.block != act_block(type_id):
+        raise ValueError(f"gguf_gemm: {TYPES[type_id][0]} takes activations in blocks of {act_block(type_id)}, "
+                         f"not {act.block}")
     _, elems, nbytes = TYPES[type_id]
     m, k = act.q.shape
     n = w.shape[0]

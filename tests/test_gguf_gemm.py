@@ -128,3 +128,27 @@ def test_bad_shapes(libs):
                        torch.empty(1, 4))
     with pytest.raises(ValueError, match="not a multiple of 256"):
         gguf_gemm.quantize_rows(torch.randn(1, 96), block=256)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_linear_segments(libs, m):
+    """``linear`` (one C call: quantization and every segment in one parallel region) equals
+    ``quantize_rows`` + ``gemm`` per segment, on a fused layer of mixed types (K-quants and a
+    32-weight type, so both activation blocks), bit for bit; a second call takes the cached segment
+    arguments."""
+    rng = np.random.default_rng(11)
+    k = 512
+    segments, first = [], 0
+    for name, rows in (("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 8)):
+        segments.append((first, gguf_gemm.TYPE_IDS[name], torch.from_numpy(random_blocks(name, rows, k, rng))))
+        first += rows
+    x = torch.from_numpy(rng.standard_normal((m, 2 * k)).astype(np.float32))[:, ::2]  # strided: a float copy
+    for _, lib in libs:
+        want = torch.empty(m, first)
+        for f, tid, raw in segments:
+            act = gguf_gemm.quantize_rows(x, lib, gguf_gemm.act_block(tid))
+            gguf_gemm.gemm(tid, act, raw, want[:, f:f + raw.shape[0]], lib)
+        assert torch.equal(gguf_gemm.linear(x, segments, first, lib), want)
+        assert torch.equal(gguf_gemm.linear(x, segments, first, lib), want)
+    with pytest.raises(ValueError, match="outside"):
+        gguf_gemm.linear(x, segments, first - 1)

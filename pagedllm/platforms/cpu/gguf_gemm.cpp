@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "gguf_kquants.h"
 
@@ -190,31 +191,46 @@ inline void dot_rows(const uint8_t* w, int64_t nblocks, const Rows& x, int64_t i
 constexpr int kRowChunk = 16;  // weight rows a thread takes through all tiles of x before the next
 constexpr int kTileRows = 4;   // rows of x a weight block is unpacked for
 
+// Output rows [j0, j1) of W (one thread's share): in chunks of kRowChunk, each chunk against x's
+// rows in tiles of kTileRows.
 template <class T>
-void gemm(const Rows& x, int M, const uint8_t* w, int64_t N, float* out, int64_t ldo) {
+void gemm_rows(const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out, int64_t ldo) {
   const int64_t nblocks = x.K / T::kElems, row_bytes = nblocks * T::kBytes;
-#pragma omp parallel
-  {
-    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
-    const int64_t j0 = N * th / nt, j1 = N * (th + 1) / nt;
-    for (int64_t jc = j0; jc < j1; jc += kRowChunk) {
-      const int64_t je = std::min<int64_t>(jc + kRowChunk, j1);
-      for (int i = 0; i < M; i += kTileRows) {
-        const int rows = std::min(kTileRows, M - i);
-        for (int64_t j = jc; j < je; ++j) {
-          const uint8_t* wr = w + j * row_bytes;
-          float* o = out + i * ldo + j;
-          switch (rows) {
-            case 4: dot_rows<T, 4>(wr, nblocks, x, i, o, ldo); break;
-            case 3: dot_rows<T, 3>(wr, nblocks, x, i, o, ldo); break;
-            case 2: dot_rows<T, 2>(wr, nblocks, x, i, o, ldo); break;
-            default: dot_rows<T, 1>(wr, nblocks, x, i, o, ldo); break;
-          }
+  for (int64_t jc = j0; jc < j1; jc += kRowChunk) {
+    const int64_t je = std::min<int64_t>(jc + kRowChunk, j1);
+    for (int i = 0; i < M; i += kTileRows) {
+      const int rows = std::min(kTileRows, M - i);
+      for (int64_t j = jc; j < je; ++j) {
+        const uint8_t* wr = w + j * row_bytes;
+        float* o = out + i * ldo + j;
+        switch (rows) {
+          case 4: dot_rows<T, 4>(wr, nblocks, x, i, o, ldo); break;
+          case 3: dot_rows<T, 3>(wr, nblocks, x, i, o, ldo); break;
+          case 2: dot_rows<T, 2>(wr, nblocks, x, i, o, ldo); break;
+          default: dot_rows<T, 1>(wr, nblocks, x, i, o, ldo); break;
         }
       }
     }
   }
 }
+
+// gemm_rows of ggml `type`; false for a type without a kernel.
+bool gemm_rows_of(int type, const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out,
+                  int64_t ldo) {
+  switch (type) {
+    case 2: gemm_rows<Q4_0>(x, M, w, j0, j1, out, ldo); return true;
+    case 3: gemm_rows<Q4_1>(x, M, w, j0, j1, out, ldo); return true;
+    case 6: gemm_rows<Q5_0>(x, M, w, j0, j1, out, ldo); return true;
+    case 7: gemm_rows<Q5_1>(x, M, w, j0, j1, out, ldo); return true;
+    case 8: gemm_rows<Q8_0>(x, M, w, j0, j1, out, ldo); return true;
+    case 12: gemm_rows<kq::Q4_K>(x, M, w, j0, j1, out, ldo); return true;
+    case 13: gemm_rows<kq::Q5_K>(x, M, w, j0, j1, out, ldo); return true;
+    case 14: gemm_rows<kq::Q6_K>(x, M, w, j0, j1, out, ldo); return true;
+    default: return false;
+  }
+}
+
+bool is_k_quant(int type) { return type == 12 || type == 13 || type == 14; }
 
 }  // namespace
 
@@ -286,18 +302,58 @@ void gguf_quantize_rows_k(const float* x, int64_t ldx, int M, int64_t K, int8_t*
 // for a type without a kernel.
 int gguf_gemm(int type, const int8_t* q, const float* d, const void* s, int M, int64_t K, const uint8_t* w,
               int64_t N, float* out, int64_t ldo) {
+  if (!gguf_gemm_supported(type)) return -1;
   const Rows x{q, d, s, K};
-  switch (type) {
-    case 2: gemm<Q4_0>(x, M, w, N, out, ldo); return 0;
-    case 3: gemm<Q4_1>(x, M, w, N, out, ldo); return 0;
-    case 6: gemm<Q5_0>(x, M, w, N, out, ldo); return 0;
-    case 7: gemm<Q5_1>(x, M, w, N, out, ldo); return 0;
-    case 8: gemm<Q8_0>(x, M, w, N, out, ldo); return 0;
-    case 12: gemm<kq::Q4_K>(x, M, w, N, out, ldo); return 0;
-    case 13: gemm<kq::Q5_K>(x, M, w, N, out, ldo); return 0;
-    case 14: gemm<kq::Q6_K>(x, M, w, N, out, ldo); return 0;
-    default: return -1;
+#pragma omp parallel
+  {
+    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
+    gemm_rows_of(type, x, M, w, N * th / nt, N * (th + 1) / nt, out, ldo);
   }
+  return 0;
+}
+
+// A whole linear layer in one call (ops.gguf_linear's fast path): out [M, sum of rows] float32 (row
+// stride ldo) = x @ W^T, W given as nseg segments of types[i] blocks at ptrs[i], rows[i] output rows
+// from column firsts[i]. x float32 [M, K] (row stride ldx) is quantized here, once per activation
+// block its segments take, into this thread's scratch; then one parallel region in which each
+// thread takes an equal share of every segment's rows (one fork and join for a fused q/k/v or
+// gate/up layer, where a call per segment took one each). Returns 0, or -1 (nothing written) for a
+// type without a kernel or a K its blocks do not divide.
+int gguf_linear(const float* x, int64_t ldx, int M, int64_t K, int nseg, const int32_t* types,
+                const int64_t* firsts, const int64_t* rows, const uint64_t* ptrs, float* out, int64_t ldo) {
+  bool need32 = false, need256 = false;
+  for (int i = 0; i < nseg; ++i) {
+    if (!gguf_gemm_supported(types[i]) || K % (is_k_quant(types[i]) ? 256 : 32)) return -1;
+    (is_k_quant(types[i]) ? need256 : need32) = true;
+  }
+  thread_local std::vector<int8_t> q32, q256;
+  thread_local std::vector<float> d32, s32, d256;
+  thread_local std::vector<int16_t> bs256;
+  Rows x32{nullptr, nullptr, nullptr, K}, x256{nullptr, nullptr, nullptr, K};
+  if (need32) {
+    q32.resize(M * K);
+    d32.resize(M * K / 32);
+    s32.resize(M * K / 32);
+    gguf_quantize_rows(x, ldx, M, K, q32.data(), d32.data(), s32.data());
+    x32 = Rows{q32.data(), d32.data(), s32.data(), K};
+  }
+  if (need256) {
+    q256.resize(M * K);
+    d256.resize(M * K / 256);
+    bs256.resize(M * K / 16);
+    kq::quantize_rows_k(x, ldx, M, K, q256.data(), d256.data(), bs256.data());
+    x256 = Rows{q256.data(), d256.data(), bs256.data(), K};
+  }
+#pragma omp parallel
+  {
+    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
+    for (int i = 0; i < nseg; ++i) {
+      const int64_t n = rows[i];
+      gemm_rows_of(types[i], is_k_quant(types[i]) ? x256 : x32, M, reinterpret_cast<const uint8_t*>(ptrs[i]),
+                   n * th / nt, n * (th + 1) / nt, out + firsts[i], ldo);
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"

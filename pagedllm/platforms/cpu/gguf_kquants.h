@@ -178,6 +178,8 @@ struct Q6_K {
 inline void quantize_rows_k(const float* x, int64_t ldx, int M, int64_t K, int8_t* q, float* d, int16_t* bs) {
   const int64_t kb = K / 256, total = M * kb;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  // a decode step's row is a few microseconds on one thread: no parallel region below a prefill's
+#pragma omp parallel for schedule(static) if (total >= 128)
   for (int64_t idx = 0; idx < total; ++idx) {
     const int64_t i = idx / kb, b = idx % kb;
     const float* xb = x + i * ldx + 256 * b;

@@ -120,11 +120,4 @@ class CpuOps(PlatformOps):
     def gguf_linear(x: torch.Tensor, segments: list, n: int) -> Optional[torch.Tensor]:
         if not x.is_cpu or x.dim() != 2 or x.shape[1] % 32 or gguf_gemm._LIBRARY.get()[0] is None:
             return None
-        acts = {}  # one quantized x per activation block the segments' types take (32, 256)
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for first, type_id, raw in segments:
-            block = gguf_gemm.act_block(type_id)
-            if block not in acts:
-                acts[block] = gguf_gemm.quantize_rows(x, block=block)
-            gguf_gemm.gemm(type_id, acts[block], raw, out[:, first:first + raw.shape[0]])
-        return out
+        return gguf_gemm.linear(x, segments, n)

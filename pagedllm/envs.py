@@ -147,7 +147,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "switch (0 = off)", "1", _switch,
         "Keep a GGUF file's quantized linear weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in "
         "their ggml blocks, memory-mapped, and multiply them with our int8-dot kernels "
-        "(platforms/cpu/gguf_gemm.py; activations quantized to 8 bits per block of 32, as llama.cpp); 0 "
+        "(platforms/cpu/gguf_gemm.py; activations quantized to 8 bits per block of 32, of 256 for the "
+        "K-quants, as llama.cpp); 0 "
         "dequantizes them to the model's dtype at load. Read when a model is loaded."),
     "PAGEDLLM_CPU_LAYER_RUNNER": EnvVar(
         "switch (0 = off)", "1", _switch,

@@ -170,14 +170,17 @@ def tied_gguf(tmp_path_factory):
 
 def _assert_within_int8_bound(m, x: torch.Tensor) -> None:
     """``m``'s output on ``x`` [M, K] against its blocks dequantized, in float64, within the bound of
-    the activations' 8-bit quantization (tests/test_gguf_gemm.py derives it)."""
+    the activations' 8-bit quantization (tests/test_gguf_gemm.py derives it), per segment: x goes in
+    blocks of 32, or of 256 against a K-quant's rows (``gguf_gemm.act_block``)."""
     y = (m.compute_logits(x) if getattr(m, "is_lm_head", False) else m(x)).double()
-    w = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)))
-                   for _, t, raw in m.gguf_segments]).double()
-    ref = x.double() @ w.t()
-    d = x.double().abs().view(x.shape[0], -1, 32).amax(-1) / 127
-    tol = (d / 2) @ w.abs().view(w.shape[0], -1, 32).sum(-1).t() * (1 + 1e-5) + 1e-5 * x.double().abs() @ w.abs().t()
-    assert torch.all((y - ref).abs() <= tol + 1e-6), m.prefix
+    xd = x.double()
+    for first, t, raw in m.gguf_segments:
+        w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t))).double()
+        blk = gguf_gemm.act_block(t)
+        ref = xd @ w.t()
+        d = xd.abs().view(x.shape[0], -1, blk).amax(-1) / 127
+        tol = (d / 2) @ w.abs().view(w.shape[0], -1, blk).sum(-1).t() * (1 + 1e-5) + 1e-5 * xd.abs() @ w.abs().t()
+        assert torch.all((y[:, first:first + w.shape[0]] - ref).abs() <= tol + 1e-6), (m.prefix, t)
 
 
 def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch):

@@ -40,24 +40,28 @@ def quantized_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.
 
 def check(lib, name: str, raw: np.ndarray, x: torch.Tensor) -> None:
     tid = gguf_gemm.TYPE_IDS[name]
+    blk = gguf_gemm.act_block(tid)  # 32, or 256 for the K-quants (llama.cpp's Q8_K)
     w = quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).astype(np.float64)  # [n, k]
-    act = gguf_gemm.quantize_rows(x, lib)
+    act = gguf_gemm.quantize_rows(x, lib, blk)
     out = torch.full((x.shape[0], raw.shape[0]), float("nan"))
     gguf_gemm.gemm(tid, act, raw, out, lib)
     xd = x.double().numpy()
     ref = xd @ w.T
     m, k = xd.shape
-    d = np.abs(xd).reshape(m, -1, 32).max(axis=2) / 127  # [m, k / 32]
-    wabs = np.abs(w).reshape(w.shape[0], -1, 32).sum(axis=2)  # [n, k / 32]
+    d = np.abs(xd).reshape(m, -1, blk).max(axis=2) / 127  # [m, k / blk]
+    wabs = np.abs(w).reshape(w.shape[0], -1, blk).sum(axis=2)  # [n, k / blk]
     tol = (d / 2) @ wabs.T * (1 + 1e-5) + 1e-5 * np.abs(xd) @ np.abs(w).T + 1e-6
     err = np.abs(out.double().numpy() - ref)
     assert np.all(np.isfinite(out.numpy())), name
     assert np.all(err <= tol), f"{name}: max err {err.max():.3g}, worst err/tol {(err / tol).max():.3g}"
     # the activation values quantized as described (within d / 2 of x)
-    deq = act.q.double().reshape(m, -1, 32) * act.d.double()[:, :, None]
-    assert np.all(np.abs(deq.reshape(m, k).numpy() - xd) <= d.repeat(32, axis=1) * 0.5 * (1 + 1e-5) + 1e-12)
-    torch.testing.assert_close(act.s.double(), act.d.double() * act.q.reshape(m, -1, 32).sum(-1).double(),
-                               rtol=1e-6, atol=1e-9)
+    deq = act.q.double().reshape(m, -1, blk) * act.d.double()[:, :, None]
+    assert np.all(np.abs(deq.reshape(m, k).numpy() - xd) <= d.repeat(blk, axis=1) * 0.5 * (1 + 1e-5) + 1e-12)
+    if blk == 32:
+        torch.testing.assert_close(act.s.double(), act.d.double() * act.q.reshape(m, -1, 32).sum(-1).double(),
+                                   rtol=1e-6, atol=1e-9)
+    else:
+        assert torch.equal(act.s, act.q.reshape(m, -1, 16).sum(-1, dtype=torch.int16))
 
 
 def _libs():
@@ -103,10 +107,10 @@ def test_strided_out_and_bf16(libs):
     raw = random_blocks("Q4_K", 20, 256, rng)
     x = torch.from_numpy(rng.standard_normal((2, 256)).astype(np.float32)).bfloat16()
     wide = torch.zeros(2, 50)
-    act = gguf_gemm.quantize_rows(x)
+    act = gguf_gemm.quantize_rows(x, block=256)
     gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q4_K"], act, raw, wide[:, 10:30])
     full = torch.empty(2, 20)
-    gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q4_K"], gguf_gemm.quantize_rows(x.float()), raw, full)
+    gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q4_K"], gguf_gemm.quantize_rows(x.float(), block=256), raw, full)
     assert torch.equal(wide[:, 10:30], full)
     assert not wide[:, :10].any() and not wide[:, 30:].any()
 
@@ -118,3 +122,33 @@ def test_bad_shapes(libs):
         gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q8_0"], act, raw, torch.empty(1, 4))
     with pytest.raises(ValueError, match="no kernel"):
         gguf_gemm.gemm(99, act, raw, torch.empty(1, 4))
+    k_raw = random_blocks("Q4_K", 4, 256, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="blocks of 256, not 32"):
+        gguf_gemm.gemm(gguf_gemm.TYPE_IDS["Q4_K"], gguf_gemm.quantize_rows(torch.randn(1, 256)), k_raw,
+                       torch.empty(1, 4))
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        gguf_gemm.quantize_rows(torch.randn(1, 96), block=256)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_linear_segments(libs, m):
+    """``linear`` (one C call: quantization and every segment in one parallel region) equals
+    ``quantize_rows`` + ``gemm`` per segment, on a fused layer of mixed types (K-quants and a
+    32-weight type, so both activation blocks), bit for bit; a second call takes the cached segment
+    arguments."""
+    rng = np.random.default_rng(11)
+    k = 512
+    segments, first = [], 0
+    for name, rows in (("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 8)):
+        segments.append((first, gguf_gemm.TYPE_IDS[name], torch.from_numpy(random_blocks(name, rows, k, rng))))
+        first += rows
+    x = torch.from_numpy(rng.standard_normal((m, 2 * k)).astype(np.float32))[:, ::2]  # strided: a float copy
+    for _, lib in libs:
+        want = torch.empty(m, first)
+        for f, tid, raw in segments:
+            act = gguf_gemm.quantize_rows(x, lib, gguf_gemm.act_block(tid))
+            gguf_gemm.gemm(tid, act, raw, want[:, f:f + raw.shape[0]], lib)
+        assert torch.equal(gguf_gemm.linear(x, segments, first, lib), want)
+        assert torch.equal(gguf_gemm.linear(x, segments, first, lib), want)
+    with pytest.raises(ValueError, match="outside"):
+        gguf_gemm.linear(x, segments, first - 1)

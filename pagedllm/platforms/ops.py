@@ -316,8 +316,8 @@ def gguf_kernel_types() -> tuple[frozenset, str]:
 def gguf_linear(x: torch.Tensor, segments: list, n: int) -> torch.Tensor:
     """x [m, k] float (rows may be strided) @ W^T -> float32 [m, n], W given as ``segments``:
     (first output row, ggml type id, raw blocks uint8 [rows, k / block * block bytes]) that tile
-    the n rows. The platform's kernel quantizes x to int8 per block of 32 (within the bound in
-    ``platforms/cpu/gguf_gemm.py``); the native body dequantizes W (``gguf.quants``) and
+    the n rows. The platform's kernel quantizes x to int8 per block of 32, of 256 against the
+    K-quants (within the bound in ``platforms/cpu/gguf_gemm.py``); the native body dequantizes W (``gguf.quants``) and
     multiplies in float32: the reference."""
     out = _OPS.gguf_linear(x, segments, n)
     return gguf_linear_native(x, segments, n) if out is None else out

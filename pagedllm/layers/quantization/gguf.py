@@ -12,8 +12,8 @@ After loading, ``finish_blocks`` gives a layer whose every row came in blocks th
 ``GGUFLinearMethod`` and drops its float weight (never written, so never resident); a layer with
 rows from other types (dequantized into the float weight by its loader) gets its block rows
 dequantized into that weight too and stays float. The method's ``apply`` is ``ops.gguf_linear``:
-activations quantized to int8 per block of 32 and integer dot products on the CPU (llama.cpp's
-scheme), within the bound ``platforms/cpu/gguf_gemm.py`` states of the float matmul.
+activations quantized to int8 per block of 32 (per 256 against the K-quants) and integer dot
+products on the CPU (llama.cpp's scheme), within the bound ``platforms/cpu/gguf_gemm.py`` states of the float matmul.
 
 int4 Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors) arrive here too, repacked into Q4_0 /
 Q4_1 blocks (``q4_repack.Int4Blocks``). One quantized in activation order carries ``perm``, the input

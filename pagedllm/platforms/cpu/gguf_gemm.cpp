@@ -1,12 +1,13 @@
 // y = x @ W^T over a GGUF weight kept in its ggml blocks (platforms/cpu/gguf_gemm.py).
 //
 // As llama.cpp does (ggml-cpu/arch/x86/quants.c, ggml_vec_dot_*): the activations are quantized to
-// 8 bits, here in blocks of 32 along k (one float scale d and the float d * sum(q) a block:
-// gguf_quantize_rows), and every 32 weights of a block are unpacked in registers to 32 int8 values
+// 8 bits, for the 32-weight types in blocks of 32 along k (one float scale d and the float
+// d * sum(q) a block: gguf_quantize_rows; the K-quants take blocks of 256, gguf_kquants.h says
+// why), and every 32 weights of a block are unpacked in registers to 32 int8 values
 // and dotted with the activation's 32 in integers (AVX-VNNI / AVX512-VNNI dpbusd where the build
 // has it, else AVX2 maddubs + madd: both exact, as no product pair leaves int16). Each 32's int32
 // sums go to float once, times the weight's and the activation's scales; the weight's minimum
-// terms (Q4_1, Q5_1, Q4_K, Q5_K) come from the activation block's float sum.
+// terms (Q4_1, Q5_1) come from the activation block's float sum.
 //
 // Block layouts: ggml-common.h (block_q8_0 ... block_q6_K). Threads: each takes an equal,
 // contiguous share of the output rows (as panel_gemm.h splits panels); a thread walks its rows in
@@ -19,14 +20,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "gguf_kquants.h"
 
 namespace {
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+using kq::half;
 
 // 8 int32 lanes, each the sum of 4 products of unsigned bytes u and signed bytes s.
 inline __m256i dot_us(__m256i u, __m256i s) {
@@ -80,24 +80,10 @@ inline void add32(Tile<NR>& t, __m256i w, float fw, float mw, int64_t b) {
   }
 }
 
-// Signed 32 weights with one integer scale per 16 (Q6_K): sc16 holds them as AVX2 int16 lanes
-// (8 of the first, 8 of the second) or, under VNNI, int32 lanes (4 and 4).
-template <int NR>
-inline void add32_scaled(Tile<NR>& t, __m256i w, __m256i sc, float fw, int64_t b) {
-  const __m256i u = _mm256_sign_epi8(w, w);
-  for (int r = 0; r < NR; ++r) {
-    __m256i a = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.q[r] + 32 * b)), w);
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    const __m256i p = _mm256_mullo_epi32(dot_us(u, a), sc);
-#else
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), sc);
-#endif
-    t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fw * t.d[r][b]), t.acc[r]);
-  }
-}
-
 // ---- one weight block against the tile's rows; b0: the activation block of its first 32 weights
 struct Q8_0 {
+  template <int NR>
+  using TileT = Tile<NR>;
   static constexpr int kElems = 32, kBytes = 34;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
@@ -106,6 +92,8 @@ struct Q8_0 {
 };
 
 struct Q4_0 {
+  template <int NR>
+  using TileT = Tile<NR>;
   static constexpr int kElems = 32, kBytes = 18;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
@@ -115,6 +103,8 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
+  template <int NR>
+  using TileT = Tile<NR>;
   static constexpr int kElems = 32, kBytes = 20;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
@@ -123,6 +113,8 @@ struct Q4_1 {
 };
 
 struct Q5_0 {
+  template <int NR>
+  using TileT = Tile<NR>;
   static constexpr int kElems = 32, kBytes = 22;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
@@ -132,106 +124,13 @@ struct Q5_0 {
 };
 
 struct Q5_1 {
+  template <int NR>
+  using TileT = Tile<NR>;
   static constexpr int kElems = 32, kBytes = 24;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
     const __m256i w = _mm256_or_si256(nibbles_16(p + 8), bit4_from_bits(p + 4));
     add32<NR, false, true>(t, w, half(p), half(p + 2), b0);
-  }
-};
-
-// The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K block (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-// block_q4_K: d, dmin (fp16), scales[12], qs[128]; 8 sub-blocks of 32, the 64 weights of chunk c
-// in qs[32c..32c+31], low nibbles then high.
-struct Q4_K {
-  static constexpr int kElems = 256, kBytes = 144;
-  template <int NR>
-  static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
-    const float d = half(p), dmin = half(p + 2);
-    const uint8_t* sc = p + 4;
-    const uint8_t* qs = p + 16;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-      int s1, m1, s2, m2;
-      scale_min_k4(2 * c, sc, s1, m1);
-      scale_min_k4(2 * c + 1, sc, s2, m2);
-      add32<NR, false, true>(t, _mm256_and_si256(v, m4), d * s1, -dmin * m1, b0 + 2 * c);
-      add32<NR, false, true>(t, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), d * s2, -dmin * m2, b0 + 2 * c + 1);
-    }
-  }
-};
-
-// block_q5_K: d, dmin, scales[12], qh[32], qs[128]: Q4_K's nibbles plus a fifth bit, chunk c's
-// low half from bit 2c of qh[l], its high half from bit 2c + 1.
-struct Q5_K {
-  static constexpr int kElems = 256, kBytes = 176;
-  template <int NR>
-  static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
-    const float d = half(p), dmin = half(p + 2);
-    const uint8_t* sc = p + 4;
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    const uint8_t* qs = p + 48;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4);
-      const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4);
-      int s1, m1, s2, m2;
-      scale_min_k4(2 * c, sc, s1, m1);
-      scale_min_k4(2 * c + 1, sc, s2, m2);
-      add32<NR, false, true>(t, _mm256_or_si256(_mm256_and_si256(v, m4), h1), d * s1, -dmin * m1, b0 + 2 * c);
-      add32<NR, false, true>(t, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), h2), d * s2,
-                             -dmin * m2, b0 + 2 * c + 1);
-    }
-  }
-};
-
-// Two int8 scales as the scale vector of add32_scaled.
-inline __m256i scale_pair(int8_t a, int8_t b) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return _mm256_set_epi32(b, b, b, b, a, a, a, a);
-#else
-  return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
-#endif
-}
-
-// block_q6_K: ql[128], qh[64], scales[16] (int8, one per 16), d (fp16); per half n of 128: weight
-// l + 32i (i = 0..3) is the nibble of ql[64n + l + 32 (i & 1)] (low for i < 2) with bits 2i, 2i + 1
-// of qh[32n + l] above it, minus 32.
-struct Q6_K {
-  static constexpr int kElems = 256, kBytes = 210;
-  template <int NR>
-  static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
-    const uint8_t* ql = p;
-    const uint8_t* qh = p + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    const float d = half(p + 208);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-    for (int n = 0; n < 2; ++n) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * n));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * n + 32));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * n));
-      const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-      for (int i = 0; i < 4; ++i) {
-        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i), m2), 4);
-        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo[i], hi), off);
-        const int8_t* s = sc + 8 * n + 2 * i;
-        add32_scaled<NR>(t, w, scale_pair(s[0], s[1]), d, b0 + 4 * n + i);
-      }
-    }
   }
 };
 
@@ -242,53 +141,96 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Rows i0..i0+NR-1 of x against weight row w: out[r * ldo] for r < NR.
-template <class T, int NR>
-inline void dot_rows(const uint8_t* w, int64_t nblocks, const int8_t* q, const float* d, const float* s,
-                     int64_t K, int64_t i0, float* out, int64_t ldo) {
-  Tile<NR> t;
-  const int64_t kb = K / 32;
+// The quantized rows of x: q int8 [M, K]; per block of 32 (the 32-weight types) d and s float32
+// [M, K / 32], or per block of 256 (the K-quants, gguf_kquants.h) d float32 [M, K / 256] and s the
+// int16 sums of 16, [M, K / 16].
+struct Rows {
+  const int8_t* q;
+  const float* d;
+  const void* s;
+  int64_t K;
+};
+
+template <int NR>
+inline void start(Tile<NR>& t, const Rows& x, int64_t i0) {
   for (int r = 0; r < NR; ++r) {
-    t.q[r] = q + (i0 + r) * K;
-    t.d[r] = d + (i0 + r) * kb;
-    t.s[r] = s + (i0 + r) * kb;
+    t.q[r] = x.q + (i0 + r) * x.K;
+    t.d[r] = x.d + (i0 + r) * (x.K / 32);
+    t.s[r] = static_cast<const float*>(x.s) + (i0 + r) * (x.K / 32);
     t.acc[r] = _mm256_setzero_ps();
     t.mins[r] = 0.f;
   }
-  constexpr int sub = T::kElems / 32;
-  for (int64_t b = 0; b < nblocks; ++b) T::template block<NR>(w + b * T::kBytes, t, b * sub);
-  for (int r = 0; r < NR; ++r) out[r * ldo] = hsum(t.acc[r]) + t.mins[r];
+}
+
+template <int NR>
+inline void start(kq::Tile<NR>& t, const Rows& x, int64_t i0) {
+  for (int r = 0; r < NR; ++r) {
+    t.q[r] = x.q + (i0 + r) * x.K;
+    t.d[r] = x.d + (i0 + r) * (x.K / 256);
+    t.bs[r] = static_cast<const int16_t*>(x.s) + (i0 + r) * (x.K / 16);
+    t.acc[r] = _mm256_setzero_ps();
+  }
+}
+
+template <int NR>
+inline float result(const Tile<NR>& t, int r) { return hsum(t.acc[r]) + t.mins[r]; }
+
+template <int NR>
+inline float result(const kq::Tile<NR>& t, int r) { return hsum(t.acc[r]); }
+
+// Rows i0..i0+NR-1 of x against weight row w: out[r * ldo] for r < NR. Block b of the weight row
+// meets activation block b (the types' blocks are the activation's: 32, or 256 for the K-quants).
+template <class T, int NR>
+inline void dot_rows(const uint8_t* w, int64_t nblocks, const Rows& x, int64_t i0, float* out, int64_t ldo) {
+  typename T::template TileT<NR> t;
+  start(t, x, i0);
+  for (int64_t b = 0; b < nblocks; ++b) T::template block<NR>(w + b * T::kBytes, t, b);
+  for (int r = 0; r < NR; ++r) out[r * ldo] = result(t, r);
 }
 
 constexpr int kRowChunk = 16;  // weight rows a thread takes through all tiles of x before the next
 constexpr int kTileRows = 4;   // rows of x a weight block is unpacked for
 
+// Output rows [j0, j1) of W (one thread's share): in chunks of kRowChunk, each chunk against x's
+// rows in tiles of kTileRows.
 template <class T>
-void gemm(const int8_t* q, const float* d, const float* s, int M, int64_t K, const uint8_t* w, int64_t N,
-          float* out, int64_t ldo) {
-  const int64_t nblocks = K / T::kElems, row_bytes = nblocks * T::kBytes;
-#pragma omp parallel
-  {
-    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
-    const int64_t j0 = N * th / nt, j1 = N * (th + 1) / nt;
-    for (int64_t jc = j0; jc < j1; jc += kRowChunk) {
-      const int64_t je = std::min<int64_t>(jc + kRowChunk, j1);
-      for (int i = 0; i < M; i += kTileRows) {
-        const int rows = std::min(kTileRows, M - i);
-        for (int64_t j = jc; j < je; ++j) {
-          const uint8_t* wr = w + j * row_bytes;
-          float* o = out + i * ldo + j;
-          switch (rows) {
-            case 4: dot_rows<T, 4>(wr, nblocks, q, d, s, K, i, o, ldo); break;
-            case 3: dot_rows<T, 3>(wr, nblocks, q, d, s, K, i, o, ldo); break;
-            case 2: dot_rows<T, 2>(wr, nblocks, q, d, s, K, i, o, ldo); break;
-            default: dot_rows<T, 1>(wr, nblocks, q, d, s, K, i, o, ldo); break;
-          }
+void gemm_rows(const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out, int64_t ldo) {
+  const int64_t nblocks = x.K / T::kElems, row_bytes = nblocks * T::kBytes;
+  for (int64_t jc = j0; jc < j1; jc += kRowChunk) {
+    const int64_t je = std::min<int64_t>(jc + kRowChunk, j1);
+    for (int i = 0; i < M; i += kTileRows) {
+      const int rows = std::min(kTileRows, M - i);
+      for (int64_t j = jc; j < je; ++j) {
+        const uint8_t* wr = w + j * row_bytes;
+        float* o = out + i * ldo + j;
+        switch (rows) {
+          case 4: dot_rows<T, 4>(wr, nblocks, x, i, o, ldo); break;
+          case 3: dot_rows<T, 3>(wr, nblocks, x, i, o, ldo); break;
+          case 2: dot_rows<T, 2>(wr, nblocks, x, i, o, ldo); break;
+          default: dot_rows<T, 1>(wr, nblocks, x, i, o, ldo); break;
         }
       }
     }
   }
 }
+
+// gemm_rows of ggml `type`; false for a type without a kernel.
+bool gemm_rows_of(int type, const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out,
+                  int64_t ldo) {
+  switch (type) {
+    case 2: gemm_rows<Q4_0>(x, M, w, j0, j1, out, ldo); return true;
+    case 3: gemm_rows<Q4_1>(x, M, w, j0, j1, out, ldo); return true;
+    case 6: gemm_rows<Q5_0>(x, M, w, j0, j1, out, ldo); return true;
+    case 7: gemm_rows<Q5_1>(x, M, w, j0, j1, out, ldo); return true;
+    case 8: gemm_rows<Q8_0>(x, M, w, j0, j1, out, ldo); return true;
+    case 12: gemm_rows<kq::Q4_K>(x, M, w, j0, j1, out, ldo); return true;
+    case 13: gemm_rows<kq::Q5_K>(x, M, w, j0, j1, out, ldo); return true;
+    case 14: gemm_rows<kq::Q6_K>(x, M, w, j0, j1, out, ldo); return true;
+    default: return false;
+  }
+}
+
+bool is_k_quant(int type) { return type == 12 || type == 13 || type == 14; }
 
 }  // namespace
 
@@ -347,22 +289,71 @@ void gguf_quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int8_t* q
   }
 }
 
+// x float32 [M, K] (row stride ldx; K a multiple of 256) -> the K-quants' activation: per block
+// of 256, q int8 [M, K], d float32 [M, K / 256] and the int16 sums of each 16, bs [M, K / 16]
+// (gguf_kquants.h).
+void gguf_quantize_rows_k(const float* x, int64_t ldx, int M, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  kq::quantize_rows_k(x, ldx, M, K, q, d, bs);
+}
+
 // out [M, N] float32 (row stride ldo) = x @ W^T for W the N rows of ggml `type` blocks at w (each
-// row K / block elements blocks, contiguous), x given as gguf_quantize_rows' q, d, s. Returns 0,
-// or -1 for a type without a kernel.
-int gguf_gemm(int type, const int8_t* q, const float* d, const float* s, int M, int64_t K, const uint8_t* w,
+// row K / block elements blocks, contiguous), x given as gguf_quantize_rows' q, d, s for the
+// 32-weight types or gguf_quantize_rows_k's q, d, bs for the K-quants (12-14). Returns 0, or -1
+// for a type without a kernel.
+int gguf_gemm(int type, const int8_t* q, const float* d, const void* s, int M, int64_t K, const uint8_t* w,
               int64_t N, float* out, int64_t ldo) {
-  switch (type) {
-    case 2: gemm<Q4_0>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 3: gemm<Q4_1>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 6: gemm<Q5_0>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 7: gemm<Q5_1>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 8: gemm<Q8_0>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 12: gemm<Q4_K>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 13: gemm<Q5_K>(q, d, s, M, K, w, N, out, ldo); return 0;
-    case 14: gemm<Q6_K>(q, d, s, M, K, w, N, out, ldo); return 0;
-    default: return -1;
+  if (!gguf_gemm_supported(type)) return -1;
+  const Rows x{q, d, s, K};
+#pragma omp parallel
+  {
+    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
+    gemm_rows_of(type, x, M, w, N * th / nt, N * (th + 1) / nt, out, ldo);
   }
+  return 0;
+}
+
+// A whole linear layer in one call (ops.gguf_linear's fast path): out [M, sum of rows] float32 (row
+// stride ldo) = x @ W^T, W given as nseg segments of types[i] blocks at ptrs[i], rows[i] output rows
+// from column firsts[i]. x float32 [M, K] (row stride ldx) is quantized here, once per activation
+// block its segments take, into this thread's scratch; then one parallel region in which each
+// thread takes an equal share of every segment's rows (one fork and join for a fused q/k/v or
+// gate/up layer, where a call per segment took one each). Returns 0, or -1 (nothing written) for a
+// type without a kernel or a K its blocks do not divide.
+int gguf_linear(const float* x, int64_t ldx, int M, int64_t K, int nseg, const int32_t* types,
+                const int64_t* firsts, const int64_t* rows, const uint64_t* ptrs, float* out, int64_t ldo) {
+  bool need32 = false, need256 = false;
+  for (int i = 0; i < nseg; ++i) {
+    if (!gguf_gemm_supported(types[i]) || K % (is_k_quant(types[i]) ? 256 : 32)) return -1;
+    (is_k_quant(types[i]) ? need256 : need32) = true;
+  }
+  thread_local std::vector<int8_t> q32, q256;
+  thread_local std::vector<float> d32, s32, d256;
+  thread_local std::vector<int16_t> bs256;
+  Rows x32{nullptr, nullptr, nullptr, K}, x256{nullptr, nullptr, nullptr, K};
+  if (need32) {
+    q32.resize(M * K);
+    d32.resize(M * K / 32);
+    s32.resize(M * K / 32);
+    gguf_quantize_rows(x, ldx, M, K, q32.data(), d32.data(), s32.data());
+    x32 = Rows{q32.data(), d32.data(), s32.data(), K};
+  }
+  if (need256) {
+    q256.resize(M * K);
+    d256.resize(M * K / 256);
+    bs256.resize(M * K / 16);
+    kq::quantize_rows_k(x, ldx, M, K, q256.data(), d256.data(), bs256.data());
+    x256 = Rows{q256.data(), d256.data(), bs256.data(), K};
+  }
+#pragma omp parallel
+  {
+    const int nt = omp_get_num_threads(), th = omp_get_thread_num();
+    for (int i = 0; i < nseg; ++i) {
+      const int64_t n = rows[i];
+      gemm_rows_of(types[i], is_k_quant(types[i]) ? x256 : x32, M, reinterpret_cast<const uint8_t*>(ptrs[i]),
+                   n * th / nt, n * (th + 1) / nt, out + firsts[i], ldo);
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"

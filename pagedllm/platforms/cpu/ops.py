@@ -114,14 +114,10 @@ class CpuOps(PlatformOps):
         ok, how = gguf_gemm.available()
         if not ok:
             return frozenset(), how
-        return frozenset(gguf_gemm.TYPE_IDS), f"int8 dot products per block of 32 ({how})"
+        return frozenset(gguf_gemm.TYPE_IDS), f"int8 dot products per block of 32, 256 for the K-quants ({how})"
 
     @staticmethod
     def gguf_linear(x: torch.Tensor, segments: list, n: int) -> Optional[torch.Tensor]:
         if not x.is_cpu or x.dim() != 2 or x.shape[1] % 32 or gguf_gemm._LIBRARY.get()[0] is None:
             return None
-        act = gguf_gemm.quantize_rows(x)
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for first, type_id, raw in segments:
-            gguf_gemm.gemm(type_id, act, raw, out[:, first:first + raw.shape[0]])
-        return out
+        return gguf_gemm.linear(x, segments, n)

@@ -90,7 +90,7 @@ class CompactGGUFReader(GGUFReader):
         head = head + [raw_itype, alen]
         # The makers hold the memory map and the byte order, not the reader: no reference cycle,
         # so the reader is freed as soon as its last user lets go (models/gguf.py clears its cache).
-        data, order = self.data, self.byte_order
+        data, order = self.data.view(np.ndarray), self.byte_order
         if itype == GGUFValueType.STRING:
             starts, end = string_offsets(data, start, n, order)
 

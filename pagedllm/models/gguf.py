@@ -134,8 +134,8 @@ def open_gguf(path: str):
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, size: int, mtime_ns: int):
-    # lazily: gguf (0.1-0.2 s to import), read only for a .gguf model; the reader keeps a
-    # vocabulary's strings as offsets (gguf_fields: 293 MiB and 8-130 s less for 151,936 tokens)
+    # The reader keeps a vocabulary's strings as offsets (gguf_fields: 293 MiB and 8-130 s less for 151,936 tokens).
+    # lazily: gguf (0.1-0.2 s to import), read only for a .gguf model
     from pagedllm.models.gguf_fields import CompactGGUFReader
 
     name = os.path.basename(path)

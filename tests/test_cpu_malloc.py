@@ -62,3 +62,29 @@ def test_a_cpu_engine_applies_the_settings_unless_switched_off(llama_dir, switch
     out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, llama_dir], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.split()[-1] == ("True" if switch == "1" else "False")
+
+
+RELEASE_CHILD = r"""
+import torch
+from pagedllm.platforms.cpu import malloc as cpu_malloc
+assert cpu_malloc.keep_freed_memory()
+def rss_mib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) // 1024
+x = [torch.empty(4 << 20).fill_(1.0) for _ in range(24)]  # 24 x 16 MiB, on the heap under the settings
+before = rss_mib()
+del x
+kept = rss_mib()
+released = cpu_malloc.release_freed_memory()
+print(released, before - kept, before - rss_mib())
+"""
+
+
+def test_release_freed_memory_gives_back_what_the_settings_keep():
+    """A load's transients freed under the settings stay resident until ``release_freed_memory``
+    (the model runner calls it once, after loading) hands them back."""
+    env = dict(os.environ, PAGEDLLM_CPU_MALLOC_TUNING="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], env=env, capture_output=True, text=True, check=True)
+    released, dropped_on_free, dropped_on_release = out.stdout.split()
+    assert released == "True"
+    assert int(dropped_on_free) < 100  # of 384 MiB: kept
+    assert int(dropped_on_release) > 300

@@ -42,9 +42,16 @@ _BLOCK = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 
 
 def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, cols / block * bytes] of random bytes, each fp16 scale a small random value; for
-    ``F16``, float16 [rows, cols] of normal values (std 0.02), the input of ``llama-quantize``."""
+    ``F16``, float16 [rows, cols] of normal values (std 0.02), the input of ``llama-quantize``, drawn
+    in slices of rows so that no float32 copy of a whole matrix is made (an 8B model's embedding is
+    2.1 GB in float32)."""
     if qtype == "F16":
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+        out = np.empty((rows, cols), dtype=np.float16)
+        step = max(1, (64 << 20) // (4 * cols))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            out[r:r + n] = rng.standard_normal((n, cols), dtype=np.float32) * 0.02
+        return out
     elems, nbytes, halves = _BLOCK[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // elems, nbytes), dtype=np.uint8)
     for off in halves:
@@ -89,34 +96,51 @@ def write_gguf(path: str, shape: str, qtype: str, tied: bool = False) -> str:
     w.add_eos_token_id(tok.eos_token_id)
     rng = np.random.default_rng(0)
     ones = np.ones(h, dtype=np.float32)
+    # Streamed: every tensor is declared first (name, shape, type) and made only when its turn to be
+    # written comes, so at most one matrix is in memory (gguf's add_tensor would hold all of them:
+    # 16 GB for an 8B F16 file). The makers run in declaration order, so the rng's stream and the
+    # bytes are those of a writer that made every tensor up front.
+    makers = []
+
+    def put(name, shape, dtype, nbytes, make, raw=None):
+        w.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=raw)
+        makers.append(make)
+
+    def vec(name, make, size):
+        put(name, (size,), np.float32, size * 4, make)
 
     def q(name, rows, cols, t=qtype):
+        make = lambda: random_blocks(rows, cols, t, rng)  # noqa: E731
         if t == "F16":
-            w.add_tensor(name, random_blocks(rows, cols, t, rng))
+            put(name, (rows, cols), np.float16, rows * cols * 2, make)
         else:
-            w.add_tensor(name, random_blocks(rows, cols, t, rng), raw_dtype=gguf.GGMLQuantizationType[t])
+            elems, nbytes, _ = _BLOCK[t]
+            row_bytes = cols // elems * nbytes
+            put(name, (rows, row_bytes), np.uint8, rows * row_bytes, make, gguf.GGMLQuantizationType[t])
 
     q("token_embd.weight", vocab, h, "Q6_K" if tied and qtype != "F16" and h % 256 == 0 else qtype)
     for i in range(layers):
         b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", ones)
+        vec(b + "attn_norm.weight", lambda: ones, h)
         q(b + "attn_q.weight", nh * hd, h)
         q(b + "attn_k.weight", nkv * hd, h)
         q(b + "attn_v.weight", nkv * hd, h)
         if arch == "qwen2":
             for n, size in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
-                w.add_tensor(b + n + ".bias", rng.standard_normal(size).astype(np.float32) * 0.01)
+                vec(b + n + ".bias", lambda size=size: rng.standard_normal(size).astype(np.float32) * 0.01, size)
         q(b + "attn_output.weight", h, nh * hd)
-        w.add_tensor(b + "ffn_norm.weight", ones)
+        vec(b + "ffn_norm.weight", lambda: ones, h)
         q(b + "ffn_gate.weight", inter, h)
         q(b + "ffn_up.weight", inter, h)
         q(b + "ffn_down.weight", h, inter)
-    w.add_tensor("output_norm.weight", ones)
+    vec("output_norm.weight", lambda: ones, h)
     if not tied:
         q("output.weight", vocab, h, "F16" if qtype == "F16" else "Q6_K" if h % 256 == 0 else "Q8_0")
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for make in makers:
+        w.write_tensor_data(make())
     w.close()
     os.replace(path + ".part", path)
     return path

@@ -146,6 +146,9 @@ class Platform:
     def prepare_process(self) -> None:
         """Tune this process for the platform's kernels before a model loads (the CPU wing: glibc malloc)."""
 
+    def release_load_memory(self) -> None:
+        """After a model loaded: give back the memory its loading freed (the CPU wing: glibc's heap)."""
+
     def layer_stack(self, model: Any, lora: Optional[Any] = None) -> Optional[Callable]:
         """A fused stack of ``model``'s decoder layers, set as ``model.layer_stack`` by the model
         runner (the model's forward calls it in place of its layer loop); None: the loop runs.

@@ -51,6 +51,7 @@ class ModelRunner:
         self.vision = load_vision_tower(config.model_config, self.device)
         self.encoder_cache = EncoderCache()
         self.attach_layer_stack()
+        self.platform().release_load_memory()  # loading's freed transients, before the KV cache is sized
         # A pipeline stage holds only its own layers (the others are parameter-less placeholders).
         self.start_layer = getattr(self.model, "start_layer", 0)
         self.end_layer = getattr(self.model, "end_layer", len(self.model.layers))

@@ -27,6 +27,9 @@ class CpuPlatform(Platform):
     def prepare_process(self) -> None:
         malloc.keep_freed_memory()  # activations reuse freed pages (malloc.py)
 
+    def release_load_memory(self) -> None:
+        malloc.release_freed_memory()  # what loading freed, kept by those settings (malloc.py)
+
     # ---- the fused layer stack (layer_runner.py) ----
     def layer_stack(self, model: Any, lora: Optional[Any] = None) -> Optional[Callable]:
         """The callable the model runner sets as ``model.layer_stack`` (which the model's forward calls

@@ -81,20 +81,23 @@ inline void add32(Tile<NR>& t, __m256i w, float fw, float mw, int64_t b) {
 }
 
 // ---- one weight block against the tile's rows; b0: the activation block of its first 32 weights
-struct Q8_0 {
+// The 32-weight types: a block is an activation block of 32 (Tile; the K-quants' is kq::Tile).
+struct Blocks32 {
   template <int NR>
   using TileT = Tile<NR>;
-  static constexpr int kElems = 32, kBytes = 34;
+  static constexpr int kElems = 32;
+};
+
+struct Q8_0 : Blocks32 {
+  static constexpr int kBytes = 34;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
     add32<NR, true, false>(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), half(p), 0.f, b0);
   }
 };
 
-struct Q4_0 {
-  template <int NR>
-  using TileT = Tile<NR>;
-  static constexpr int kElems = 32, kBytes = 18;
+struct Q4_0 : Blocks32 {
+  static constexpr int kBytes = 18;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
     const __m256i w = _mm256_sub_epi8(nibbles_16(p + 2), _mm256_set1_epi8(8));
@@ -102,20 +105,16 @@ struct Q4_0 {
   }
 };
 
-struct Q4_1 {
-  template <int NR>
-  using TileT = Tile<NR>;
-  static constexpr int kElems = 32, kBytes = 20;
+struct Q4_1 : Blocks32 {
+  static constexpr int kBytes = 20;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
     add32<NR, false, true>(t, nibbles_16(p + 4), half(p), half(p + 2), b0);
   }
 };
 
-struct Q5_0 {
-  template <int NR>
-  using TileT = Tile<NR>;
-  static constexpr int kElems = 32, kBytes = 22;
+struct Q5_0 : Blocks32 {
+  static constexpr int kBytes = 22;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
     const __m256i w = _mm256_or_si256(nibbles_16(p + 6), bit4_from_bits(p + 2));
@@ -123,10 +122,8 @@ struct Q5_0 {
   }
 };
 
-struct Q5_1 {
-  template <int NR>
-  using TileT = Tile<NR>;
-  static constexpr int kElems = 32, kBytes = 24;
+struct Q5_1 : Blocks32 {
+  static constexpr int kBytes = 24;
   template <int NR>
   static void block(const uint8_t* p, Tile<NR>& t, int64_t b0) {
     const __m256i w = _mm256_or_si256(nibbles_16(p + 8), bit4_from_bits(p + 4));

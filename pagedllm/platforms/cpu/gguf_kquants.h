@@ -170,21 +170,17 @@ inline void q45_k_best(const uint8_t* p, Tile<NR>& t, int64_t b) {
 #endif
 }
 
-struct Q4_K {
+// Q4_K (144 bytes a block) and Q5_K (FIVE: its 32 bytes of fifth bits more, 176).
+template <bool FIVE>
+struct Q45_K {
   template <int NR>
   using TileT = Tile<NR>;
-  static constexpr int kElems = 256, kBytes = 144;
+  static constexpr int kElems = 256, kBytes = FIVE ? 176 : 144;
   template <int NR>
-  static void block(const uint8_t* p, Tile<NR>& t, int64_t b) { q45_k_best<false, NR>(p, t, b); }
+  static void block(const uint8_t* p, Tile<NR>& t, int64_t b) { q45_k_best<FIVE, NR>(p, t, b); }
 };
-
-struct Q5_K {
-  template <int NR>
-  using TileT = Tile<NR>;
-  static constexpr int kElems = 256, kBytes = 176;
-  template <int NR>
-  static void block(const uint8_t* p, Tile<NR>& t, int64_t b) { q45_k_best<true, NR>(p, t, b); }
-};
+using Q4_K = Q45_K<false>;
+using Q5_K = Q45_K<true>;
 
 // block_q6_K: ql[128], qh[64], scales[16] (int8, one per 16 weights), d (fp16). Half n of 128,
 // its weight l + 32i (i = 0..3): the nibble of ql[64n + l + 32 (i & 1)] (low for i < 2) under bits

@@ -212,19 +212,19 @@ def step_cost(engine, batch: int, context: int) -> dict[str, float]:
             seen.add(t.data_ptr())
             weight_bytes += t.numel() * t.element_size()
     linear_params = 0
+    # GGUF blocks kept in the file's format are neither parameters nor buffers (layers/quantization/
+    # gguf.py sets ``gguf_bytes``): the linears' and an untied head's are read whole every step; the
+    # embedding's only by the rows looked up, unless it is the tied head (its weight's ``gguf_blocks``).
     for m in model.modules():
         if isinstance(m, LinearBase):
             linear_params += m.input_size * m.output_size
             packed = getattr(m, "packed_weight", None)
             if packed is not None and packed.layout != torch.strided:
                 weight_bytes += m.input_size * m.output_size * packed.element_size()
+        if isinstance(m, LinearBase) or m is model.lm_head:
+            weight_bytes += getattr(m, "gguf_bytes", 0)
     lm_params = cfg.vocab_size * cfg.hidden_size // engine.config.parallel_config.tensor_parallel_size
     linear_params += lm_params
-    # GGUF blocks kept in the file's format are neither parameters nor buffers (layers/quantization/
-    # gguf.py sets ``gguf_bytes``): the linears' and an untied head's are read whole every step; the
-    # embedding's only by the rows looked up, unless it is the tied head (its weight's ``gguf_blocks``).
-    weight_bytes += sum(getattr(m, "gguf_bytes", 0) for m in model.modules()
-                        if isinstance(m, LinearBase) or m is model.lm_head)
     lm_weight = getattr(model.lm_head, "weight", None)  # absent when the head is quantized
     if getattr(cfg, "tie_word_embeddings", False) and lm_weight is not None:
         blocks = getattr(lm_weight, "gguf_blocks", None)

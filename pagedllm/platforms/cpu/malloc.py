@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Callable, Optional
 
 from pagedllm import envs
 
@@ -36,13 +37,11 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if not envs.PAGEDLLM_CPU_MALLOC_TUNING or not sys.platform.startswith("linux"):
+    if not envs.PAGEDLLM_CPU_MALLOC_TUNING:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # musl or another libc without mallopt
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and any(
         mallopt(M_MMAP_THRESHOLD, t) == 1 for t in MMAP_THRESHOLDS)
     return _applied
@@ -51,11 +50,18 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Return the heap's free pages to the system (``malloc_trim(0)``: every arena, free pages in
     the middle of the heap too); True when glibc did release some. A no-op elsewhere."""
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return trim is not None and trim(0) == 1
+
+
+def _glibc(name: str, argtypes: list) -> Optional[Callable[..., int]]:
+    """The C library's function ``name`` (returning int) on Linux, or None: another system, or a
+    libc without it (musl)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # musl or another libc without malloc_trim
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim(0) == 1
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn

@@ -69,6 +69,23 @@ inline __m128i scales_mins(const uint8_t* s12) {
 // A pshufb mask that fills every int16 lane of a 128-bit lane with its int16 lane j.
 inline __m256i lane16(int j) { return _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)); }
 
+// A Q4_K / Q5_K block's 8 minimums (bytes 8-15 of scales_mins), each twice as int16: against the
+// activation's sums of 16 they give each sub-block's m * sum.
+inline __m256i mins16(__m128i sm) {
+  return _mm256_cvtepu8_epi16(
+      _mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+}
+
+// Row r's float sum += d dx isum - dmin dx (mins . bsums): a Q4_K / Q5_K block's integer dot isum
+// (8 int32 lanes) and its minimum term, dx the activation block's scale.
+template <int NR>
+inline void q45_k_finish(Tile<NR>& t, int r, int64_t b, __m256i isum, __m256i mins, float d, float dmin) {
+  const float dx = t.d[r][b];
+  const __m256i m = _mm256_madd_epi16(load(t.bs[r] + 16 * b), mins);
+  t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), t.acc[r]);
+  t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-dmin * dx), t.acc[r]);
+}
+
 // Q4_K and Q5_K (FIVE): d, dmin (fp16), scales[12], [Q5_K: qh[32]], qs[128]; sub-block 2c's 32
 // weights are the low nibbles of qs[32c..32c+31], sub-block 2c + 1's the high ones; Q5_K's fifth
 // bit of weight l of sub-block j is bit j of qh[l].
@@ -77,9 +94,7 @@ inline void q45_k(const uint8_t* p, Tile<NR>& t, int64_t b) {
   const float d = half(p), dmin = half(p + 2);
   const __m128i sm = scales_mins(p + 4);
   const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-  // the minimums, each twice (int16): against the sums of 16 they give each sub-block's m * sum
-  const __m256i mins = _mm256_cvtepu8_epi16(
-      _mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+  const __m256i mins = mins16(sm);
   const uint8_t* qs = p + (FIVE ? 48 : 16);
   const __m256i m4 = _mm256_set1_epi8(0x0f);
   __m256i h = FIVE ? load(p + 16) : _mm256_setzero_si256();
@@ -101,12 +116,7 @@ inline void q45_k(const uint8_t* p, Tile<NR>& t, int64_t b) {
       acc1[r] = madd_acc(acc1[r], _mm256_maddubs_epi16(hi, load(a + 32)), s_hi);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const float dx = t.d[r][b];
-    const __m256i m = _mm256_madd_epi16(load(t.bs[r] + 16 * b), mins);
-    t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc0[r], acc1[r])), _mm256_set1_ps(d * dx), t.acc[r]);
-    t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-dmin * dx), t.acc[r]);
-  }
+  for (int r = 0; r < NR; ++r) q45_k_finish(t, r, b, _mm256_add_epi32(acc0[r], acc1[r]), mins, d, dmin);
 }
 
 #if defined(__AVX512BW__)
@@ -129,8 +139,7 @@ inline void q45_k_512(const uint8_t* p, Tile<NR>& t, int64_t b) {
   const float d = half(p), dmin = half(p + 2);
   const __m128i sm = scales_mins(p + 4);
   const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-  const __m256i mins = _mm256_cvtepu8_epi16(
-      _mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+  const __m256i mins = mins16(sm);
   const uint8_t* qs = p + (FIVE ? 48 : 16);
   const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
   __m256i h = FIVE ? load(p + 16) : _mm256_setzero_si256();
@@ -151,12 +160,7 @@ inline void q45_k_512(const uint8_t* p, Tile<NR>& t, int64_t b) {
       acc[r] = madd_acc512(acc[r], _mm512_maddubs_epi16(w, a), s);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const float dx = t.d[r][b];
-    const __m256i m = _mm256_madd_epi16(load(t.bs[r] + 16 * b), mins);
-    t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold(acc[r])), _mm256_set1_ps(d * dx), t.acc[r]);
-    t.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-dmin * dx), t.acc[r]);
-  }
+  for (int r = 0; r < NR; ++r) q45_k_finish(t, r, b, fold(acc[r]), mins, d, dmin);
 }
 #endif
 

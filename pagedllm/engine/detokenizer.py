@@ -3,9 +3,13 @@
 Text is produced by decoding a short window of tokens twice (with and without the newest
 tokens) and emitting the difference, as Hugging Face TGI and vLLM do; the difference is held
 back while it ends in an incomplete UTF-8 character (U+FFFD), so no half character is emitted.
+
+For a tokenizer whose decoder is byte-level BPE's (GPT-2, SmolLM2, Qwen2, Llama 3) the usual step
+needs no decode at all (``byte_level_decoder``): the new token's own text is the difference.
 """
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 # Prompt tokens decoded as left context so the first output token gets its leading space right.
@@ -16,10 +20,13 @@ class IncrementalDetokenizer:
     """``one_token_texts``: a dict shared by the detokenizers of one tokenizer (the output
     processor's), token id -> its text decoded alone with this ``skip_special_tokens``: with one
     token a step the window decoded first is the previous step's one new token, so it is looked
-    up instead (half the decode calls; the same text, decoding is a function of the ids)."""
+    up instead (half the decode calls; the same text, decoding is a function of the ids).
+    ``byte_level``: whether the tokenizer decodes as byte-level BPE (``byte_level_decoder``; None: find
+    out here), which makes a one-token step a lookup of the new token's text (see ``_advance``)."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
-                 include_stop_str_in_output: bool, one_token_texts: Optional[dict[int, str]] = None) -> None:
+                 include_stop_str_in_output: bool, one_token_texts: Optional[dict[int, str]] = None,
+                 byte_level: Optional[bool] = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -33,6 +40,11 @@ class IncrementalDetokenizer:
         fast = getattr(tokenizer, "_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self._one_token_texts = one_token_texts if one_token_texts is not None else {}
+        # The one-token step without a decode (_advance): byte_level_decoder(the Rust tokenizer), or what the
+        # caller found it to be (the output processor asks once, not per request; False: always the windows).
+        if byte_level is None:
+            byte_level = self._fast is not None and byte_level_decoder(self._fast)
+        self.byte_level = byte_level and self._fast is not None
 
     def _decode(self, ids: list[int]) -> str:
         if self._fast is not None:
@@ -63,10 +75,53 @@ class IncrementalDetokenizer:
         """``update([t])`` for each token in turn (the same text), for a sequence without stop strings
         whose one-token updates were put off (OutputProcessor's deferred detokenization)."""
         assert not self.stop, "stop strings are matched step by step: update() each step"
-        append, advance = self.ids.append, self._advance
+        ids = self.ids
+        append, advance = ids.append, self._advance
+        if not self.byte_level:
+            for t in token_ids:
+                append(t)
+                advance()
+            return
+        # _advance's byte-level step, inlined (the catch-up of a whole request runs it per token): while
+        # ``steady`` the window is one token whose text does not end in U+FFFD (see _advance), read_offset
+        # is len(ids) and the new text is only collected in ``parts``; any other step goes to _advance.
+        texts, decode, skip = self._one_token_texts, self._fast.decode, self.skip_special_tokens
+        parts: list[str] = []
+        po, ro = self.prefix_offset, self.read_offset
+        steady = self._steady()
         for t in token_ids:
             append(t)
+            if steady:
+                text = texts.get(t)
+                if text is None:
+                    text = texts[t] = decode([t], skip_special_tokens=skip)
+                if text and text[-1] != "\ufffd":
+                    parts.append(text)
+                    po, ro = ro, ro + 1  # the new window is this token: steady still
+                else:  # held back: the next step has two new tokens
+                    steady = False
+                continue
+            self.output_text += "".join(parts)
+            parts.clear()
+            self.prefix_offset, self.read_offset = po, ro
             advance()
+            po, ro = self.prefix_offset, self.read_offset
+            steady = self._steady()
+        self.output_text += "".join(parts)
+        self.prefix_offset, self.read_offset = po, ro
+
+    def _steady(self) -> bool:
+        """Whether the next one-token step is byte-level's: the window (ids[prefix_offset:read_offset])
+        is one token, whose text alone (looked up; decoded once) does not end in U+FFFD, and no token is
+        pending."""
+        po, ro, ids = self.prefix_offset, self.read_offset, self.ids
+        if ro - po != 1 or ro != len(ids):
+            return False
+        text = self._one_token_texts.get(ids[po])
+        if text is None:
+            text = self._one_token_texts[ids[po]] = self._fast.decode(
+                ids[po:ro], skip_special_tokens=self.skip_special_tokens)
+        return not text.endswith("\ufffd")
 
     def _advance(self) -> Optional[str]:
         """Decode the tokens added to ``ids`` since the last text; returns the new text (also added to
@@ -76,10 +131,23 @@ class IncrementalDetokenizer:
         fast = self._fast
         if fast is not None:  # _decode, inlined: this runs for every sequence every step
             if ro - po == 1:
-                prefix = self._one_token_texts.get(ids[po])
+                texts = self._one_token_texts
+                prefix = texts.get(ids[po])
                 if prefix is None:
-                    prefix = self._one_token_texts[ids[po]] = fast.decode(
-                        ids[po:ro], skip_special_tokens=self.skip_special_tokens)
+                    prefix = texts[ids[po]] = fast.decode(ids[po:ro], skip_special_tokens=self.skip_special_tokens)
+                if self.byte_level and len(ids) == ro + 1 and not prefix.endswith("\ufffd"):
+                    # Byte-level (byte_level_decoder): decode(window) is the lossy UTF-8 of the tokens'
+                    # bytes joined. A prefix whose text does not end in U+FFFD ends on a whole character
+                    # (or has no bytes), so UTF-8 decoding starts afresh at the new token's bytes: the
+                    # window decodes to prefix + the new token's text alone, the difference that text.
+                    new = texts.get(ids[ro])
+                    if new is None:
+                        new = texts[ids[ro]] = fast.decode(ids[ro:], skip_special_tokens=self.skip_special_tokens)
+                    if not new or new[-1] == "\ufffd":
+                        return None
+                    self.prefix_offset, self.read_offset = ro, ro + 1
+                    self.output_text += new
+                    return new
             else:
                 prefix = fast.decode(ids[po:ro], skip_special_tokens=self.skip_special_tokens)
             full = fast.decode(ids[po:], skip_special_tokens=self.skip_special_tokens)
@@ -99,6 +167,20 @@ class IncrementalDetokenizer:
         if finished or not self.stop or self.include_stop or self.max_stop_len <= 1:
             return self.output_text
         return self.output_text[: max(0, len(self.output_text) - (self.max_stop_len - 1))]
+
+
+def byte_level_decoder(fast) -> bool:
+    """Whether ``fast`` (a ``tokenizers.Tokenizer``) decodes as byte-level BPE: its decoder, as the Rust
+    backend serializes it, is exactly ``ByteLevel`` (not a sequence, not a Python-defined one). Then
+    (tokenizers' ``Tokenizer::decode`` and ``ByteLevel::decode_chain``) decoding ids is: each id's token
+    (an added token's content, or the model's vocabulary entry), special ones dropped under
+    ``skip_special_tokens``; each token's bytes (through the byte alphabet, or its own UTF-8 when a
+    character is outside it), each depending on that token only; all joined and decoded as UTF-8 with
+    U+FFFD for invalid sequences. The normalizer, pre-tokenizer and post-processor take no part."""
+    try:
+        return json.loads(fast.decoder.__getstate__())["type"] == "ByteLevel"
+    except Exception:  # noqa: BLE001 - no decoder (None), or one the backend cannot serialize (custom)
+        return False
 
 
 def _byte_level_alphabet() -> dict[str, int]:

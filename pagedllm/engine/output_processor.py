@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer, token_bytes
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, byte_level_decoder, token_bytes
 from pagedllm.engine.request import Request
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -45,6 +45,8 @@ class OutputProcessor:
         self._token_bytes_cache: dict[int, bytes] = {}
         # Each token's text alone, for the detokenizers (skip_special_tokens False, True).
         self._one_token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        fast = getattr(tokenizer, "_tokenizer", None)
+        self._byte_level = fast is not None and byte_level_decoder(fast)
         # Requests with a stop string (never deferred; ``drop`` keeps the count), and whether some step
         # since the last catch-up deferred the others.
         self.num_eager = 0
@@ -54,7 +56,8 @@ class OutputProcessor:
                     children: list[Request]) -> None:
         dets = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params.skip_special_tokens,
                                        c.sampling_params.stop, c.sampling_params.include_stop_str_in_output,
-                                       self._one_token_texts[bool(c.sampling_params.skip_special_tokens)])
+                                       self._one_token_texts[bool(c.sampling_params.skip_special_tokens)],
+                                       self._byte_level)
                 for c in children]
         deferrable = not any(c.sampling_params.stop for c in children)
         self.drop(request_id)  # (a reused id: the engine refuses one still running)

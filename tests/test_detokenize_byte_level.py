@@ -1,0 +1,127 @@
+"""The detokenizer's byte-level step (IncrementalDetokenizer._advance / update_each with ``byte_level``):
+for a byte-level BPE tokenizer a one-token step takes the new token's own text instead of decoding
+the window. Its text must be the windows' text exactly: random streams of ids (multi-byte characters
+split over tokens, lone bytes, special tokens with skip_special_tokens on and off, added tokens whose
+text is outside the byte alphabet, stop strings, several tokens at once) through detokenizers with and
+without it, step for step, and against one decode of the whole stream."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from conftest import build_tokenizer
+from pagedllm.engine.detokenizer import _BYTE_LEVEL, IncrementalDetokenizer, byte_level_decoder
+
+TEXT = "caf\u00e9 \u65e5\u672c\U0001f600 na\u00efve, the end. \u00fcber \u20ac5"
+_CHAR = {b: c for c, b in _BYTE_LEVEL.items()}
+# Not special. Whole characters outside the byte alphabet (their UTF-8 is their bytes), and tokens of byte
+# stand-ins holding parts of characters: the first two bytes of U+65E5, its last + "a", a lone continuation.
+PARTS = ["".join(_CHAR[b] for b in part) for part in (b"\xe6\x97", b"\xa5a", b"\x80", b"\xe2\x82\xac!")]
+ADDED = ["\u65e5\u672c\u8a9e", " hello world", "\u00fc", "<tag>", *PARTS]
+SPECIAL = ["<|tool|>"]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    tok = build_tokenizer(str(tmp_path_factory.mktemp("bytelevel")))
+    tok.add_tokens(ADDED)
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    return tok
+
+
+class _Counting:
+    """The Rust tokenizer, counting decode calls."""
+
+    def __init__(self, fast) -> None:
+        self.fast, self.calls = fast, 0
+
+    def decode(self, ids, skip_special_tokens):
+        self.calls += 1
+        return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _streams(tok, n: int, seed: int):
+    rng = random.Random(seed)
+    text_ids = tok.encode(TEXT, add_special_tokens=False)
+    vocab = len(tok)
+    extra = tok.convert_tokens_to_ids(ADDED + SPECIAL) + [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id]
+    clean = tok.encode(" the end of it", add_special_tokens=False)
+    # First, a window of one token ending in part of a character, which the next token completes.
+    lead, rest, cont, euro = tok.convert_tokens_to_ids(PARTS)
+    yield rng, [lead], [rest, cont, rest, lead, rest, euro], False
+    yield rng, [euro, lead], [rest, lead, cont, euro], False
+    for i in range(n):
+        pick = lambda: (rng.choice(text_ids) if (u := rng.random()) < 0.5 else  # noqa: E731
+                        rng.choice(extra) if u < 0.75 else rng.randrange(vocab))
+        ids = [pick() for _ in range(rng.randrange(1, 48))]
+        # Prompts of whole characters (so one decode of the stream is the check), or any ids (one token
+        # often: the first window is then one token, which may hold part of a character).
+        prompt = clean[: rng.randrange(1, len(clean) + 1)] if i % 2 else [pick() for _ in range(rng.choice([1, 1, 4]))]
+        yield rng, prompt, ids, bool(i % 2)
+
+
+def test_byte_level_decoder(tok):
+    assert byte_level_decoder(tok._tokenizer)
+    seq = Tokenizer(models.BPE())
+    seq.decoder = decoders.Sequence([decoders.ByteLevel()])
+    meta = Tokenizer(models.BPE())
+    meta.decoder = decoders.Metaspace()
+    assert not byte_level_decoder(seq) and not byte_level_decoder(meta)
+    assert not byte_level_decoder(Tokenizer(models.BPE()))  # no decoder
+    plain = PreTrainedTokenizerFast(tokenizer_object=meta)
+    assert not IncrementalDetokenizer(plain, [1], True, [], False).byte_level
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_byte_level_step_gives_the_windows_text(tok, skip_special):
+    shared: dict[int, str] = {}
+    for rng, prompt, ids, clean_prompt in _streams(tok, 300, seed=int(skip_special)):
+        stop = [["the", "\u00e9"], ["\u672c"], ["d. "]][rng.randrange(3)] if rng.random() < 0.3 else []
+        a = IncrementalDetokenizer(tok, prompt, skip_special, stop, False, shared)
+        b = IncrementalDetokenizer(tok, prompt, skip_special, stop, False, {}, byte_level=False)
+        assert a.byte_level and not b.byte_level
+        a._fast, b._fast = _Counting(a._fast), _Counting(b._fast)
+        i = 0
+        while i < len(ids):
+            k = 1 if rng.random() < 0.85 else rng.randrange(2, 4)
+            ra, rb = a.update(ids[i:i + k]), b.update(ids[i:i + k])
+            assert ra == rb and a.output_text == b.output_text
+            assert (a.prefix_offset, a.read_offset) == (b.prefix_offset, b.read_offset)
+            if ra is not None:
+                break
+            i += k
+        if not stop and clean_prompt:
+            # One decode of prompt + stream: the text after the prompt's, less a held-back partial character.
+            full = tok._tokenizer.decode(prompt + ids, skip_special_tokens=skip_special)
+            full = full[len(tok._tokenizer.decode(prompt, skip_special_tokens=skip_special)):]
+            assert full == a.output_text or full.startswith(a.output_text) and full.endswith("\ufffd")
+    # ASCII tokens, their texts known: after the first step (the prompt's window), lookups only.
+    ids = tok.encode(" the end. of it, the user", add_special_tokens=False)
+    a = IncrementalDetokenizer(tok, ids[:2], skip_special, [], False, shared)
+    a.update(ids[2:3])
+    a._fast = _Counting(a._fast)
+    for t in ids[3:]:
+        a.update([t])
+    assert a._fast.calls <= 1  # ids[2]'s text alone, unless an earlier stream had it
+    a._fast.calls = 0
+    a.update_each(ids[3:])
+    assert a._fast.calls == 0 and a.output_text == tok.decode(ids[2:]) + tok.decode(ids[3:])
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_update_each_equals_one_token_updates(tok, skip_special):
+    """update_each (deferred detokenization's catch-up, the byte-level step inlined) equals update([t])
+    token by token without the byte-level step, split at any point."""
+    for rng, prompt, ids, _ in _streams(tok, 300, seed=2 + int(skip_special)):
+        a = IncrementalDetokenizer(tok, prompt, skip_special, [], False, {})
+        b = IncrementalDetokenizer(tok, prompt, skip_special, [], False, {}, byte_level=False)
+        cut = rng.randrange(len(ids) + 1)
+        a.update_each(ids[:cut])
+        a.update_each(ids[cut:])
+        for t in ids:
+            b.update([t])
+        assert a.output_text == b.output_text
+        assert (a.prefix_offset, a.read_offset, a.ids) == (b.prefix_offset, b.read_offset, b.ids)

@@ -5,7 +5,9 @@ tokens) and emitting the difference, as Hugging Face TGI and vLLM do; the differ
 back while it ends in an incomplete UTF-8 character (U+FFFD), so no half character is emitted.
 
 For a tokenizer whose decoder is byte-level BPE's (GPT-2, SmolLM2, Qwen2, Llama 3) the usual step
-needs no decode at all (``byte_level_decoder``): the new token's own text is the difference.
+needs no decode at all (``byte_level_decoder``): when the window's text does not end inside a
+character, the difference is the new token's own text (looked up), the same text by the decoder's
+definition; only windows that end inside a character are decoded.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ class IncrementalDetokenizer:
     token a step the window decoded first is the previous step's one new token, so it is looked
     up instead (half the decode calls; the same text, decoding is a function of the ids).
     ``byte_level``: whether the tokenizer decodes as byte-level BPE (``byte_level_decoder``; None: find
-    out here), which makes a one-token step a lookup of the new token's text (see ``_advance``)."""
+    out here), which makes a one-token step a lookup of the new token's text (see ``_advance``).
+    Test: tests/test_detokenize_byte_level.py (every step's state equal to decoding both windows)."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
                  include_stop_str_in_output: bool, one_token_texts: Optional[dict[int, str]] = None,
@@ -40,6 +43,8 @@ class IncrementalDetokenizer:
         fast = getattr(tokenizer, "_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self._one_token_texts = one_token_texts if one_token_texts is not None else {}
+        # The text of ids[prefix_offset:read_offset] decoded alone, once known (None: not yet).
+        self._prefix_text: Optional[str] = None
         # The one-token step without a decode (_advance): byte_level_decoder(the Rust tokenizer), or what the
         # caller found it to be (the output processor asks once, not per request; False: always the windows).
         if byte_level is None:
@@ -82,13 +87,13 @@ class IncrementalDetokenizer:
                 append(t)
                 advance()
             return
-        # _advance's byte-level step, inlined (the catch-up of a whole request runs it per token): while
-        # ``steady`` the window is one token whose text does not end in U+FFFD (see _advance), read_offset
-        # is len(ids) and the new text is only collected in ``parts``; any other step goes to _advance.
+        # _advance's byte-level one-token step, inlined (a request's catch-up runs it for every token):
+        # while ``steady`` no token is pending and the window's text (``prefix``) is known and does not end
+        # in U+FFFD, so a step is a lookup; the new text is collected in ``parts``. Other steps: _advance.
         texts, decode, skip = self._one_token_texts, self._fast.decode, self.skip_special_tokens
         parts: list[str] = []
-        po, ro = self.prefix_offset, self.read_offset
-        steady = self._steady()
+        po, ro, prefix = self.prefix_offset, self.read_offset, self._prefix_text
+        steady = ro == len(ids) and prefix is not None and prefix[-1:] != "\ufffd"
         for t in token_ids:
             append(t)
             if steady:
@@ -97,31 +102,18 @@ class IncrementalDetokenizer:
                     text = texts[t] = decode([t], skip_special_tokens=skip)
                 if text and text[-1] != "\ufffd":
                     parts.append(text)
-                    po, ro = ro, ro + 1  # the new window is this token: steady still
+                    po, ro, prefix = ro, ro + 1, text
                 else:  # held back: the next step has two new tokens
                     steady = False
                 continue
             self.output_text += "".join(parts)
             parts.clear()
-            self.prefix_offset, self.read_offset = po, ro
+            self.prefix_offset, self.read_offset, self._prefix_text = po, ro, prefix
             advance()
-            po, ro = self.prefix_offset, self.read_offset
-            steady = self._steady()
+            po, ro, prefix = self.prefix_offset, self.read_offset, self._prefix_text
+            steady = ro == len(ids) and prefix is not None and prefix[-1:] != "\ufffd"
         self.output_text += "".join(parts)
-        self.prefix_offset, self.read_offset = po, ro
-
-    def _steady(self) -> bool:
-        """Whether the next one-token step is byte-level's: the window (ids[prefix_offset:read_offset])
-        is one token, whose text alone (looked up; decoded once) does not end in U+FFFD, and no token is
-        pending."""
-        po, ro, ids = self.prefix_offset, self.read_offset, self.ids
-        if ro - po != 1 or ro != len(ids):
-            return False
-        text = self._one_token_texts.get(ids[po])
-        if text is None:
-            text = self._one_token_texts[ids[po]] = self._fast.decode(
-                ids[po:ro], skip_special_tokens=self.skip_special_tokens)
-        return not text.endswith("\ufffd")
+        self.prefix_offset, self.read_offset, self._prefix_text = po, ro, prefix
 
     def _advance(self) -> Optional[str]:
         """Decode the tokens added to ``ids`` since the last text; returns the new text (also added to
@@ -129,35 +121,48 @@ class IncrementalDetokenizer:
         ids = self.ids
         po, ro = self.prefix_offset, self.read_offset
         fast = self._fast
-        if fast is not None:  # _decode, inlined: this runs for every sequence every step
-            if ro - po == 1:
-                texts = self._one_token_texts
-                prefix = texts.get(ids[po])
-                if prefix is None:
-                    prefix = texts[ids[po]] = fast.decode(ids[po:ro], skip_special_tokens=self.skip_special_tokens)
-                if self.byte_level and len(ids) == ro + 1 and not prefix.endswith("\ufffd"):
-                    # Byte-level (byte_level_decoder): decode(window) is the lossy UTF-8 of the tokens'
-                    # bytes joined. A prefix whose text does not end in U+FFFD ends on a whole character
-                    # (or has no bytes), so UTF-8 decoding starts afresh at the new token's bytes: the
-                    # window decodes to prefix + the new token's text alone, the difference that text.
-                    new = texts.get(ids[ro])
-                    if new is None:
-                        new = texts[ids[ro]] = fast.decode(ids[ro:], skip_special_tokens=self.skip_special_tokens)
-                    if not new or new[-1] == "\ufffd":
-                        return None
-                    self.prefix_offset, self.read_offset = ro, ro + 1
-                    self.output_text += new
-                    return new
-            else:
-                prefix = fast.decode(ids[po:ro], skip_special_tokens=self.skip_special_tokens)
-            full = fast.decode(ids[po:], skip_special_tokens=self.skip_special_tokens)
-        else:
+        if fast is None:
             prefix = self._decode(ids[po:ro])
             full = self._decode(ids[po:])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return None
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = ro, len(ids)
+            self.output_text += delta
+            return delta
+        # _decode, inlined: this runs for every sequence every step. The window's text is kept while
+        # tokens are held back (the same ids decode to the same text), and looked up for one token.
+        skip = self.skip_special_tokens
+        prefix = self._prefix_text
+        if prefix is None:
+            if ro - po == 1:
+                prefix = self._one_token_texts.get(ids[po])
+                if prefix is None:
+                    prefix = self._one_token_texts[ids[po]] = fast.decode(ids[po:ro], skip_special_tokens=skip)
+            else:
+                prefix = fast.decode(ids[po:ro], skip_special_tokens=skip)
+            self._prefix_text = prefix
+        if self.byte_level and prefix[-1:] != "\ufffd":
+            # Byte-level (byte_level_decoder): decoding is lossy UTF-8 of the tokens' bytes joined. A
+            # window whose text does not end in U+FFFD ends on a whole character (or has no bytes), so
+            # decoding starts afresh at the new tokens' bytes: full = prefix + new, the difference is
+            # the new tokens' text alone (one token's: looked up), and that is the next window's text.
+            if len(ids) == ro + 1:
+                new = self._one_token_texts.get(ids[ro])
+                if new is None:
+                    new = self._one_token_texts[ids[ro]] = fast.decode(ids[ro:], skip_special_tokens=skip)
+            else:
+                new = fast.decode(ids[ro:], skip_special_tokens=skip)
+            if not new or new[-1] == "\ufffd":
+                return None
+            self.prefix_offset, self.read_offset, self._prefix_text = ro, len(ids), new
+            self.output_text += new
+            return new
+        full = fast.decode(ids[po:], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = ro, len(ids)
+        self.prefix_offset, self.read_offset, self._prefix_text = ro, len(ids), None
         self.output_text += delta
         return delta
 

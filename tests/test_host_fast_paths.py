@@ -7,6 +7,7 @@ policy, preemption and resume, forks, prefix hits, chunked prefill, prompt logpr
 afterwards) and inside a real engine run, whose outputs equal transformers' greedy tokens."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -22,6 +23,7 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.structured_output.params import StructuredOutputsParams
 from test_correctness import make_prompts, reference
 
 
@@ -404,6 +406,21 @@ def test_status_attributes():
     assert not r.is_finished
     r.status = RequestStatus.FINISHED_ABORTED
     assert r.is_finished and r.status.finish_reason == "abort"
+
+
+def test_sampling_params_clone_equals_deepcopy():
+    """SamplingParams.clone (field by field, once per sample) gives deepcopy's value and shares nothing
+    mutable with the original."""
+    for sp in (SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+               SamplingParams(stop=["a", "b"], stop_token_ids=[3, 4], logit_bias={1: 2.0}, allowed_token_ids=[1, 2],
+                              bad_words=["x"], seed=3, logprobs=2, structured_outputs=StructuredOutputsParams(regex="a+"))):
+        sp.all_stop_token_ids, sp.bad_words_token_ids = {1, 2}, [[1, 2], [3]]
+        a = sp.clone()
+        assert type(a) is SamplingParams and vars(a) == vars(copy.deepcopy(sp))
+        for name, value in vars(a).items():
+            assert isinstance(value, (int, float, str, type(None))) or value is not getattr(sp, name)
+        a.bad_words_token_ids[0].append(9)
+        assert sp.bad_words_token_ids == [[1, 2], [3]]
 
 
 # ---- the detokenizer's one-token texts ---------------------------------------------------------

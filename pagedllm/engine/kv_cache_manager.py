@@ -166,7 +166,7 @@ class KVCacheManager:
                and blocks[write_idx].ref_cnt > 1)
         if num_new_blocks > 0 or hits or cow or not blocks:
             # Cache hits that sit in the free queue are taken out of it, so they count too.
-            num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+            num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
             if num_new_blocks + num_evictable_hits + cow > self.block_pool.get_num_free_blocks():
                 if not blocks:
                     del self.req_to_blocks[rid]
@@ -177,8 +177,9 @@ class KVCacheManager:
                 self.pending_copies.append((shared.block_id, blocks[write_idx].block_id))
                 self.block_pool.free_blocks([shared])
                 first_changed = min(first_changed, write_idx)
-            self.block_pool.touch(b for b in hits if b is not self.null_block)
-            blocks.extend(hits)
+            if hits:  # (a decode's new block has none: no generator, no call)
+                self.block_pool.touch(b for b in hits if b is not self.null_block)
+                blocks.extend(hits)
             if num_new_blocks > 0:
                 blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
             self._table_changed(request, first_changed)

@@ -245,6 +245,7 @@ class CpuLayerRunner:
         entry, self.phases, _, _ = _KINDS[layout.kind]
         self.run_layers = getattr(lib, entry)
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
+        self.token_steps_run = 0  # of those, steps run from the token ids (run_tokens)
         self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
@@ -449,10 +450,10 @@ class CpuLayerRunner:
         ids, pos, embed, cache, norm_w = tokens.input_ids, tokens.positions, tokens.embed, tokens.rope_cache, tokens.norm_weight
         d = self.dims
         if self.final_norm_same is None:
-            from pagedllm import platforms  # lazily: the platforms package imports this module
-            # the model's final norm runs this kernel only where the process's platform is the CPU's
-            # (a CPU device on a GPU host: its ops, whose norm may sum in another order)
-            self.final_norm_same = platforms.current_platform.ops.rms_norm is cpu_fused_ops.add_rms_norm
+            # The model's final norm (platforms/ops.py) runs this kernel only where the process's platform
+            # is the CPU's, i.e. where torch sees no GPU (platforms/__init__.py decides so; not imported
+            # here: it imports this module). A CPU device on a GPU host takes the CUDA wing's ops.
+            self.final_norm_same = not torch.cuda.is_available()
         if (not self.final_norm_same or self.layout.kind != "llama" or len(self.ropes) != 1 or ids.dtype != torch.int64 or pos.dtype != torch.int64
                 or ids.dim() != 1 or pos.shape != ids.shape or not ids.is_contiguous() or not pos.is_contiguous()
                 or not ids.is_cpu or not pos.is_cpu or embed.dtype != self.dtype or cache.dtype != self.dtype
@@ -467,7 +468,10 @@ class CpuLayerRunner:
         extra = dict(input_ids=ids.data_ptr(), positions=pos.data_ptr(), embed=embed.data_ptr(),
                      rope_cache=cache.data_ptr(), final_norm=norm_w.data_ptr(), final_out=out.data_ptr(),
                      vocab=embed.shape[0], max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
-        return out if self._run(x, None, cos_sin, kv_caches, meta, extra) is not None else None
+        if self._run(x, None, cos_sin, kv_caches, meta, extra) is None:
+            return None
+        self.token_steps_run += 1
+        return out
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
             kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

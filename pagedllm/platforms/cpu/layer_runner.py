@@ -25,6 +25,13 @@ LoRA hooks' slot tables read in place (their outputs equal the hooks' within flo
 ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 
+For a Llama-kind model whose embedding, RoPE gather and final norm are the plain ops (the model says so:
+``LlamaForCausalLM.step_tokens``), ``run_tokens`` runs the whole step from the token ids in the same C
+call: the embedding and RoPE rows gathered (copies, as ``F.embedding`` and ``index_select`` make them),
+the layers, then the final norm's ``add_rms_norm``. That leaves a decode step's forward 3 PyTorch ops and
+two ctypes calls fewer (each 15-40 µs on a busy 2-core host, where the interpreter's and ATen's code is
+cold between steps: issue 37's nano model).
+
 What a layer is made of comes from its declaration (``platforms/layout.py``: each decoder layer's
 ``decoder_layout()``), the rest from the module instances (weights, eps, scale, window, soft-cap,
 residual multiplier, backend): this module imports no model or layer class. No model calls it: the

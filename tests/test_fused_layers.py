@@ -197,17 +197,18 @@ def _hf_rope(config, positions, q, k, dtype):
 @pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0},
                                           {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
-def test_rotary_in_place_equals_transformers(dtype, rope_scaling, path):
-    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+@pytest.mark.parametrize("head_dim", [64, 16])  # 16: the kernel's one-vector-a-head float path
+def test_rotary_in_place_equals_transformers(dtype, rope_scaling, path, head_dim):
+    config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=512, rope_scaling=rope_scaling)
-    head_dim, n = 64, 37
+    n = 37
     g = torch.Generator().manual_seed(3)
     positions = torch.randint(0, 512, (n,), generator=g)
     # q and k as views of one fused qkv output, as the model produces them (non-contiguous rows).
     qkv = torch.randn(n, (4 + 2 + 2) * head_dim, generator=g).to(dtype)
-    q = qkv[:, :256].view(n, 4, head_dim)
-    k = qkv[:, 256:384].view(n, 2, head_dim)
-    v_before = qkv[:, 384:].clone()
+    q = qkv[:, :4 * head_dim].view(n, 4, head_dim)
+    k = qkv[:, 4 * head_dim:6 * head_dim].view(n, 2, head_dim)
+    v_before = qkv[:, 6 * head_dim:].clone()
     want_q, want_k = _hf_rope(config, positions, q.clone(), k.clone(), dtype)
     rot = RotaryEmbedding(head_dim, 512, get_rope_parameters(config), dtype)
     copy_q, copy_k = rot(positions, q, k)  # the original API: new tensors, inputs unchanged
@@ -216,7 +217,7 @@ def test_rotary_in_place_equals_transformers(dtype, rope_scaling, path):
     out_q, out_k = rot(positions, q, k, cos_sin=cos_sin)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(qkv[:, 384:], v_before)  # v untouched
+    assert torch.equal(qkv[:, 6 * head_dim:], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)

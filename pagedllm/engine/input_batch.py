@@ -381,7 +381,8 @@ class InputBatch:
             block_size=bs, max_decode_seq_len=int(pos.max()) + 1 if n else 0)
         model_input = ModelInput(
             input_ids=_t(input_ids, device), positions=_t(positions, device), attn_metadata=meta,
-            logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies())
+            logits_indices=_t(logits_indices, device), block_copies=kv.take_pending_copies(),
+            logits_all_rows=plain and not prefills and not rest)
         if self.encoder_cache is not None:
             model_input.mm = self._mm_step(decodes, prefills, n)
         if self.lora_slots is not None:  # the adapter slot of each token, in the batch's order

@@ -28,7 +28,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.weights import load_stacked
-from pagedllm.platforms.layout import DecoderLayout, norm_paths
+from pagedllm.platforms.layout import DecoderLayout, StepTokens, norm_paths
 
 
 logger = logging.getLogger("pagedllm")
@@ -278,6 +278,12 @@ class LlamaForCausalLM(nn.Module):
         [N, hidden] (every stage but the first); a stage but the last returns that pair for the next.
         ``inputs_embeds`` [N, hidden]: the first layer's input in place of ``embed_input(input_ids)``
         (images' rows scattered in by the model runner; updated in place)."""
+        if inputs_embeds is None and intermediate is None and self.layer_stack is not None:
+            tokens = self.step_tokens(input_ids, positions)
+            # (the CPU layer runner: the embedding and RoPE gathers, all layers and the final norm in one C call)
+            out = None if tokens is None else self.layer_stack(None, None, None, kv_caches, meta, tokens=tokens)
+            if out is not None:
+                return out
         if inputs_embeds is not None:
             x, residual = inputs_embeds, None
         else:
@@ -300,6 +306,25 @@ class LlamaForCausalLM(nn.Module):
     def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] (int64) -> the first layer's input [N, hidden] (a new tensor)."""
         return self.embed_tokens(input_ids)
+
+    def step_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[StepTokens]:
+        """What a fused stack needs to run a whole step from the token ids (``platforms/layout.py``), or
+        None where this model's input embedding, RoPE tables or final norm are not the plain ops this
+        class defines (a subclass overriding them: Granite's scaled embeddings, Qwen2-VL's M-RoPE; a
+        GGUF embedding kept in blocks; a tensor- or pipeline-parallel rank)."""
+        plain = self.__dict__.get("_plain_step_io")
+        if plain is None:
+            cls, emb, rope = type(self), self.embed_tokens, self.rotary_emb
+            plain = (cls.embed_input is LlamaForCausalLM.embed_input and cls.rope_tables is LlamaForCausalLM.rope_tables
+                     and type(emb) is VocabParallelEmbedding and emb.tp_size == 1
+                     and getattr(emb, "gguf_embedding", None) is None and getattr(emb, "embed_dtype", None) is None
+                     and isinstance(rope, RotaryEmbedding) and type(rope).cos_sin is RotaryEmbedding.cos_sin
+                     and type(self.norm) is RMSNorm)
+            self.__dict__["_plain_step_io"] = plain
+        if not plain:
+            return None
+        return StepTokens(input_ids, positions, self.embed_tokens.weight, self.rotary_emb.cos_sin_cache,
+                          self.norm.weight, self.norm.eps)
 
     def rotary_embs(self) -> list:
         """The RotaryEmbeddings whose tables ``rope_tables`` gathers (each layer's is one of them)."""

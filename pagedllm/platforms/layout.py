@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 # The norm slots a layer may fill, in the order the fused stacks keep them:
 # before attention, after attention, on q, on k, before the MLP, after the MLP.
@@ -72,3 +72,20 @@ def norm_paths(paths: dict) -> tuple[tuple[str, Optional[str]], ...]:
     if unknown:
         raise ValueError(f"unknown norm slots {sorted(unknown)} (slots: {NORM_SLOTS})")
     return tuple((slot, paths.get(slot)) for slot in NORM_SLOTS)
+
+
+@dataclass
+class StepTokens:
+    """A whole decode or prefill step from its token ids, for a fused stack that also does what comes
+    before and after the layers (the CPU layer runner's ``run_tokens``): ``input_ids`` and ``positions``
+    [N] int64 tensors, the embedding table [vocab, hidden], the RoPE table [max_pos, 2, rotary_dim]
+    (``RotaryEmbedding.cos_sin_cache``), the final RMSNorm's weight [hidden] and eps. A model passes
+    them (``layer_stack(None, None, None, kv_caches, meta, tokens=...)``) only where its embedding, RoPE
+    gather and final norm are those plain ops (models/llama.py)."""
+
+    input_ids: Any
+    positions: Any
+    embed: Any
+    rope_cache: Any
+    norm_weight: Any
+    norm_eps: float

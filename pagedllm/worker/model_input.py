@@ -24,6 +24,9 @@ class ModelInput:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
+    # ``logits_indices`` is every row in order (0 .. N - 1: a decode-only step): the runner computes the
+    # logits of the hidden states as they are, without gathering a copy of them.
+    logits_all_rows: bool = False
     # Copy-on-write block copies (src, dst) to do before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Under --enable-lora: each token's adapter slot and the adapters the slots must hold (None: base only).

@@ -231,5 +231,5 @@ class ModelRunner:
                     return self.compute_output(rows)
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
                                 model_input.attn_metadata)
-        out = self.compute_output(hidden[model_input.logits_indices])
+        out = self.compute_output(hidden if model_input.logits_all_rows else hidden[model_input.logits_indices])
         return (out, hidden) if model_input.return_hidden else out

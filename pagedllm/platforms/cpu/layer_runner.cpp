@@ -133,6 +133,17 @@ struct RunnerStep {
   // order of the calls below) added up over the layers: bench profile's breakdown of a runner step.
   double* timings;
   const RunnerLoRAStep* lora;  // null: no token of this step has an adapter
+  // A whole Llama-kind step from token ids (run_decoder_layers only; null: x and cos_sin[0] are given):
+  // x [N, hidden] <- rows input_ids [N] of embed [vocab, hidden], cos_sin[0] [N, 2 rotary_dim] <- rows
+  // positions [N] of rope_cache [max_pos, 2 rotary_dim] (the model's embedding and RoPE gathers, as
+  // copies), and after the layers final_out [N, hidden] <- the final norm of residual + x_out (the
+  // model's norm, the same add_rms_norm). An id or position out of range: bad_input <- 1, nothing run.
+  const int64_t *input_ids, *positions;
+  const void *embed, *rope_cache, *final_norm;
+  void* final_out;
+  int64_t vocab, max_pos;
+  float final_eps;
+  int64_t bad_input;
 };
 
 namespace {
@@ -265,14 +276,35 @@ void add_rows(const RunnerDims* d, void* r, const void* x, int64_t n) {
     rb[i] = pagedllm_cpu::float_to_bf16(pagedllm_cpu::bf16_to_float(rb[i]) + pagedllm_cpu::bf16_to_float(xb[i]));
 }
 
+// A whole step's inputs from its tokens (RunnerStep::input_ids): the embedding rows into x, the RoPE
+// rows into cos_sin[0]; false (s->bad_input set, nothing written) when an id or position is out of
+// range, where the model's own gathers raise.
+bool gather_inputs(const RunnerDims* d, RunnerStep* s) {
+  const int64_t n = s->num_tokens, es = d->elem_size;
+  for (int64_t i = 0; i < n; ++i)
+    if (s->input_ids[i] < 0 || s->input_ids[i] >= s->vocab || s->positions[i] < 0 || s->positions[i] >= s->max_pos) {
+      s->bad_input = 1;
+      return false;
+    }
+  const int64_t xrow = d->hidden * es, crow = 2 * d->rotary_dim * es;
+  char* const x = static_cast<char*>(const_cast<void*>(s->x));
+  char* const cs = static_cast<char*>(const_cast<void*>(s->cos_sin[0]));
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(x + i * xrow, static_cast<const char*>(s->embed) + s->input_ids[i] * xrow, xrow);
+    std::memcpy(cs + i * crow, static_cast<const char*>(s->rope_cache) + s->positions[i] * crow, crow);
+  }
+  return true;
+}
+
 }  // namespace
 
 // Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite (models/llama.py: LlamaDecoderLayer.forward_fused;
 // models/granite.py: GraniteDecoderLayer.forward_fused, its residual_scale).
 void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer* layers, int num_layers,
-                        const RunnerStep* s) {
+                        RunnerStep* s) {
   const int64_t n = s->num_tokens, hidden = d->hidden;
   const void* x = s->x;
+  if (s->input_ids != nullptr && !gather_inputs(d, s)) return;
   PhaseClock clock(s->timings);
   for (int l = 0; l < num_layers; ++l) {
     const RunnerLayer& w = layers[l];
@@ -289,6 +321,8 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
     scale_rows(d, s->x_out, n);
     x = s->x_out;
   }
+  if (s->final_norm != nullptr)  // the model's final norm (residual += x_out first)
+    k->add_rms_norm(s->x_out, hidden, s->residual, s->final_norm, s->final_out, n, hidden, s->final_eps);
 }
 
 // Gemma 2 and 3 (models/gemma2.py: Gemma2DecoderLayer.forward): the residual stream is s->residual

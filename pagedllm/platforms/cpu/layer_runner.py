@@ -25,6 +25,13 @@ LoRA hooks' slot tables read in place (their outputs equal the hooks' within flo
 ``PAGEDLLM_CPU_LAYER_RUNNER=0`` turns it off (read at import); so does
 ``model.use_cpu_layer_runner = False`` (``pagedllm bench profile`` times the layers one by one).
 
+For a Llama-kind model whose embedding, RoPE gather and final norm are the plain ops (the model says so:
+``LlamaForCausalLM.step_tokens``), ``run_tokens`` runs the whole step from the token ids in the same C
+call: the embedding and RoPE rows gathered (copies, as ``F.embedding`` and ``index_select`` make them),
+the layers, then the final norm's ``add_rms_norm``. That leaves a decode step's forward 3 PyTorch ops and
+two ctypes calls fewer (each 15-40 µs on a busy 2-core host, where the interpreter's and ATen's code is
+cold between steps: issue 37's nano model).
+
 What a layer is made of comes from its declaration (``platforms/layout.py``: each decoder layer's
 ``decoder_layout()``), the rest from the module instances (weights, eps, scale, window, soft-cap,
 residual multiplier, backend): this module imports no model or layer class. No model calls it: the
@@ -46,7 +53,7 @@ from pagedllm.platforms.cpu import attention as attention_kernels
 from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
 from pagedllm.platforms.cpu import lora_ops as cpu_lora_ops
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
-from pagedllm.platforms.layout import NORM_SLOTS, DecoderLayout
+from pagedllm.platforms.layout import NORM_SLOTS, DecoderLayout, StepTokens
 
 SOURCE = Path(__file__).with_name("layer_runner.cpp")
 ENABLED = envs.PAGEDLLM_CPU_LAYER_RUNNER  # read once, at import
@@ -125,7 +132,9 @@ class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("x", _p), ("residual", _p), ("x_out", _p), ("has_residual", _i64),
                 ("cos_sin", _p * 2), ("slot_mapping", _p), ("block_tables", _p), ("seq_lens", _p),
                 ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH] + \
-               [("timings", _p), ("lora", ctypes.POINTER(_LoRAStep))]
+               [("timings", _p), ("lora", ctypes.POINTER(_LoRAStep))] + \
+               [(n, _p) for n in ("input_ids", "positions", "embed", "rope_cache", "final_norm", "final_out")] + \
+               [("vocab", _i64), ("max_pos", _i64), ("final_eps", _f32), ("bad_input", _i64)]
 
 
 def _build() -> ctypes.CDLL:
@@ -243,6 +252,7 @@ class CpuLayerRunner:
         entry, self.phases, _, _ = _KINDS[layout.kind]
         self.run_layers = getattr(lib, entry)
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
+        self.token_steps_run = 0  # of those, steps run from the token ids (run_tokens)
         self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
@@ -257,6 +267,8 @@ class CpuLayerRunner:
         self.lora_off: str = ""
         self.lora_held: list = []  # the tensors lora_tables points into
         self.lora_steps_run = 0
+        # whether the model's final norm (platforms/ops.py: fused_add_rms_norm) is this kernel (run_tokens)
+        self.final_norm_same: Optional[bool] = None
         attn = model.layers[0].self_attn
         self.q_size = attn.num_heads * attn.head_dim
         self.kv_size = attn.num_kv_heads * attn.head_dim
@@ -436,6 +448,38 @@ class CpuLayerRunner:
         d.block_size = block_size
         return structs
 
+    def run_tokens(self, tokens: StepTokens, kv_caches: list, meta: Any) -> Optional[torch.Tensor]:
+        """A whole step of a Llama-kind model from its tokens: the embedding rows, the RoPE rows, all
+        layers and the final norm in the one C call -> the final norm's output [N, hidden] (a new
+        tensor, the model's ``forward`` output), bit-identical to those ops run one by one; None,
+        nothing touched, where ``run`` would not cover the step, the tensors are not as below, or an
+        id or position is out of range (the caller's own ops then run, and raise)."""
+        ids, pos, embed, cache, norm_w = tokens.input_ids, tokens.positions, tokens.embed, tokens.rope_cache, tokens.norm_weight
+        d = self.dims
+        if self.final_norm_same is None:
+            # The model's final norm (platforms/ops.py) runs this kernel only where the process's platform
+            # is the CPU's, i.e. where torch sees no GPU (platforms/__init__.py decides so; not imported
+            # here: it imports this module). A CPU device on a GPU host takes the CUDA wing's ops.
+            self.final_norm_same = not torch.cuda.is_available()
+        if (not self.final_norm_same or self.layout.kind != "llama" or len(self.ropes) != 1 or ids.dtype != torch.int64 or pos.dtype != torch.int64
+                or ids.dim() != 1 or pos.shape != ids.shape or not ids.is_contiguous() or not pos.is_contiguous()
+                or not ids.is_cpu or not pos.is_cpu or embed.dtype != self.dtype or cache.dtype != self.dtype
+                or norm_w.dtype != self.dtype or not embed.is_contiguous() or not cache.is_contiguous()
+                or not norm_w.is_contiguous() or embed.dim() != 2 or embed.shape[1] != d.hidden
+                or norm_w.shape != (d.hidden,) or cache.dim() != 3 or cache.shape[1:] != (2, d.rotary_dim)):
+            return None
+        n = ids.shape[0]
+        x = torch.empty(n, d.hidden, dtype=self.dtype)
+        cos_sin = torch.empty(n, 2, 1, d.rotary_dim, dtype=self.dtype)
+        out = torch.empty(n, d.hidden, dtype=self.dtype)
+        extra = dict(input_ids=ids.data_ptr(), positions=pos.data_ptr(), embed=embed.data_ptr(),
+                     rope_cache=cache.data_ptr(), final_norm=norm_w.data_ptr(), final_out=out.data_ptr(),
+                     vocab=embed.shape[0], max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
+        if self._run(x, None, cos_sin, kv_caches, meta, extra) is None:
+            return None
+        self.token_steps_run += 1
+        return out
+
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
             kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """All layers on x [N, hidden] (and the residual stream [N, hidden], or None before the
@@ -443,6 +487,12 @@ class CpuLayerRunner:
         returns them; None, nothing touched, when this step is not one it covers. ``cos_sin``: the
         RoPE table at the step's positions [N, 2, 1, rotary_dim], or (Gemma) id(RotaryEmbedding) ->
         its table. Gemma: x is the residual stream, updated in place (the first item is scratch)."""
+        return self._run(x, residual, cos_sin, kv_caches, meta, None)
+
+    def _run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any, kv_caches: list, meta: Any,
+             extra: Optional[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``run``; ``extra``: the step's token fields (``run_tokens``: x and cos_sin are then filled by
+        the C call)."""
         if (meta.block_tables is None or cos_sin is None or x.dtype != self.dtype or not x.is_cpu or x.dim() != 2
                 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())
                 or (self.gemma and residual is not None)):
@@ -478,6 +528,9 @@ class CpuLayerRunner:
                      cos_sin=(_p * 2)(*(t.data_ptr() for t in (tables * 2)[:2])),
                      slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
                      query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
+        if extra is not None:
+            for k, v in extra.items():
+                setattr(step, k, v)
         if self.timings is not None:
             step.timings = ctypes.addressof(self.timings)
         lora_held: list = []
@@ -489,6 +542,8 @@ class CpuLayerRunner:
             setattr(step, k, base)
             base += size * es
         self.run_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers), ctypes.byref(step))
+        if step.bad_input:
+            return None
         self.steps_run += 1
         self.lora_steps_run += int(with_lora)
         return x_out, (x if residual is None else residual)
@@ -504,12 +559,15 @@ class CpuLayerRunner:
         return {p: t for p, t in zip(self.phases, self.timings) if p} if self.timings is not None else {}
 
 
-def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
-               kv_caches: list, meta: Any, lora: Optional[Any] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def run_layers(model: Any, x: Optional[torch.Tensor], residual: Optional[torch.Tensor], cos_sin: Any,
+               kv_caches: list, meta: Any, lora: Optional[Any] = None,
+               tokens: Optional[StepTokens] = None) -> Any:
     """``model``'s decoder layers through its runner (built and checked on first use; why not,
     logged once), or None: the caller runs its Python loop. Arguments as ``CpuLayerRunner.run``;
-    ``lora``: the LoRA runtime whose adapters the steps add (``CpuLayerRunner.attach_lora``), or None."""
-    if not getattr(model, "use_cpu_layer_runner", True) or not x.is_cpu:
+    ``lora``: the LoRA runtime whose adapters the steps add (``CpuLayerRunner.attach_lora``), or None.
+    ``tokens``: the whole step from its tokens (x, residual and cos_sin None): ``CpuLayerRunner.run_tokens``,
+    the model's final hidden states or None (the caller then embeds and calls again)."""
+    if not getattr(model, "use_cpu_layer_runner", True) or not (tokens.input_ids if x is None else x).is_cpu:
         return None
     runner = model.__dict__.get("_cpu_layer_runner")
     if runner is None:
@@ -523,6 +581,8 @@ def run_layers(model: Any, x: torch.Tensor, residual: Optional[torch.Tensor], co
         why = runner.attach_lora(lora)
         logger.info("cpu layer runner: %s", f"steps with LoRA tokens run the Python loop ({why})" if why
                     else "LoRA adapters added inside the layer loop (platforms/cpu/lora_ops.cpp)")
+    if tokens is not None:
+        return runner.run_tokens(tokens, kv_caches, meta)
     return runner.run(x, residual, cos_sin, kv_caches, meta)
 
 

@@ -218,3 +218,46 @@ def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch):
     want = [hf_greedy(hf, p, 8)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert_pool_empty(llm)
+
+
+@pytest.fixture(scope="module")
+def qwen2_block_gguf(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases) in GGUF with the block types of ``TYPES`` among its linears."""
+    root = tmp_path_factory.mktemp("gguf_qwen2_blocks")
+    hf_dir = build_checkpoint(str(root / "hf"), "qwen2", seed=13, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=2)
+    path = str(root / "tiny-qwen2.gguf")
+    real = gguf.quants.quantize
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.quants, "quantize", lambda a, q: _k_quant(a, q) if q.name in _BLOCK else real(a, q))
+        write_llama_gguf(hf_dir, path, quant_types=TYPES, arch="qwen2")
+    return path
+
+
+def test_layer_runner_takes_block_layers(qwen2_block_gguf, monkeypatch):
+    """The CPU layer runner (platforms/cpu/layer_runner.py) runs layers whose linears stay in GGUF blocks
+    through gguf_gemm's ``gguf_linear``, biases added as GGUFLinearMethod adds them: greedy ids and
+    logprobs equal to the Python layer loop's exactly, over prefill chunks and decodes, on the native
+    build and on the AVX2-only one (the layer loop switched to the same library)."""
+    from test_cpu_layer_runner import _model, _run
+
+    llm = LLM(qwen2_block_gguf, kv_cache_memory=2 << 20, max_model_len=256, max_num_batched_tokens=64,
+              max_num_seqs=4, enable_prefix_caching=False)
+    model = _model(llm)
+    layers = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    # all in blocks but layer 0's q/k/v (its q and k are F32 in the file: test_gguf.PINNED), which the
+    # runner multiplies on the float GEMM beside the others' blocks
+    assert [getattr(lin, "gguf_segments", None) is None for lin in layers] == [True] + [False] * (len(layers) - 1)
+    assert set().union(*(lin.gguf_types for lin in layers[1:])) >= {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"}
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    prompts = make_prompts(llm.llm_engine.vocab_size, [3, 30, 70], seed=8)
+    for build in ("native", "avx2"):
+        if build == "avx2":  # both paths on the AVX2-only kernels (maddubs, no VNNI, no AVX-512)
+            flags = gguf_gemm.BASE_FLAGS + ["-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni"]
+            monkeypatch.setattr(gguf_gemm, "_LIBRARY", gguf_gemm.LazyLibrary(lambda: gguf_gemm.build_with(flags)))
+            del model.__dict__["_cpu_layer_runner"]  # built again, on that library's gguf_linear
+        loop = _run(llm, prompts, False)
+        runner = _run(llm, prompts, True)
+        assert runner == loop, build
+    assert_pool_empty(llm)

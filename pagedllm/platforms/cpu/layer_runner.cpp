@@ -188,7 +188,9 @@ void gguf_linear(const RunnerKernels* k, const RunnerLinear& lin, int64_t es, co
       const uint16_t* xr = static_cast<const uint16_t*>(x) + i * ldx;
       for (int64_t j = 0; j < kdim; ++j) xf[i * kdim + j] = pagedllm_cpu::bf16_to_float(xr[j]);
     }
-    xin, ldx, out = xf.data(), kdim, yf.data();
+    xin = xf.data();
+    ldx = kdim;
+    out = yf.data();
   }
   k->gguf_linear(xin, ldx, static_cast<int>(m), kdim, static_cast<int>(g.nseg), g.types, g.firsts, g.rows, g.ptrs,
                  out, n);

@@ -128,7 +128,7 @@ def _gguf_blocks(lin: Any) -> Optional[str]:
     k = lin.input_size
     if getattr(lin, "tp_size", 1) != 1 or any(t not in gguf_gemm.TYPES or k % gguf_gemm.TYPES[t][1]
                                               for _, t, _ in segments):
-        return f"GGUF blocks of {sorted(lin.gguf_types)} that gguf_gemm does not multiply at K={k} on one rank"
+        return f"GGUF blocks of {sorted(getattr(lin, 'gguf_types', ()))} that gguf_gemm does not multiply at K={k} on one rank"
     return ""
 
 

@@ -218,3 +218,53 @@ def test_tied_head_and_embedding_in_blocks(tied_gguf, monkeypatch):
     want = [hf_greedy(hf, p, 8)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert_pool_empty(llm)
+
+
+@pytest.fixture(scope="module")
+def qwen2_block_gguf(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases) in GGUF, every linear in blocks of ``TYPES`` (none pinned to F32)."""
+    import test_gguf
+
+    root = tmp_path_factory.mktemp("gguf_qwen2_blocks")
+    hf_dir = build_checkpoint(str(root / "hf"), "qwen2", seed=13, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=2)
+    path = str(root / "tiny-qwen2.gguf")
+    real = gguf.quants.quantize
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.quants, "quantize", lambda a, q: _k_quant(a, q) if q.name in _BLOCK else real(a, q))
+        mp.setattr(test_gguf, "PINNED", {})
+        write_llama_gguf(hf_dir, path, quant_types=TYPES, arch="qwen2")
+    return path
+
+
+def test_layer_runner_takes_block_layers(qwen2_block_gguf, monkeypatch):
+    """The CPU layer runner (platforms/cpu/layer_runner.py) runs layers whose linears stay in GGUF blocks
+    through gguf_gemm's ``gguf_linear``, biases added as GGUFLinearMethod adds them: greedy ids and
+    logprobs equal to the Python layer loop's exactly, over prefill chunks and decodes, in float32 on
+    the native build and on the AVX2-only one (the layer loop switched to the same library), and in
+    bfloat16 (x and y through float32, as the method's ``x.float()`` and ``.to(x.dtype)``)."""
+    from test_cpu_layer_runner import _model, _run
+
+    native = gguf_gemm._LIBRARY
+    for dtype, build in (("float32", "native"), ("float32", "avx2"), ("bfloat16", "native")):
+        if build == "avx2":  # both paths on the AVX2-only kernels (maddubs, no VNNI, no AVX-512)
+            flags = gguf_gemm.BASE_FLAGS + ["-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni"]
+            monkeypatch.setattr(gguf_gemm, "_LIBRARY", gguf_gemm.LazyLibrary(lambda: gguf_gemm.build_with(flags)))
+            del model.__dict__["_cpu_layer_runner"]  # built again, on that library's gguf_linear
+        elif dtype == "bfloat16":
+            monkeypatch.setattr(gguf_gemm, "_LIBRARY", native)
+            del llm
+        if build == "native":
+            llm = LLM(qwen2_block_gguf, dtype=dtype, kv_cache_memory=2 << 20, max_model_len=256,
+                      max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=False)
+            model = _model(llm)
+            lins = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            assert all(getattr(lin, "gguf_segments", None) is not None for lin in lins)
+            assert set().union(*(lin.gguf_types for lin in lins)) >= {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"}
+            assert lins[0].bias is not None
+            prompts = make_prompts(llm.llm_engine.vocab_size, [3, 70], seed=8)  # 70: two prefill chunks of 64
+        loop = _run(llm, prompts, False)
+        runner = _run(llm, prompts, True)
+        assert runner == loop, (dtype, build)
+    assert_pool_empty(llm)

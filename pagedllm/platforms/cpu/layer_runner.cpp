@@ -7,12 +7,14 @@
 // plays on a GPU.
 //
 // The kernels live in their own libraries (platforms/cpu/fused_ops.cpp, platforms/cpu/float_gemm.cpp, platforms/cpu/int8_gemm.cpp,
-// attention/paged_attention_cpu.cpp, platforms/cpu/lora_ops.cpp: LoRA adapters after each target
-// linear); Python hands their addresses in (RunnerKernels), so this file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
+// platforms/cpu/gguf_gemm.cpp: GGUF weights in their ggml blocks, attention/paged_attention_cpu.cpp,
+// platforms/cpu/lora_ops.cpp: LoRA adapters after each target linear); Python hands their addresses in
+// (RunnerKernels), so this file links against none of them. Elements are float32 or bfloat16 (raw uint16); `elem_size`
 // bytes each. Plain C ABI (ctypes); the structs mirror platforms/cpu/layer_runner.py's ctypes.Structures.
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -26,6 +28,12 @@ typedef void (*GemmFn)(const void* x, int64_t ldx, const void* w_packed, const v
 // out [m, n] contiguous, x quantized per row inside; sw: the weight's float32 scales [n].
 typedef void (*Int8LinearFn)(const void* x, int64_t ldx, int m, int k, const void* w_packed, const void* wsum,
                              const void* sw, const void* bias, int n, void* out);
+// A linear over GGUF blocks (platforms/cpu/gguf_gemm.cpp: gguf_linear): x float32 [m, k] (row stride ldx)
+// -> out float32 [m, sum of rows] (row stride ldo), the weight given as nseg segments of ggml blocks
+// (types[i], rows[i] output rows from column firsts[i], at ptrs[i]); x quantized to int8 inside.
+typedef int (*GgufLinearFn)(const float* x, int64_t ldx, int m, int64_t k, int nseg, const int32_t* types,
+                            const int64_t* firsts, const int64_t* rows, const uint64_t* ptrs, float* out,
+                            int64_t ldo);
 typedef void (*RotaryFn)(void* x, int64_t tok_stride, int64_t head_stride, int64_t n, int heads, int d,
                          const void* cos_sin);
 // In place: RMSNorm over d of each of the `heads` rows of each of n tokens (q/k norms).
@@ -65,6 +73,7 @@ struct RunnerKernels {
   GemmaNormFn gemma_rms_norm;  // Gemma only
   Int8LinearFn int8_linear;    // the int8 linears (--quantization int8)
   LoRAFn lora_add;             // LoRA adapters (--enable-lora; null: none)
+  GgufLinearFn gguf_linear;    // the linears kept in GGUF blocks (null: none)
 };
 
 // The model's shapes (this rank's): q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -78,10 +87,20 @@ struct RunnerDims {
   int64_t qk_norm_whole;
 };
 
+// A linear's weight in GGUF blocks: gguf_linear's segment arguments (gguf_gemm.py: _pack), nseg of each.
+struct RunnerGguf {
+  int64_t nseg;
+  const int32_t* types;
+  const int64_t *firsts, *rows;
+  const uint64_t* ptrs;
+};
+
 // One linear: its weight packed for GemmFn, or (scale not null) int8 panels for Int8LinearFn with
-// their row sums and float32 scales; its bias (null: none).
+// their row sums and float32 scales, or (gguf not null) GGUF blocks for GgufLinearFn; its bias (null:
+// none).
 struct RunnerLinear {
   const void *w, *b, *wsum, *scale;
+  const RunnerGguf* gguf;
 };
 
 // One target linear's LoRA slot tables (pagedllm/lora/layers.py: LoRATarget): A [slots, S R, in], Bt
@@ -164,10 +183,50 @@ struct PhaseClock {
   }
 };
 
-// y [m, n] <- x [m, k] (row stride ldx) @ the linear's weight (+ bias): float or int8.
-inline void linear(const RunnerKernels* k, const RunnerLinear& lin, const void* x, int64_t ldx, void* y, int64_t m,
-                   int64_t n, int64_t kdim) {
-  if (lin.scale != nullptr)
+// y [m, n] <- x [m, kdim] (row stride ldx; es-byte elements) @ the GGUF blocks of lin (+ bias), as
+// GGUFLinearMethod.apply computes it (layers/quantization/gguf.py): gguf_linear on x in float32, the
+// bias added in float32, then the sum rounded to the model's dtype (bf16: through float32 scratch).
+void gguf_linear(const RunnerKernels* k, const RunnerLinear& lin, int64_t es, const void* x, int64_t ldx, void* y,
+                 int64_t m, int64_t n, int64_t kdim) {
+  const RunnerGguf& g = *lin.gguf;
+  thread_local std::vector<float> xf, yf;  // bf16 only: x and y in float32
+  const float* xin = static_cast<const float*>(x);
+  float* out = static_cast<float*>(y);
+  if (es != 4) {
+    xf.resize(m * kdim);
+    yf.resize(m * n);
+    for (int64_t i = 0; i < m; ++i) {
+      const uint16_t* xr = static_cast<const uint16_t*>(x) + i * ldx;
+      for (int64_t j = 0; j < kdim; ++j) xf[i * kdim + j] = pagedllm_cpu::bf16_to_float(xr[j]);
+    }
+    xin = xf.data();
+    ldx = kdim;
+    out = yf.data();
+  }
+  k->gguf_linear(xin, ldx, static_cast<int>(m), kdim, static_cast<int>(g.nseg), g.types, g.firsts, g.rows, g.ptrs,
+                 out, n);
+  if (es == 4) {
+    if (lin.b == nullptr) return;
+    const float* b = static_cast<const float*>(lin.b);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) out[i * n + j] += b[j];
+    return;
+  }
+  const uint16_t* b = static_cast<const uint16_t*>(lin.b);
+  uint16_t* yb = static_cast<uint16_t*>(y);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = out[i * n + j];
+      yb[i * n + j] = pagedllm_cpu::float_to_bf16(b != nullptr ? v + pagedllm_cpu::bf16_to_float(b[j]) : v);
+    }
+}
+
+// y [m, n] <- x [m, k] (row stride ldx) @ the linear's weight (+ bias): float, int8 or GGUF blocks.
+inline void linear(const RunnerKernels* k, const RunnerDims* d, const RunnerLinear& lin, const void* x, int64_t ldx,
+                   void* y, int64_t m, int64_t n, int64_t kdim) {
+  if (lin.gguf != nullptr)
+    gguf_linear(k, lin, d->elem_size, x, ldx, y, m, n, kdim);
+  else if (lin.scale != nullptr)
     k->int8_linear(x, ldx, static_cast<int>(m), static_cast<int>(kdim), lin.w, lin.wsum, lin.scale, lin.b,
                    static_cast<int>(n), y);
   else
@@ -201,7 +260,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
   char* const qkv = static_cast<char*>(s->qkv);
   char* const k_new = qkv + q_size * es;
   char* const v_new = qkv + (q_size + kv_size) * es;
-  linear(k, w.qkv, in, hidden, qkv, n, qkv_cols, hidden);
+  linear(k, d, w.qkv, in, hidden, qkv, n, qkv_cols, hidden);
   lora_target(k, d, w, s, LORA_QKV, in, hidden, qkv, hidden, qkv_cols);
   clock.done(1);
   if (w.q_norm != nullptr && d->qk_norm_whole) {  // one row of q_size (kv_size) a token
@@ -227,7 +286,7 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
                s->query_start_loc, static_cast<int>(s->num_seqs), d->num_heads, d->num_kv_heads, hd,
                d->block_size, d->scale, static_cast<int>(w.window), d->soft_cap, 0, nullptr);
   clock.done(4);
-  linear(k, w.o, s->attn, q_size, s->x_out, n, hidden, q_size);
+  linear(k, d, w.o, s->attn, q_size, s->x_out, n, hidden, q_size);
   lora_target(k, d, w, s, LORA_O, s->attn, q_size, s->x_out, q_size, hidden);
   clock.done(5);
 }
@@ -236,12 +295,12 @@ void attention_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLa
 void mlp_block(const RunnerKernels* k, const RunnerDims* d, const RunnerLayer& w, const RunnerStep* s,
                PhaseClock& clock, const void* in) {
   const int64_t n = s->num_tokens, hidden = d->hidden, inter = d->intermediate;
-  linear(k, w.gate_up, in, hidden, s->gate_up, n, 2 * inter, hidden);
+  linear(k, d, w.gate_up, in, hidden, s->gate_up, n, 2 * inter, hidden);
   lora_target(k, d, w, s, LORA_GATE_UP, in, hidden, s->gate_up, hidden, 2 * inter);
   clock.done(7);
   k->silu_and_mul(s->gate_up, 2 * inter, s->act, n, inter);
   clock.done(8);
-  linear(k, w.down, s->act, inter, s->x_out, n, hidden, inter);
+  linear(k, d, w.down, s->act, inter, s->x_out, n, hidden, inter);
   lora_target(k, d, w, s, LORA_DOWN, s->act, inter, s->x_out, inter, hidden);
   clock.done(9);
 }

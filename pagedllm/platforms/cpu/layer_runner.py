@@ -15,7 +15,9 @@ soft-capped scores, a RoPE table per layer type) or Gemma 1's (two norms, plain 
 OLMo 2's (norms after each branch, none before; q/k norms over all heads; EXAONE 4's per head, its
 sliding and NoPE layers); every linear
 packed for ``float_gemm_cpu`` or, quantized (``--quantization int8``), on the int8 method's packed
-panels (its ``panel_linear``); the CPU paged-attention backend over a cache in the model's dtype or
+panels (its ``panel_linear``), or kept in a GGUF file's ggml blocks (``GGUFLinearMethod``: gguf_gemm's
+``gguf_linear``, its bias added in float32 before the rounding to the model's dtype, as ``apply`` does);
+the CPU paged-attention backend over a cache in the model's dtype or
 int8; one tensor- and pipeline-parallel rank. Elsewhere, and in any step it does not cover (the
 KV-cache-less profiling pass; more tokens than an int8 layer keeps on its panels: 128 on a VNNI
 CPU), the Python loop runs. Why it does not apply is logged once per model.
@@ -51,6 +53,7 @@ import torch
 from pagedllm import envs
 from pagedllm.platforms.cpu import attention as attention_kernels
 from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops, float_gemm as float_gemm_cpu, int8_gemm as int8_gemm_cpu
+from pagedllm.platforms.cpu import gguf_gemm
 from pagedllm.platforms.cpu import lora_ops as cpu_lora_ops
 from pagedllm.platforms.cpu.build import BASE_FLAGS, LazyLibrary, build_library
 from pagedllm.platforms.layout import NORM_SLOTS, DecoderLayout, StepTokens
@@ -65,7 +68,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("add_rms_norm", "gemm", "rotary", "rms_norm_heads", "silu_and_mul", "kv_write",
-                                        "kv_write_int8", "attention", "gemma_rms_norm", "int8_linear", "lora_add")]
+                                        "kv_write_int8", "attention", "gemma_rms_norm", "int8_linear", "lora_add",
+                                        "gguf_linear")]
 
 
 class _Dims(ctypes.Structure):
@@ -74,8 +78,12 @@ class _Dims(ctypes.Structure):
               [("scale", _f32), ("soft_cap", _f32), ("residual_scale", _f32), ("qk_norm_whole", _i64)]
 
 
-class _Linear(ctypes.Structure):  # a float weight packed for the GEMM, or int8 panels (scale set)
-    _fields_ = [(name, _p) for name in ("w", "b", "wsum", "scale")]
+class _Gguf(ctypes.Structure):  # a linear's GGUF blocks: gguf_gemm.gguf_linear's segment arguments
+    _fields_ = [("nseg", _i64), ("types", _p), ("firsts", _p), ("rows", _p), ("ptrs", _p)]
+
+
+class _Linear(ctypes.Structure):  # a float weight packed for the GEMM, int8 panels (scale set) or GGUF blocks (gguf set)
+    _fields_ = [(name, _p) for name in ("w", "b", "wsum", "scale", "gguf")]
 
 
 _LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
@@ -109,6 +117,26 @@ def _int8_panels(lin: Any) -> bool:
     return (getattr(getattr(lin, "quant_method", None), "act_group_size", None) == 0
             and getattr(lin, "weight_packed", None) is not None and lin.weight_scale.dtype == torch.float32
             and lin.weight_scale.is_contiguous() and lin.weight_sum.is_contiguous())
+
+
+def _gguf_blocks(lin: Any) -> Optional[str]:
+    """None when ``lin`` has no GGUF blocks; "" when it keeps its weight in GGUF blocks the runner
+    multiplies as the loop does (``GGUFLinearMethod.apply``'s one ``gguf_gemm.linear`` call: every
+    segment of a type with a kernel and whole blocks along its input, no act-order permutation, one
+    rank); else why not."""
+    segments = getattr(lin, "gguf_segments", None)
+    if segments is None:
+        return None
+    if getattr(lin, "gguf_perm", None) is not None:
+        return "GGUF blocks of an act-order int4 checkpoint (their input columns permuted)"
+    ok, why = gguf_gemm.available()
+    if not ok:
+        return f"GGUF blocks without the kernels ({why})"
+    k = lin.input_size
+    if getattr(lin, "tp_size", 1) != 1 or any(t not in gguf_gemm.TYPES or k % gguf_gemm.TYPES[t][1]
+                                              for _, t, _ in segments):
+        return f"GGUF blocks of {sorted(getattr(lin, 'gguf_types', ()))} that gguf_gemm does not multiply at K={k} on one rank"
+    return ""
 
 
 _SCRATCH = ("h", "qkv", "q", "attn", "gate_up", "act")
@@ -293,8 +321,8 @@ class CpuLayerRunner:
             return None, f"dtype {dtype}"
         soft_cap = getattr(first.self_attn, "logits_soft_cap", None) or 0.0
         residual_scale = getattr(first, "residual_multiplier", 1.0)  # Granite's
-        # any int8 or float linears; the most rows a step may have (the int8 ones' panel_max_rows)
-        int8, float_linears, max_rows = False, False, None
+        # any int8, GGUF or float linears; the most rows a step may have (the int8 ones' panel_max_rows)
+        int8, gguf, float_linears, max_rows = False, False, False, None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             backend = _backend_window(attn)[0]
@@ -304,9 +332,12 @@ class CpuLayerRunner:
                     or getattr(layer, "residual_multiplier", 1.0) != residual_scale):
                 return None, "attention scales, soft-caps or residual multipliers that differ between layers"
             for lin in _linears(layer):
-                if getattr(lin, "gguf_segments", None) is not None:
-                    return None, ("GGUF weights kept in their ggml blocks (the runner has no GGUF linear; "
-                                  "the Python layer loop runs them on the GGUF kernels)")
+                why = _gguf_blocks(lin)
+                if why:
+                    return None, why
+                if why is not None:  # "": GGUF blocks on gguf_gemm's kernels
+                    gguf = True
+                    continue
                 w, panels = getattr(lin, "gemm_weight", None), _int8_panels(lin)
                 if getattr(lin, "tp_size", 1) != 1 or not (w is not None and w.dtype == dtype or panels):
                     cols = getattr(lin, "output_size", None)
@@ -330,7 +361,8 @@ class CpuLayerRunner:
         sfx = _SUFFIX[dtype]
         libs = {}
         for name, lazy in (("runner", _LIBRARY), ("fused", cpu_fused_ops._LIBRARY), ("gemm", float_gemm_cpu._LIBRARY),
-                           ("attention", attention_kernels._LIBRARY)) + ((("int8", int8_gemm_cpu._LIBRARY),) if int8 else ()):
+                           ("attention", attention_kernels._LIBRARY)) + ((("int8", int8_gemm_cpu._LIBRARY),) if int8 else ()) \
+                + ((("gguf", gguf_gemm._LIBRARY),) if gguf else ()):
             lib, err = lazy.get()
             if lib is None:
                 return None, f"the {name} library is unavailable ({err})"
@@ -345,7 +377,8 @@ class CpuLayerRunner:
                       rotary=fused["rotary"], gemma_rms_norm=fused["gemma_rms_norm"],
                       rms_norm_heads=fused["gemma_rms_norm_heads" if layout.norm == "gemma_rms" else "rms_norm_heads"],
                       silu_and_mul=fused["gelu_tanh_and_mul" if layout.mlp == "gelu_tanh" else "silu_and_mul"],
-                      int8_linear=_addr(libs["int8"], f"int8_panel_linear_{sfx}") if int8 else None)
+                      int8_linear=_addr(libs["int8"], f"int8_panel_linear_{sfx}") if int8 else None,
+                      gguf_linear=_addr(libs["gguf"], "gguf_linear") if gguf else None)
         kernels = {"auto": _Kernels(**common, kv_write=_addr(libs["attention"], f"kv_write_{sfx}"), kv_write_int8=None,
                                     attention=_addr(libs["attention"], f"paged_attention_{sfx}")),
                    "int8": _Kernels(**common, kv_write=None, kv_write_int8=_addr(libs["attention"], f"kv_write_int8_{sfx}"),
@@ -434,12 +467,20 @@ class CpuLayerRunner:
             s.window = _backend_window(attn)[1]
             s.rope = next(i for i, r in enumerate(self.ropes) if r is attn.rotary_emb)
             for name, lin in zip(_LINEAR_NAMES, _linears(layer)):
-                if _int8_panels(lin):
+                blocks = None
+                if getattr(lin, "gguf_segments", None) is not None:
+                    tensors = (None, lin.bias, None, None)
+                    # gguf_gemm.linear's own segment arrays for this layer (cached there by the segment list)
+                    count, *arrays = gguf_gemm._pack(lin.gguf_segments, lin.input_size, lin.gguf_out_features)
+                    blocks = _Gguf(count, *(ctypes.addressof(a) for a in arrays))
+                    held += [lin.gguf_segments, blocks, *arrays]
+                elif _int8_panels(lin):
                     tensors = (lin.weight_packed, lin.bias, lin.weight_sum, lin.weight_scale)
                 else:
                     tensors = (lin.gemm_weight, lin.bias, None, None)
                 held += tensors
-                setattr(s, name, _Linear(*(_ptr(t) for t in tensors)))
+                setattr(s, name, _Linear(*(_ptr(t) for t in tensors),
+                                         ctypes.addressof(blocks) if blocks is not None else None))
             s.k_cache, s.v_cache = cache.data_ptr(), cache.data_ptr() + half
             if self.lora_tables is not None:
                 s.lora = ctypes.addressof(self.lora_tables) + 4 * index * ctypes.sizeof(_LoRA)

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gguf_kquants.h"
+#include "gguf_panel.h"
 
 namespace {
 
@@ -211,9 +212,25 @@ void gemm_rows(const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, f
   }
 }
 
+// Rows of x from which the K-quants take the panel GEMM (gguf_panel.h) instead of the row kernels.
+constexpr int kPanelMinRows = 8;
+
+template <class T>
+void gemm_panels(const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out, int64_t ldo) {
+  kp::gemm_panels<T>(x.q, x.d, static_cast<const int16_t*>(x.s), M, x.K, w, j0, j1, out, ldo);
+}
+
 // gemm_rows of ggml `type`; false for a type without a kernel.
 bool gemm_rows_of(int type, const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out,
                   int64_t ldo) {
+  if (M >= kPanelMinRows) {
+    switch (type) {
+      case 12: gemm_panels<kq::Q4_K>(x, M, w, j0, j1, out, ldo); return true;
+      case 13: gemm_panels<kq::Q5_K>(x, M, w, j0, j1, out, ldo); return true;
+      case 14: gemm_panels<kq::Q6_K>(x, M, w, j0, j1, out, ldo); return true;
+      default: break;
+    }
+  }
   switch (type) {
     case 2: gemm_rows<Q4_0>(x, M, w, j0, j1, out, ldo); return true;
     case 3: gemm_rows<Q4_1>(x, M, w, j0, j1, out, ldo); return true;

@@ -1,0 +1,268 @@
+// The many-row GEMM over K-quant blocks (Q4_K, Q5_K, Q6_K) for gguf_gemm.cpp: prefill and batched
+// decode, from kPanelMinRows rows of x.
+//
+// Why: the row kernels (gguf_kquants.h) unpack a weight block for every 4 rows of x, so at 48 rows
+// the unpacking is done 12 times over and the GEMM ran at 74 GFLOP/s, a quarter of the float32 GEMM.
+// Here a thread unpacks one super-block of kCols weight rows once into a Panel (as ggml's repacked
+// Q4_K x Q8_K GEMM and the BLIS-style packed GEMMs do), then walks all rows of x over it in register
+// tiles of R rows x kCols columns.
+//
+// The panel's layout is the VNNI one: a vector of int32 lanes is kLanes output columns, each lane 4
+// consecutive k of its column, so the 4 activation bytes of a row broadcast to every lane. Weights
+// stay unsigned bytes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) for maddubs against the int8 activations
+// (pairs exact in int16: 2 * 63 * 128 < 2^15), and each pair sum is multiplied by its column's
+// sub-block scale in the same int32 lane by dpwssd (AVX512-VNNI), or madd + add. A super-block's int32
+// total (|sum| < 256 * 63 * 128 * 128 < 2^31) goes to float once, times the weight's d and the
+// activation's d. The second term, also in int32: Q4_K / Q5_K's minimums (-dmin m_s * the activation's
+// sums of 16) and Q6_K's offset (-32 d sc_g * the same sums). The same integers as the row kernels;
+// only the float additions' order differs.
+//
+// Measured on this Xeon (2 cores, AVX512-VNNI): a zmm maddubs + dpwssd pair of 64 products issues
+// about once a cycle, as vpdpbusd does; see docs in gguf_gemm.cpp's header for the thresholds.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_kquants.h"
+
+namespace kp {
+
+constexpr int kCols = 64;   // output columns (weight rows) of a panel
+constexpr int kSteps = 64;  // 4-k steps of a super-block
+
+// One super-block of kCols weight rows, unpacked. w: step t's 4 weights of column j at w[t][j];
+// sc: the int16 pair (scale, scale) of step t's sub-block (t / 8 for Q4_K / Q5_K's sub-blocks of 32,
+// t / 4 for Q6_K's of 16); mn[p][j]: the int16 pair against the activation's sums of 16 2p and 2p + 1;
+// d, dmin: the float factors of the main and the second term (Q6_K: dmin = d).
+struct Panel {
+  alignas(64) uint8_t w[kSteps][kCols][4];
+  alignas(64) int32_t sc[16][kCols];
+  alignas(64) int32_t mn[8][kCols];
+  alignas(64) float d[kCols];
+  alignas(64) float dmin[kCols];
+};
+
+inline int32_t pair16(int a, int b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(a) | static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16);
+}
+
+// Column j's 256 weights (k order, unsigned bytes) into the panel's steps.
+inline void put_weights(Panel& P, int j, const uint8_t* wts) {
+  for (int t = 0; t < kSteps; ++t) std::memcpy(P.w[t][j], wts + 4 * t, 4);
+}
+
+// Q4_K / Q5_K (FIVE) block p as panel column j (layout: gguf_kquants.h's q45_k).
+template <bool FIVE>
+inline void unpack_q45(Panel& P, int j, const uint8_t* p) {
+  alignas(32) uint8_t wts[256];
+  alignas(16) uint8_t sm[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(sm), kq::scales_mins(p + 4));
+  for (int s = 0; s < 8; ++s) {
+    P.sc[s][j] = pair16(sm[s], sm[s]);
+    P.mn[s][j] = pair16(sm[8 + s], sm[8 + s]);
+  }
+  P.d[j] = kq::half(p);
+  P.dmin[j] = -kq::half(p + 2);
+  const uint8_t* qs = p + (FIVE ? 48 : 16);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), b4 = _mm256_set1_epi8(0x10);
+  __m256i h = FIVE ? kq::load(p + 16) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = kq::load(qs + 32 * c);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (FIVE) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
+      h = _mm256_srli_epi16(h, 2);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wts + 64 * c), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wts + 64 * c + 32), hi);
+  }
+  put_weights(P, j, wts);
+}
+
+// Q6_K block p as panel column j: weights 0..63 (q + 32), the offset's -32 in the second term.
+inline void unpack_q6(Panel& P, int j, const uint8_t* p) {
+  alignas(32) uint8_t wts[256];
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+  for (int g = 0; g < 16; ++g) P.sc[g][j] = pair16(sc[g], sc[g]);
+  for (int q = 0; q < 8; ++q) P.mn[q][j] = pair16(32 * sc[2 * q], 32 * sc[2 * q + 1]);
+  P.d[j] = kq::half(p + 208);
+  P.dmin[j] = -P.d[j];
+  const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i l0 = kq::load(p + 64 * n), l1 = kq::load(p + 64 * n + 32), h = kq::load(p + 128 + 32 * n);
+    const __m256i w[4] = {
+        _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m2)),
+        _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m2)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m2)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2))};
+    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(wts + 128 * n + 32 * i), w[i]);
+  }
+  put_weights(P, j, wts);
+}
+
+// ---- the register tile: R rows x kTileVecs vectors of kLanes columns
+#if defined(__AVX512BW__)
+using VI = __m512i;
+using VF = __m512;
+constexpr int kLanes = 16, kTileVecs = 4, kTileRows = 4;
+inline VI vload(const void* p) { return _mm512_loadu_si512(p); }
+inline VI vzero() { return _mm512_setzero_si512(); }
+inline VI vbcast(const void* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return _mm512_set1_epi32(x);
+}
+inline VI vmaddubs(VI u, VI s) { return _mm512_maddubs_epi16(u, s); }
+inline VI vdotw(VI acc, VI a, VI b) { return kq::madd_acc512(acc, a, b); }
+inline VF vcvt(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoref(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vmulf(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vset1f(float x) { return _mm512_set1_ps(x); }
+#else
+using VI = __m256i;
+using VF = __m256;
+constexpr int kLanes = 8, kTileVecs = 2, kTileRows = 4;
+inline VI vload(const void* p) { return kq::load(p); }
+inline VI vzero() { return _mm256_setzero_si256(); }
+inline VI vbcast(const void* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return _mm256_set1_epi32(x);
+}
+inline VI vmaddubs(VI u, VI s) { return _mm256_maddubs_epi16(u, s); }
+inline VI vdotw(VI acc, VI a, VI b) { return kq::madd_acc(acc, a, b); }
+inline VF vcvt(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoref(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vmulf(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vset1f(float x) { return _mm256_set1_ps(x); }
+#endif
+constexpr int kTileCols = kTileVecs * kLanes;
+
+// The rows of x a tile takes, as gguf_kquants.h's quantize_rows_k wrote them, at super-block b:
+// q + 256 b of row 0 (rows K apart), its sums of 16 (rows K / 16 apart), its scales (rows kb apart).
+struct RowsAt {
+  const int8_t* q;
+  const int16_t* bs;
+  const float* d;
+  int64_t K, kb;
+};
+
+// c[r * kCols + col] += acc[r][v] (lanes of columns c0 + v kLanes) * f[col] * dx_r.
+template <int R>
+inline void flush(VI (&acc)[R][kTileVecs], const float* f, const RowsAt& x, float* c) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const VF dx = vset1f(x.d[r * x.kb]);
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) {
+      float* cp = c + r * kCols + v * kLanes;
+      vstoref(cp, vfma(vcvt(acc[r][v]), vmulf(vloadf(f + v * kLanes), dx), vloadf(cp)));
+    }
+  }
+}
+
+// Rows x (R of them) against panel columns [c0, c0 + kTileCols) of one super-block (SPS: steps a
+// sub-block scale covers), added into c (float [R][kCols], this panel's sums, column c0 at c).
+template <int R, int SPS>
+inline void tile(const Panel& P, int c0, const RowsAt& x, float* c) {
+  VI acc[R][kTileVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
+  for (int s = 0; s < kSteps / SPS; ++s) {
+    VI sc[kTileVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) sc[v] = vload(&P.sc[s][c0 + v * kLanes]);
+#pragma GCC unroll 8
+    for (int u = 0; u < SPS; ++u) {
+      const int t = s * SPS + u;
+      VI w[kTileVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVecs; ++v) w[v] = vload(P.w[t][c0 + v * kLanes]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const VI a = vbcast(x.q + r * x.K + 4 * t);
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vdotw(acc[r][v], vmaddubs(w[v], a), sc[v]);
+      }
+    }
+  }
+  flush<R>(acc, P.d + c0, x, c);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    VI m[kTileVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) m[v] = vload(&P.mn[q][c0 + v * kLanes]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VI a = vbcast(x.bs + r * (x.K / 16) + 2 * q);
+#pragma GCC unroll 4
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vdotw(acc[r][v], m[v], a);
+    }
+  }
+  flush<R>(acc, P.dmin + c0, x, c);
+}
+
+// Rows [0, M) of x against the panel: every column tile, rows in tiles of kTileRows (the last of
+// 1..kTileRows - 1). c: float [M][kCols].
+template <int SPS>
+inline void panel_rows(const Panel& P, const RowsAt& x0, int M, float* c) {
+  for (int i = 0; i < M; i += kTileRows) {
+    const RowsAt x{x0.q + i * x0.K, x0.bs + i * (x0.K / 16), x0.d + i * x0.kb, x0.K, x0.kb};
+    float* ci = c + static_cast<int64_t>(i) * kCols;
+    for (int c0 = 0; c0 < kCols; c0 += kTileCols) {
+      switch (std::min(kTileRows, M - i)) {
+        case 4: tile<4, SPS>(P, c0, x, ci + c0); break;
+        case 3: tile<3, SPS>(P, c0, x, ci + c0); break;
+        case 2: tile<2, SPS>(P, c0, x, ci + c0); break;
+        default: tile<1, SPS>(P, c0, x, ci + c0); break;
+      }
+    }
+  }
+}
+
+// Output columns [j0, j1) of x @ W^T for W of K-quant type T (kq::Q4_K, kq::Q5_K, kq::Q6_K; rows of
+// nblocks blocks) and x's M rows quantized per 256 (q int8 [M, K], d float [M, K / 256], bs int16
+// [M, K / 16]): out[i * ldo + j]. One thread's share; its panel and sums are thread-local.
+template <class T>
+void gemm_panels(const int8_t* q, const float* d, const int16_t* bs, int M, int64_t K, const uint8_t* w,
+                 int64_t j0, int64_t j1, float* out, int64_t ldo) {
+  constexpr bool kQ6 = T::kBytes == 210;
+  constexpr int kSps = kQ6 ? 4 : 8;
+  const int64_t kb = K / 256, row_bytes = kb * T::kBytes;
+  thread_local std::vector<Panel> panel_buf(1);
+  thread_local std::vector<float> sums;
+  Panel& P = panel_buf[0];
+  sums.resize(static_cast<size_t>(M) * kCols);
+  for (int64_t jp = j0; jp < j1; jp += kCols) {
+    const int np = static_cast<int>(std::min<int64_t>(kCols, j1 - jp));
+    std::fill(sums.begin(), sums.end(), 0.f);
+    if (np < kCols) std::memset(&P, 0, sizeof(P));  // the missing columns: zero weights and factors
+    for (int64_t b = 0; b < kb; ++b) {
+      for (int j = 0; j < np; ++j) {
+        const uint8_t* blk = w + (jp + j) * row_bytes + b * T::kBytes;
+        if constexpr (kQ6) unpack_q6(P, j, blk);
+        else unpack_q45<T::kBytes == 176>(P, j, blk);
+      }
+      panel_rows<kSps>(P, RowsAt{q + 256 * b, bs + 16 * b, d + b, K, kb}, M, sums.data());
+    }
+    for (int i = 0; i < M; ++i) std::memcpy(out + i * ldo + jp, sums.data() + static_cast<int64_t>(i) * kCols, np * sizeof(float));
+  }
+}
+
+}  // namespace kp

@@ -51,61 +51,6 @@ inline int32_t pair16(int a, int b) {
   return static_cast<int32_t>(static_cast<uint16_t>(a) | static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16);
 }
 
-// Column j's 256 weights (k order, unsigned bytes) into the panel's steps.
-inline void put_weights(Panel& P, int j, const uint8_t* wts) {
-  for (int t = 0; t < kSteps; ++t) std::memcpy(P.w[t][j], wts + 4 * t, 4);
-}
-
-// Q4_K / Q5_K (FIVE) block p as panel column j (layout: gguf_kquants.h's q45_k).
-template <bool FIVE>
-inline void unpack_q45(Panel& P, int j, const uint8_t* p) {
-  alignas(32) uint8_t wts[256];
-  alignas(16) uint8_t sm[16];
-  _mm_store_si128(reinterpret_cast<__m128i*>(sm), kq::scales_mins(p + 4));
-  for (int s = 0; s < 8; ++s) {
-    P.sc[s][j] = pair16(sm[s], sm[s]);
-    P.mn[s][j] = pair16(sm[8 + s], sm[8 + s]);
-  }
-  P.d[j] = kq::half(p);
-  P.dmin[j] = -kq::half(p + 2);
-  const uint8_t* qs = p + (FIVE ? 48 : 16);
-  const __m256i m4 = _mm256_set1_epi8(0x0f), b4 = _mm256_set1_epi8(0x10);
-  __m256i h = FIVE ? kq::load(p + 16) : _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {
-    const __m256i v = kq::load(qs + 32 * c);
-    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    if (FIVE) {
-      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
-      h = _mm256_srli_epi16(h, 2);
-    }
-    _mm256_store_si256(reinterpret_cast<__m256i*>(wts + 64 * c), lo);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(wts + 64 * c + 32), hi);
-  }
-  put_weights(P, j, wts);
-}
-
-// Q6_K block p as panel column j: weights 0..63 (q + 32), the offset's -32 in the second term.
-inline void unpack_q6(Panel& P, int j, const uint8_t* p) {
-  alignas(32) uint8_t wts[256];
-  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-  for (int g = 0; g < 16; ++g) P.sc[g][j] = pair16(sc[g], sc[g]);
-  for (int q = 0; q < 8; ++q) P.mn[q][j] = pair16(32 * sc[2 * q], 32 * sc[2 * q + 1]);
-  P.d[j] = kq::half(p + 208);
-  P.dmin[j] = -P.d[j];
-  const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
-  for (int n = 0; n < 2; ++n) {
-    const __m256i l0 = kq::load(p + 64 * n), l1 = kq::load(p + 64 * n + 32), h = kq::load(p + 128 + 32 * n);
-    const __m256i w[4] = {
-        _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m2)),
-        _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m2)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m2)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2))};
-    for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(wts + 128 * n + 32 * i), w[i]);
-  }
-  put_weights(P, j, wts);
-}
-
 // ---- the register tile: R rows x kTileVecs vectors of kLanes columns
 #if defined(__AVX512BW__)
 using VI = __m512i;
@@ -126,6 +71,18 @@ inline void vstoref(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vmulf(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF vset1f(float x) { return _mm512_set1_ps(x); }
+inline VI vset1(int x) { return _mm512_set1_epi32(x); }
+inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI vsrl16(VI a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
+inline VI vsll16(VI a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
+inline void vstore(void* p, VI v) { _mm512_storeu_si512(p, v); }
+inline VI vgather(const uint8_t* base, VI idx) { return _mm512_i32gather_epi32(idx, base, 1); }
+inline VI vcolumns(int c0, int np, int64_t row_bytes) {  // byte offsets of columns c0.. (the last valid one repeated)
+  const VI j = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(c0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                _mm512_set1_epi32(np - 1));
+  return _mm512_mullo_epi32(j, _mm512_set1_epi32(static_cast<int>(row_bytes)));
+}
 #else
 using VI = __m256i;
 using VF = __m256;
@@ -145,7 +102,80 @@ inline void vstoref(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vmulf(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF vset1f(float x) { return _mm256_set1_ps(x); }
+inline VI vset1(int x) { return _mm256_set1_epi32(x); }
+inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI vsrl16(VI a, int n) { return _mm256_srli_epi16(a, n); }
+inline VI vsll16(VI a, int n) { return _mm256_slli_epi16(a, n); }
+inline void vstore(void* p, VI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline VI vgather(const uint8_t* base, VI idx) { return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1); }
+inline VI vcolumns(int c0, int np, int64_t row_bytes) {
+  const VI j = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(c0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                _mm256_set1_epi32(np - 1));
+  return _mm256_mullo_epi32(j, _mm256_set1_epi32(static_cast<int>(row_bytes)));
+}
 #endif
+// ---- unpacking: kLanes columns at a time, by gathers of one dword of each column's block (the
+// step layout is such a dword's bytes: Q4_K's 4 bytes of qs give the low nibbles of step t and the
+// high nibbles of step t + 8, no byte moves). idx: the kLanes columns' byte offsets from column 0.
+
+// Q4_K / Q5_K (FIVE) blocks at blk0 + idx (layout: gguf_kquants.h's q45_k) as panel columns c0...
+template <bool FIVE>
+inline void unpack_q45_w(Panel& P, int c0, const uint8_t* blk0, VI idx) {
+  const VI m4 = vset1(0x0f0f0f0f), b1 = vset1(0x01010101);
+  const uint8_t* qs = blk0 + (FIVE ? 48 : 16);
+  for (int u = 0; u < 8; ++u) {
+    const VI h = FIVE ? vgather(blk0 + 16 + 4 * u, idx) : vzero();
+    for (int c = 0; c < 4; ++c) {
+      const VI g = vgather(qs + 32 * c + 4 * u, idx);
+      VI lo = vand(g, m4), hi = vand(vsrl16(g, 4), m4);
+      if (FIVE) {  // bits 2c (low nibbles' sub-block) and 2c + 1 of each qh byte to bit 4
+        lo = vor(lo, vsll16(vand(vsrl16(h, 2 * c), b1), 4));
+        hi = vor(hi, vsll16(vand(vsrl16(h, 2 * c + 1), b1), 4));
+      }
+      vstore(P.w[16 * c + u][c0], lo);
+      vstore(P.w[16 * c + 8 + u][c0], hi);
+    }
+  }
+}
+
+// Q6_K blocks at blk0 + idx as panel columns c0...: weights 0..63 (q + 32). Step t = 32n + 8i + u:
+// nibble (low for i < 2) of ql[64n + 32 (i & 1) + 4u..] under bits 2i, 2i + 1 of qh[32n + 4u..].
+inline void unpack_q6_w(Panel& P, int c0, const uint8_t* blk0, VI idx) {
+  const VI m4 = vset1(0x0f0f0f0f), m3 = vset1(0x03030303);
+  for (int n = 0; n < 2; ++n)
+    for (int u = 0; u < 8; ++u) {
+      const VI h = vgather(blk0 + 128 + 32 * n + 4 * u, idx);
+      for (int odd = 0; odd < 2; ++odd) {
+        const VI l = vgather(blk0 + 64 * n + 32 * odd + 4 * u, idx);
+        const int i0 = odd, i1 = odd + 2;
+        vstore(P.w[32 * n + 8 * i0 + u][c0], vor(vand(l, m4), vsll16(vand(vsrl16(h, 2 * i0), m3), 4)));
+        vstore(P.w[32 * n + 8 * i1 + u][c0], vor(vand(vsrl16(l, 4), m4), vsll16(vand(vsrl16(h, 2 * i1), m3), 4)));
+      }
+    }
+}
+
+// Column j's scales and factors from its Q4_K / Q5_K block p.
+inline void unpack_q45_scales(Panel& P, int j, const uint8_t* p) {
+  alignas(16) uint8_t sm[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(sm), kq::scales_mins(p + 4));
+  for (int s = 0; s < 8; ++s) {
+    P.sc[s][j] = pair16(sm[s], sm[s]);
+    P.mn[s][j] = pair16(sm[8 + s], sm[8 + s]);
+  }
+  P.d[j] = kq::half(p);
+  P.dmin[j] = -kq::half(p + 2);
+}
+
+// Column j's scales and factors from its Q6_K block p: the offset's -32 goes to the second term.
+inline void unpack_q6_scales(Panel& P, int j, const uint8_t* p) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+  for (int g = 0; g < 16; ++g) P.sc[g][j] = pair16(sc[g], sc[g]);
+  for (int q = 0; q < 8; ++q) P.mn[q][j] = pair16(32 * sc[2 * q], 32 * sc[2 * q + 1]);
+  P.d[j] = kq::half(p + 208);
+  P.dmin[j] = -P.d[j];
+}
+
 constexpr int kTileCols = kTileVecs * kLanes;
 
 // The rows of x a tile takes, as gguf_kquants.h's quantize_rows_k wrote them, at super-block b:
@@ -252,12 +282,18 @@ void gemm_panels(const int8_t* q, const float* d, const int16_t* bs, int M, int6
   for (int64_t jp = j0; jp < j1; jp += kCols) {
     const int np = static_cast<int>(std::min<int64_t>(kCols, j1 - jp));
     std::fill(sums.begin(), sums.end(), 0.f);
-    if (np < kCols) std::memset(&P, 0, sizeof(P));  // the missing columns: zero weights and factors
+    VI idx[kCols / kLanes];  // the missing columns of a last panel repeat its last column (never stored)
+    for (int v = 0; v < kCols / kLanes; ++v) idx[v] = vcolumns(v * kLanes, np, row_bytes);
     for (int64_t b = 0; b < kb; ++b) {
-      for (int j = 0; j < np; ++j) {
-        const uint8_t* blk = w + (jp + j) * row_bytes + b * T::kBytes;
-        if constexpr (kQ6) unpack_q6(P, j, blk);
-        else unpack_q45<T::kBytes == 176>(P, j, blk);
+      const uint8_t* blk0 = w + jp * row_bytes + b * T::kBytes;
+      for (int v = 0; v < kCols / kLanes; ++v) {
+        if constexpr (kQ6) unpack_q6_w(P, v * kLanes, blk0, idx[v]);
+        else unpack_q45_w<T::kBytes == 176>(P, v * kLanes, blk0, idx[v]);
+      }
+      for (int j = 0; j < kCols; ++j) {
+        const uint8_t* blk = blk0 + std::min(j, np - 1) * row_bytes;
+        if constexpr (kQ6) unpack_q6_scales(P, j, blk);
+        else unpack_q45_scales(P, j, blk);
       }
       panel_rows<kSps>(P, RowsAt{q + 256 * b, bs + 16 * b, d + b, K, kb}, M, sums.data());
     }

@@ -47,10 +47,6 @@ struct Panel {
   alignas(64) float dmin[kCols];
 };
 
-inline int32_t pair16(int a, int b) {
-  return static_cast<int32_t>(static_cast<uint16_t>(a) | static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16);
-}
-
 // ---- the register tile: R rows x kTileVecs vectors of kLanes columns
 #if defined(__AVX512BW__)
 using VI = __m512i;
@@ -76,6 +72,9 @@ inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
 inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
 inline VI vsrl16(VI a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
 inline VI vsll16(VI a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
+inline VI vsrl32(VI a, int n) { return _mm512_srli_epi32(a, static_cast<unsigned>(n)); }
+inline VI vsll32(VI a, int n) { return _mm512_slli_epi32(a, static_cast<unsigned>(n)); }
+inline VI vsra32(VI a, int n) { return _mm512_srai_epi32(a, static_cast<unsigned>(n)); }
 inline void vstore(void* p, VI v) { _mm512_storeu_si512(p, v); }
 inline VI vgather(const uint8_t* base, VI idx) { return _mm512_i32gather_epi32(idx, base, 1); }
 inline VI vcolumns(int c0, int np, int64_t row_bytes) {  // byte offsets of columns c0.. (the last valid one repeated)
@@ -107,6 +106,9 @@ inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
 inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
 inline VI vsrl16(VI a, int n) { return _mm256_srli_epi16(a, n); }
 inline VI vsll16(VI a, int n) { return _mm256_slli_epi16(a, n); }
+inline VI vsrl32(VI a, int n) { return _mm256_srli_epi32(a, n); }
+inline VI vsll32(VI a, int n) { return _mm256_slli_epi32(a, n); }
+inline VI vsra32(VI a, int n) { return _mm256_srai_epi32(a, n); }
 inline void vstore(void* p, VI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 inline VI vgather(const uint8_t* base, VI idx) { return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1); }
 inline VI vcolumns(int c0, int np, int64_t row_bytes) {
@@ -155,25 +157,40 @@ inline void unpack_q6_w(Panel& P, int c0, const uint8_t* blk0, VI idx) {
     }
 }
 
-// Column j's scales and factors from its Q4_K / Q5_K block p.
-inline void unpack_q45_scales(Panel& P, int j, const uint8_t* p) {
-  alignas(16) uint8_t sm[16];
-  _mm_store_si128(reinterpret_cast<__m128i*>(sm), kq::scales_mins(p + 4));
+// The int16 pair (v, v) of each dword lane's low 16 bits v.
+inline VI vpair(VI v) { return vor(vand(v, vset1(0xffff)), vsll32(v, 16)); }
+
+// Q4_K / Q5_K scales and minimums of the blocks at blk0 + idx as panel columns c0...: ggml's
+// get_scale_min_k4 on 16 columns' 12 scale bytes at once (gguf_kquants.h's scales_mins).
+inline void unpack_q45_scales(Panel& P, int c0, const uint8_t* blk0, VI idx) {
+  const VI u0 = vgather(blk0 + 4, idx), u1 = vgather(blk0 + 8, idx), u2 = vgather(blk0 + 12, idx);
+  const VI m6 = vset1(0x3f3f3f3f), m4 = vset1(0x0f0f0f0f), m2 = vset1(0x03030303), ff = vset1(0xff);
+  const VI sc[2] = {vand(u0, m6), vor(vand(u2, m4), vsll32(vand(vsrl32(u0, 6), m2), 4))};
+  const VI mn[2] = {vand(u1, m6), vor(vand(vsrl32(u2, 4), m4), vsll32(vand(vsrl32(u1, 6), m2), 4))};
   for (int s = 0; s < 8; ++s) {
-    P.sc[s][j] = pair16(sm[s], sm[s]);
-    P.mn[s][j] = pair16(sm[8 + s], sm[8 + s]);
+    vstore(&P.sc[s][c0], vpair(vand(vsrl32(sc[s / 4], 8 * (s % 4)), ff)));
+    vstore(&P.mn[s][c0], vpair(vand(vsrl32(mn[s / 4], 8 * (s % 4)), ff)));
   }
-  P.d[j] = kq::half(p);
-  P.dmin[j] = -kq::half(p + 2);
 }
 
-// Column j's scales and factors from its Q6_K block p: the offset's -32 goes to the second term.
-inline void unpack_q6_scales(Panel& P, int j, const uint8_t* p) {
-  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-  for (int g = 0; g < 16; ++g) P.sc[g][j] = pair16(sc[g], sc[g]);
-  for (int q = 0; q < 8; ++q) P.mn[q][j] = pair16(32 * sc[2 * q], 32 * sc[2 * q + 1]);
-  P.d[j] = kq::half(p + 208);
-  P.dmin[j] = -P.d[j];
+// Q6_K's 16 int8 scales of the blocks at blk0 + idx as panel columns c0...; the offset's -32 goes
+// to the second term (32 sc against the activation's sums of 16).
+inline void unpack_q6_scales(Panel& P, int c0, const uint8_t* blk0, VI idx) {
+  for (int q4 = 0; q4 < 4; ++q4) {
+    const VI v = vgather(blk0 + 192 + 4 * q4, idx);
+    VI g[4];
+    for (int e = 0; e < 4; ++e) g[e] = vsra32(vsll32(v, 24 - 8 * e), 24);  // byte e, sign-extended
+    for (int e = 0; e < 4; ++e) vstore(&P.sc[4 * q4 + e][c0], vpair(g[e]));
+    for (int e = 0; e < 4; e += 2)
+      vstore(&P.mn[2 * q4 + e / 2][c0], vor(vand(vsll32(g[e], 5), vset1(0xffff)), vsll32(g[e + 1], 21)));
+  }
+}
+
+// Column j's float factors: d and -dmin (Q4_K / Q5_K), d and -d (Q6_K).
+template <bool Q6>
+inline void unpack_factors(Panel& P, int j, const uint8_t* p) {
+  P.d[j] = kq::half(p + (Q6 ? 208 : 0));
+  P.dmin[j] = Q6 ? -P.d[j] : -kq::half(p + 2);
 }
 
 constexpr int kTileCols = kTileVecs * kLanes;
@@ -287,14 +304,15 @@ void gemm_panels(const int8_t* q, const float* d, const int16_t* bs, int M, int6
     for (int64_t b = 0; b < kb; ++b) {
       const uint8_t* blk0 = w + jp * row_bytes + b * T::kBytes;
       for (int v = 0; v < kCols / kLanes; ++v) {
-        if constexpr (kQ6) unpack_q6_w(P, v * kLanes, blk0, idx[v]);
-        else unpack_q45_w<T::kBytes == 176>(P, v * kLanes, blk0, idx[v]);
+        if constexpr (kQ6) {
+          unpack_q6_w(P, v * kLanes, blk0, idx[v]);
+          unpack_q6_scales(P, v * kLanes, blk0, idx[v]);
+        } else {
+          unpack_q45_w<T::kBytes == 176>(P, v * kLanes, blk0, idx[v]);
+          unpack_q45_scales(P, v * kLanes, blk0, idx[v]);
+        }
       }
-      for (int j = 0; j < kCols; ++j) {
-        const uint8_t* blk = blk0 + std::min(j, np - 1) * row_bytes;
-        if constexpr (kQ6) unpack_q6_scales(P, j, blk);
-        else unpack_q45_scales(P, j, blk);
-      }
+      for (int j = 0; j < kCols; ++j) unpack_factors<kQ6>(P, j, blk0 + std::min(j, np - 1) * row_bytes);
       panel_rows<kSps>(P, RowsAt{q + 256 * b, bs + 16 * b, d + b, K, kb}, M, sums.data());
     }
     for (int i = 0; i < M; ++i) std::memcpy(out + i * ldo + jp, sums.data() + static_cast<int64_t>(i) * kCols, np * sizeof(float));

@@ -1,5 +1,5 @@
 // The many-row GEMM over K-quant blocks (Q4_K, Q5_K, Q6_K) for gguf_gemm.cpp: prefill and batched
-// decode, from kPanelMinRows rows of x.
+// decode, from gguf_gemm.cpp's kPanelMinRows rows of x.
 //
 // Why: the row kernels (gguf_kquants.h) unpack a weight block for every 4 rows of x, so at 48 rows
 // the unpacking is done 12 times over and the GEMM ran at 74 GFLOP/s, a quarter of the float32 GEMM.
@@ -81,8 +81,8 @@ inline VI vsra32(VI a, int n) { return _mm512_srai_epi32(a, static_cast<unsigned
 inline void vstore(void* p, VI v) { _mm512_storeu_si512(p, v); }
 inline VI vgather(const uint8_t* base, VI idx) { return _mm512_i32gather_epi32(idx, base, 1); }
 inline VI vcolumns(int c0, int np, int64_t row_bytes) {  // byte offsets of columns c0.. (the last valid one repeated)
-  const VI j = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(c0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-                                _mm512_set1_epi32(np - 1));
+  const VI lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const VI j = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(c0), lane), _mm512_set1_epi32(np - 1));
   return _mm512_mullo_epi32(j, _mm512_set1_epi32(static_cast<int>(row_bytes)));
 }
 #else
@@ -113,7 +113,9 @@ inline VI vsrl32(VI a, int n) { return _mm256_srli_epi32(a, n); }
 inline VI vsll32(VI a, int n) { return _mm256_slli_epi32(a, n); }
 inline VI vsra32(VI a, int n) { return _mm256_srai_epi32(a, n); }
 inline void vstore(void* p, VI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-inline VI vgather(const uint8_t* base, VI idx) { return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1); }
+inline VI vgather(const uint8_t* base, VI idx) {
+  return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1);
+}
 inline VI vcolumns(int c0, int np, int64_t row_bytes) {
   const VI j = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(c0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
                                 _mm256_set1_epi32(np - 1));
@@ -318,7 +320,8 @@ void gemm_panels(const int8_t* q, const float* d, const int16_t* bs, int M, int6
       for (int j = 0; j < kCols; ++j) unpack_factors<kQ6>(P, j, blk0 + std::min(j, np - 1) * row_bytes);
       panel_rows<kSps>(P, RowsAt{q + 256 * b, bs + 16 * b, d + b, K, kb}, M, sums.data());
     }
-    for (int i = 0; i < M; ++i) std::memcpy(out + i * ldo + jp, sums.data() + static_cast<int64_t>(i) * kCols, np * sizeof(float));
+    for (int i = 0; i < M; ++i)
+      std::memcpy(out + i * ldo + jp, sums.data() + static_cast<int64_t>(i) * kCols, np * sizeof(float));
   }
 }
 

@@ -80,7 +80,7 @@ def libs():
 
 
 @pytest.mark.parametrize("name", sorted(gguf_gemm.TYPE_IDS))
-@pytest.mark.parametrize("m", [1, 3, 4, 7])
+@pytest.mark.parametrize("m", [1, 3, 7])  # 7: a full row tile of 4 and a partial one (Q4_K, Q5_K: panels)
 def test_random_bytes(libs, name, m):
     rng = np.random.default_rng(hash((name, m)) % 2**32)
     k = 512
@@ -88,6 +88,21 @@ def test_random_bytes(libs, name, m):
     raw = random_blocks(name, n, k, rng)
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     x[0, :32] *= 50  # blocks of very different scales
+    for _, lib in libs:
+        check(lib, name, raw, x)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("m,n,k", [(8, 37, 256), (13, 70, 768), (48, 130, 512)])
+def test_k_quant_panels(libs, name, m, n, k):
+    """The K-quants' many-row GEMM (gguf_panel.h, from 4 rows, Q6_K 8): at Q6_K's threshold and
+    above, N not a multiple of its 64-column panels nor of the threads' shares, K of one and several
+    super-blocks."""
+    rng = np.random.default_rng(m * 1000 + n)
+    raw = random_blocks(name, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x[0, :32] *= 50
+    x[-1, -256:] *= 0.01
     for _, lib in libs:
         check(lib, name, raw, x)
 
@@ -130,7 +145,7 @@ def test_bad_shapes(libs):
         gguf_gemm.quantize_rows(torch.randn(1, 96), block=256)
 
 
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 9])  # 5: Q4_K on panels, Q6_K on rows; 9: both on panels
 def test_linear_segments(libs, m):
     """``linear`` (one C call: quantization and every segment in one parallel region) equals
     ``quantize_rows`` + ``gemm`` per segment, on a fused layer of mixed types (K-quants and a

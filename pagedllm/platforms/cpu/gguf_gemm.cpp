@@ -12,7 +12,9 @@
 // Block layouts: ggml-common.h (block_q8_0 ... block_q6_K). Threads: each takes an equal,
 // contiguous share of the output rows (as panel_gemm.h splits panels); a thread walks its rows in
 // chunks of 16 and each chunk against the rows of x in tiles of up to 4, so a weight block is
-// unpacked once per 4 rows of x and a chunk is re-read from L1/L2 for the next tile.
+// unpacked once per 4 rows of x and a chunk is re-read from L1/L2 for the next tile. From
+// kPanelMinRows rows (Q6_K: kPanelMinRowsQ6K) the K-quants instead unpack a super-block of 64
+// weight rows once for all rows of x (gguf_panel.h: prefill and batched decode).
 #include <immintrin.h>
 #include <omp.h>
 
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "gguf_kquants.h"
+#include "gguf_panel.h"
 
 namespace {
 
@@ -247,9 +250,30 @@ void gemm_rows(const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, f
   }
 }
 
+// Rows of x from which the K-quants take the panel GEMM (gguf_panel.h) instead of the row kernels.
+// One thread, GFLOP/s, row kernels vs panels, two alternated rounds (host load 8-11): Q4_K
+// 8960x1536 at 3 rows 76/55 vs 73/61, 4 rows 84/62 vs 94/77, 5 rows 72/52 vs 108/87; Q6_K
+// 1536x8960 (a heavier unpacking: 48 gathers a 16 columns, not 32) at 4 rows 107/90 vs 56/53,
+// 7 rows 105/91 vs 80/77, and from 16 rows the panels win (16 rows: 106-122 vs 163-188).
+constexpr int kPanelMinRows = 4;
+constexpr int kPanelMinRowsQ6K = 8;
+
+template <class T>
+void gemm_panels(const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out, int64_t ldo) {
+  kp::gemm_panels<T>(x.q, x.d, static_cast<const int16_t*>(x.s), M, x.K, w, j0, j1, out, ldo);
+}
+
 // gemm_rows of ggml `type`; false for a type without a kernel.
 bool gemm_rows_of(int type, const Rows& x, int M, const uint8_t* w, int64_t j0, int64_t j1, float* out,
                   int64_t ldo) {
+  if (M >= (type == 14 ? kPanelMinRowsQ6K : kPanelMinRows)) {
+    switch (type) {
+      case 12: gemm_panels<kq::Q4_K>(x, M, w, j0, j1, out, ldo); return true;
+      case 13: gemm_panels<kq::Q5_K>(x, M, w, j0, j1, out, ldo); return true;
+      case 14: gemm_panels<kq::Q6_K>(x, M, w, j0, j1, out, ldo); return true;
+      default: break;
+    }
+  }
   switch (type) {
     case 2: gemm_rows<Q4_0>(x, M, w, j0, j1, out, ldo); return true;
     case 3: gemm_rows<Q4_1>(x, M, w, j0, j1, out, ldo); return true;

@@ -1,7 +1,10 @@
 """The GEMM over GGUF blocks of ``platforms/cpu/gguf_gemm.cpp``: ``x @ W^T`` with ``W`` kept in its
 ggml blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the activations quantized to int8
 per block of 32 (per 256 for the K-quants, as llama.cpp's Q8_K) and dotted in integers (llama.cpp's
-scheme; the .cpp's header and ``gguf_kquants.h`` say how).
+scheme; the .cpp's header and ``gguf_kquants.h`` say how). From 4 rows of x (Q6_K: 8; prefill,
+batched decode) the K-quants take a many-row GEMM instead (``gguf_panel.h``): each thread unpacks a
+super-block of 64 weight rows once into a VNNI-layout panel and runs every row of x over it, with
+the same integer sums (only the float additions' order differs from the row kernels).
 
 - ``quantize_rows(x, block)``: x float [M, K] -> ``Act``: int8 values and per block of ``block``
   (``act_block(type_id)``: 32, or 256 for Q4_K/Q5_K/Q6_K) the float32 scales, plus the float32

@@ -114,7 +114,8 @@ class CpuOps(PlatformOps):
         ok, how = gguf_gemm.available()
         if not ok:
             return frozenset(), how
-        return frozenset(gguf_gemm.TYPE_IDS), f"int8 dot products per block of 32, 256 for the K-quants ({how})"
+        return frozenset(gguf_gemm.TYPE_IDS), (f"int8 dot products per block of 32, 256 for the K-quants "
+                                               f"(from 4-8 rows on unpacked panels) ({how})")
 
     @staticmethod
     def gguf_linear(x: torch.Tensor, segments: list, n: int) -> Optional[torch.Tensor]:

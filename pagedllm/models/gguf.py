@@ -6,7 +6,9 @@ library (``GGUFReader``, memory-mapped, its long metadata arrays read on demand:
 The metadata -> config / tokenizer conversion and the GGUF -> Hugging Face tensor-name map, with the
 per-architecture fix-ups (e.g. undoing the Q/K row permutation llama.cpp's converter applies to Llama),
 are transformers' (``transformers.modeling_gguf_pytorch_utils``), so the weights come out under Hugging
-Face checkpoint names and each model's own ``load_weights`` takes them as it takes safetensors.
+Face checkpoint names and each model's own ``load_weights`` takes them as it takes safetensors. The
+names the map starts from are the model's own (``checkpoint_names()``) where it says them, so that
+transformers' model (and its modeling imports, ~200 MiB resident) is not built (``gguf_name_map``).
 
 Errors are ``ValueError`` with a one-line message (``pagedllm serve`` prints it and exits 1).
 """

@@ -342,28 +342,30 @@ def gguf_name_map(path: str, hf_config: Any, checkpoint_names: Optional[list[str
     """(transformers' tensor processor of the file's architecture, GGUF tensor name -> Hugging Face
     checkpoint name), by transformers' ``get_gguf_hf_weights_map``: every checkpoint name is turned
     into its GGUF name by gguf's ``TensorNameMap``. The names are ``checkpoint_names`` where given
-    (those the model loads), else those of transformers' model built on the meta device; that build
-    imports transformers' modeling code (torch._dynamo, torch.distributed.tensor, sympy: ~1,800
-    modules, ~120 MiB of heap and ~85 MiB of libraries that stay resident, 3-16 s). Raises
-    ValueError where transformers has no map for the architecture."""
+    (those the model loads) and they name every matrix of the file, else those of transformers' model
+    built on the meta device; that build imports transformers' modeling code (torch._dynamo,
+    torch.distributed.tensor, sympy: ~1,800 modules, ~120 MiB of heap and ~85 MiB of libraries that
+    stay resident, 3-16 s). Raises ValueError where transformers has no map for the architecture."""
     # lazily: gguf (read only for a .gguf model) and transformers (~2 s to import with its GGUF helpers)
     import gguf
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
     processor = TENSOR_PROCESSORS.get(gguf_architecture(path), TensorProcessor)(config=hf_config.to_dict())
-    if checkpoint_names is not None:
-        hf_model = _CheckpointNames(hf_config, checkpoint_names)
-    else:
-        from transformers import AutoModelForCausalLM  # lazily: transformers' modeling code, see above
-
-        with torch.device("meta"):
-            hf_model = AutoModelForCausalLM.from_config(hf_config)
+    # transformers rebuilds gguf's TensorNameMap (thousands of formatted names) for every submodule
+    # it recurses into; one cached map per (arch, layers) turns ~400 builds into one.
+    cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
     try:
-        # transformers rebuilds gguf's TensorNameMap (thousands of formatted names) for every submodule
-        # it recurses into; one cached map per (arch, layers) turns ~400 builds into one.
-        cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
         with mock.patch.object(gguf, "get_tensor_name_map", cached):
+            if checkpoint_names is not None:
+                name_map = get_gguf_hf_weights_map(_CheckpointNames(hf_config, checkpoint_names), processor)
+                # (a 1-d tensor no name takes, as Llama-3's rope_freqs, is not loaded by either map)
+                if all(t.name in name_map for t in open_gguf(path).tensors if len(t.shape) > 1):
+                    return processor, name_map
+            from transformers import AutoModelForCausalLM  # lazily: transformers' modeling code, see above
+
+            with torch.device("meta"):
+                hf_model = AutoModelForCausalLM.from_config(hf_config)
             return processor, get_gguf_hf_weights_map(hf_model, processor)
     except NotImplementedError as e:
         raise ValueError(f"{path}: {one_line(e)}") from None

@@ -157,6 +157,31 @@ def test_the_file_is_parsed_once(tiny_gguf, monkeypatch):
     assert G.open_gguf(path) is not reader
 
 
+def test_names_from_the_model_map_as_transformers(tiny_gguf, monkeypatch):
+    """The file's tensors are named from the model's own checkpoint names (tied or not), not from
+    transformers' model (whose modeling imports stayed resident): every tensor gets the name it gets
+    from transformers' model."""
+    from pagedllm.models import gguf as G
+    from pagedllm.models.llama import LlamaForCausalLM
+
+    _, path = tiny_gguf
+    cfg = G.load_gguf_config(path)
+    theirs = G.gguf_name_map(path, cfg)[1]
+    tensors = [t.name for t in G.open_gguf(path).tensors]
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("transformers' model was built")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_model)
+    for tied in (False, True):
+        cfg.tie_word_embeddings = tied
+        with torch.device("meta"):
+            names = LlamaForCausalLM(cfg, torch.float32).checkpoint_names()
+        ours = G.gguf_name_map(path, cfg, names)[1]
+        assert {t: ours.get(t) for t in tensors} == {t: theirs.get(t) for t in tensors}
+        assert None not in {ours.get(t) for t in tensors}
+
+
 def test_tiny_gguf_tensor_parallel(tiny_gguf):
     """Each rank reads the file and keeps its shard: TP=2 gives transformers' greedy ids too."""
     _, path = tiny_gguf

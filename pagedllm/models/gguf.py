@@ -6,7 +6,9 @@ library (``GGUFReader``, memory-mapped, its long metadata arrays read on demand:
 The metadata -> config / tokenizer conversion and the GGUF -> Hugging Face tensor-name map, with the
 per-architecture fix-ups (e.g. undoing the Q/K row permutation llama.cpp's converter applies to Llama),
 are transformers' (``transformers.modeling_gguf_pytorch_utils``), so the weights come out under Hugging
-Face checkpoint names and each model's own ``load_weights`` takes them as it takes safetensors.
+Face checkpoint names and each model's own ``load_weights`` takes them as it takes safetensors. The
+names the map starts from are the model's own (``checkpoint_names()``) where it says them, so that
+transformers' model (and its modeling imports, ~200 MiB resident) is not built (``gguf_name_map``).
 
 Errors are ``ValueError`` with a one-line message (``pagedllm serve`` prints it and exits 1).
 """
@@ -322,9 +324,57 @@ def _drop_pages(reader: Any, t: Any) -> None:
         mm.madvise(advice, start, end - start)
 
 
+class _CheckpointNames:
+    """Stands in for transformers' model in ``get_gguf_hf_weights_map``, which reads only its config
+    and the names of its ``state_dict`` (and recurses into its children, which this has none of)."""
+
+    def __init__(self, config: Any, names: list[str]) -> None:
+        self.config, self.names = config, names
+
+    def state_dict(self) -> dict[str, None]:
+        return dict.fromkeys(self.names)
+
+    def named_children(self) -> list:
+        return []
+
+
+def gguf_name_map(path: str, hf_config: Any, checkpoint_names: Optional[list[str]] = None) -> tuple[Any, dict]:
+    """(transformers' tensor processor of the file's architecture, GGUF tensor name -> Hugging Face
+    checkpoint name), by transformers' ``get_gguf_hf_weights_map``: every checkpoint name is turned
+    into its GGUF name by gguf's ``TensorNameMap``. The names are ``checkpoint_names`` where given
+    (those the model loads) and they name every matrix of the file, else those of transformers' model
+    built on the meta device; that build imports transformers' modeling code (torch._dynamo,
+    torch.distributed.tensor, sympy: ~1,800 modules, ~120 MiB of heap and ~85 MiB of libraries that
+    stay resident, 3-16 s). Raises ValueError where transformers has no map for the architecture."""
+    # lazily: gguf (read only for a .gguf model) and transformers (~2 s to import with its GGUF helpers)
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    processor = TENSOR_PROCESSORS.get(gguf_architecture(path), TensorProcessor)(config=hf_config.to_dict())
+    # transformers rebuilds gguf's TensorNameMap (thousands of formatted names) for every submodule
+    # it recurses into; one cached map per (arch, layers) turns ~400 builds into one.
+    cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    try:
+        with mock.patch.object(gguf, "get_tensor_name_map", cached):
+            if checkpoint_names is not None:
+                name_map = get_gguf_hf_weights_map(_CheckpointNames(hf_config, checkpoint_names), processor)
+                # (a 1-d tensor no name takes, as Llama-3's rope_freqs, is not loaded by either map)
+                if all(t.name in name_map for t in open_gguf(path).tensors if len(t.shape) > 1):
+                    return processor, name_map
+            from transformers import AutoModelForCausalLM  # lazily: transformers' modeling code, see above
+
+            with torch.device("meta"):
+                hf_model = AutoModelForCausalLM.from_config(hf_config)
+            return processor, get_gguf_hf_weights_map(hf_model, processor)
+    except NotImplementedError as e:
+        raise ValueError(f"{path}: {one_line(e)}") from None
+
+
 def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False, raw_blocks: frozenset = frozenset(),
                          keep: Optional[Callable[[str], bool]] = None,
-                         stats: Optional[dict] = None) -> Iterator[tuple[str, Any]]:
+                         stats: Optional[dict] = None,
+                         checkpoint_names: Optional[list[str]] = None) -> Iterator[tuple[str, Any]]:
     """(Hugging Face checkpoint name, float32 tensor) pairs of the file's weights, one tensor at a time.
 
     Args:
@@ -336,32 +386,18 @@ def iterate_gguf_weights(path: str, hf_config: Any, raw_q8_0: bool = False, raw_
             (the file's bytes, not dequantized) where ``keep(hf_name)`` holds.
         keep: which Hugging Face names may stay in blocks (the linear layers' weights).
         stats: filled with (type name, "blocks" | "dequantized") -> tensor count.
+        checkpoint_names: the Hugging Face names the model loads (its ``checkpoint_names()``); the
+            file's tensor names are mapped onto these, else onto transformers' model's (``gguf_name_map``).
 
     Raises:
         ValueError: the file is unreadable, or its tensors do not map to the architecture's parameters.
     """
-    # lazily: gguf (read only for a .gguf model) and transformers (~2 s to import with its GGUF helpers)
-    import gguf
+    # lazily: gguf, read only for a .gguf model
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map)
 
     reader = open_gguf(path)
     arch = gguf_architecture(path)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
-    # The name map comes from the parameter names of the transformers model, built without memory.
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-    try:
-        # transformers rebuilds gguf's TensorNameMap (thousands of formatted names) for every submodule
-        # it recurses into; one cached map per (arch, layers) turns ~400 builds into one.
-        cached = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-        with mock.patch.object(gguf, "get_tensor_name_map", cached):
-            name_map = get_gguf_hf_weights_map(hf_model, processor)
-    except NotImplementedError as e:
-        raise ValueError(f"{path}: {one_line(e)}") from None
-    del hf_model
+    processor, name_map = gguf_name_map(path, hf_config, checkpoint_names)
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # MoE processors merge experts here
     gpt_oss = _GptOssExperts() if arch == "gpt-oss" else None
     stats = {} if stats is None else stats

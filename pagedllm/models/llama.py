@@ -375,6 +375,25 @@ class LlamaForCausalLM(nn.Module):
         verify_experts_loaded(self)  # (a stacked expert parameter counts as loaded once any expert is)
         return loaded
 
+    def checkpoint_names(self) -> Optional[list[str]]:
+        """The Hugging Face checkpoint names ``load_weights`` above routes into this rank's parameters
+        (its steps reversed: the ``model.`` prefix put back, each fused parameter split into the
+        fragments ``stacked_params`` fuses, and with a tied head the embedding's name, which the last
+        pipeline stage loads into its head). A GGUF file's tensors are named from these
+        (``models/gguf.py``) without building transformers' model, whose imports stay resident.
+        None where a subclass routes names its own way (its own ``load_weights``, or stacked
+        experts)."""
+        if type(self).load_weights is not LlamaForCausalLM.load_weights \
+                or self.stacked_params != LlamaForCausalLM.stacked_params:
+            return None
+        names = []
+        for p, _ in self.named_parameters(remove_duplicate=False):
+            parts = [p.replace(fused, frag) for frag, fused, _ in self.stacked_params if f".{fused}." in p] or [p]
+            names += [n if n.startswith("lm_head.") else "model." + n for n in parts]
+        if getattr(self.config, "tie_word_embeddings", False):
+            names.append("model.embed_tokens.weight")
+        return list(dict.fromkeys(names))
+
     def _log_unused(self, names: list[str]) -> None:
         """One log line naming the checkpoint tensors that no parameter took (another pipeline
         stage's are expected and not named): weights a model ignores should not go unnoticed."""

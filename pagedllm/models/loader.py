@@ -301,12 +301,15 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                 p.data.copy_(torch.empty(p.shape).uniform_(-0.02, 0.02, generator=gen).to(p.dtype))
     else:
         path = model_config.model
+        names = None  # the checkpoint names a GGUF file's tensors are mapped onto (None: transformers' model's)
         if is_gguf_file(path):
             q8_0 = gguf_q8_0_direct(get_quantization_config(model_config.quantization))
             blocks, why_not = gguf_block_types(model_config)
             gguf_stats: dict = {}
+            names = getattr(model, "checkpoint_names", lambda: None)()
             raw = iterate_gguf_weights(path, model_config.hf_config, raw_q8_0=q8_0, raw_blocks=blocks,
-                                       keep=_block_weights(model_config.hf_config), stats=gguf_stats)
+                                       keep=_block_weights(model_config.hf_config), stats=gguf_stats,
+                                       checkpoint_names=names)
             raw = q8_0_for_linears_only(raw) if q8_0 else raw
         else:
             if checkpoint_quant and checkpoint_quant["quant_method"] in INT4_METHODS:
@@ -322,7 +325,9 @@ def load_model(model_config: ModelConfig, device: str, block_size: int) -> torch
                                    bool(blocks), int4_stats, why_not, keep=_block_weights(model_config.hf_config))
             else:
                 raw = checkpoint_tensors(model_config)
-        weights = _CheckedWeights(raw, expected_shapes(model_config.hf_config))
+        # A GGUF file named by the model's own names is not checked against transformers' model: its
+        # shapes and its config come from the same file, and that model's imports would stay resident.
+        weights = _CheckedWeights(raw, {} if names is not None else expected_shapes(model_config.hf_config))
         try:
             model.load_weights(weights)
         except ValueError as e:

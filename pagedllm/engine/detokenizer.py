@@ -124,41 +124,37 @@ class IncrementalDetokenizer:
         if fast is None:
             prefix = self._decode(ids[po:ro])
             full = self._decode(ids[po:])
-            if len(full) <= len(prefix) or full.endswith("\ufffd"):
-                return None
-            delta = full[len(prefix):]
-            self.prefix_offset, self.read_offset = ro, len(ids)
-            self.output_text += delta
-            return delta
-        # _decode, inlined: this runs for every sequence every step. The window's text is kept while
-        # tokens are held back (the same ids decode to the same text), and looked up for one token.
-        skip = self.skip_special_tokens
-        prefix = self._prefix_text
-        if prefix is None:
-            if ro - po == 1:
-                prefix = self._one_token_texts.get(ids[po])
-                if prefix is None:
-                    prefix = self._one_token_texts[ids[po]] = fast.decode(ids[po:ro], skip_special_tokens=skip)
-            else:
-                prefix = fast.decode(ids[po:ro], skip_special_tokens=skip)
-            self._prefix_text = prefix
-        if self.byte_level and prefix[-1:] != "\ufffd":
-            # Byte-level (byte_level_decoder): decoding is lossy UTF-8 of the tokens' bytes joined. A
-            # window whose text does not end in U+FFFD ends on a whole character (or has no bytes), so
-            # decoding starts afresh at the new tokens' bytes: full = prefix + new, the difference is
-            # the new tokens' text alone (one token's: looked up), and that is the next window's text.
-            if len(ids) == ro + 1:
-                new = self._one_token_texts.get(ids[ro])
-                if new is None:
-                    new = self._one_token_texts[ids[ro]] = fast.decode(ids[ro:], skip_special_tokens=skip)
-            else:
-                new = fast.decode(ids[ro:], skip_special_tokens=skip)
-            if not new or new[-1] == "\ufffd":
-                return None
-            self.prefix_offset, self.read_offset, self._prefix_text = ro, len(ids), new
-            self.output_text += new
-            return new
-        full = fast.decode(ids[po:], skip_special_tokens=skip)
+        else:
+            # _decode, inlined: this runs for every sequence every step. The window's text is kept while
+            # tokens are held back (the same ids decode to the same text), and looked up for one token.
+            skip = self.skip_special_tokens
+            prefix = self._prefix_text
+            if prefix is None:
+                if ro - po == 1:
+                    prefix = self._one_token_texts.get(ids[po])
+                    if prefix is None:
+                        prefix = self._one_token_texts[ids[po]] = fast.decode(ids[po:ro], skip_special_tokens=skip)
+                else:
+                    prefix = fast.decode(ids[po:ro], skip_special_tokens=skip)
+                self._prefix_text = prefix
+            if self.byte_level and prefix[-1:] != "\ufffd":
+                # Byte-level (byte_level_decoder): decoding is lossy UTF-8 of the tokens' bytes joined. A
+                # window whose text does not end in U+FFFD ends on a whole character (or has no bytes), so
+                # decoding starts afresh at the new tokens' bytes: full = prefix + new, the difference is
+                # the new tokens' text alone (one token's: looked up), and that is the next window's text.
+                if len(ids) == ro + 1:
+                    new = self._one_token_texts.get(ids[ro])
+                    if new is None:
+                        new = self._one_token_texts[ids[ro]] = fast.decode(ids[ro:], skip_special_tokens=skip)
+                else:
+                    new = fast.decode(ids[ro:], skip_special_tokens=skip)
+                if not new or new[-1] == "\ufffd":
+                    return None
+                self.prefix_offset, self.read_offset, self._prefix_text = ro, len(ids), new
+                self.output_text += new
+                return new
+            full = fast.decode(ids[po:], skip_special_tokens=skip)
+        # The next window's text is decoded when first needed (never kept without ``fast``).
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         delta = full[len(prefix):]

@@ -43,6 +43,9 @@ class _Counting:
         self.calls += 1
         return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id):
+        return self.fast.id_to_token(token_id)
+
 
 def _detokenizers(tok, prompt, skip, stop, shared):
     """Byte-level (sharing ``shared``), windows with the caches, the reference; each counting decodes."""
@@ -125,16 +128,69 @@ def test_byte_level_step_gives_the_windows_text(tok, skip_special):
     assert a._fast.calls == 0 and a.output_text == tok.decode(ids[2:]) + tok.decode(ids[3:])
 
 
+class _WrongVocabulary:
+    """The Rust tokenizer with a wrong vocabulary view (every entry "!"): the bytes of a token holding
+    part of a character are then not confirmed by its text, so the catch-up takes one-token steps for
+    the tokens that need them (and a wrong byte would show in the text)."""
+
+    def __init__(self, fast) -> None:
+        self.fast = fast
+
+    def decode(self, ids, skip_special_tokens):
+        return self.fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id):
+        return "!"
+
+
+def _window_ok(det, skip: bool) -> bool:
+    """The kept window text (if any) is the Rust decode of the window."""
+    text = det._prefix_text
+    return text is None or text == det.tokenizer._tokenizer.decode(det.ids[det.prefix_offset:det.read_offset],
+                                                                   skip_special_tokens=skip)
+
+
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_update_each_equals_one_token_updates(tok, skip_special):
-    """update_each (deferred detokenization's catch-up, the byte-level step inlined) equals update([t])
-    token by token, split at any point."""
-    for rng, prompt, ids, _ in _streams(tok, 300, seed=2 + int(skip_special)):
-        a, b, ref = _detokenizers(tok, prompt, skip_special, [], {})
-        cut = rng.randrange(len(ids) + 1)
-        a.update_each(ids[:cut])
-        a.update_each(ids[cut:])
+    """update_each (deferred detokenization's catch-up: the tokens' bytes decoded at once once the
+    window's text ends on a whole character) equals update([t]) token by token, split at up to three
+    points (tokens held back between calls); with caches shared over streams or not, and without the
+    bytes of partial characters (one-token steps for them)."""
+    texts, tbytes = {}, {}
+    calls = [0, 0]
+    for n, (rng, prompt, ids, _) in enumerate(_streams(tok, 300, seed=2 + int(skip_special))):
+        shared = (texts, tbytes) if n % 2 else ({}, {})
+        a = IncrementalDetokenizer(tok, prompt, skip_special, [], False, shared[0], one_token_bytes=shared[1])
+        blind = IncrementalDetokenizer(tok, prompt, skip_special, [], False)
+        blind._fast = _WrongVocabulary(blind._fast)
+        _, b, ref = _detokenizers(tok, prompt, skip_special, [], {})
+        a._fast = _Counting(a._fast)
+        cuts = sorted(rng.randrange(len(ids) + 1) for _ in range(rng.randrange(4)))
+        for lo, hi in zip([0, *cuts], [*cuts, len(ids)]):
+            a.update_each(ids[lo:hi])
+            blind.update_each(ids[lo:hi])
+            assert _window_ok(a, skip_special) and _window_ok(blind, skip_special)
         b.update_each(ids)
         for t in ids:
             ref.update([t])
-        assert _state(a) == _state(b) == _state(ref)
+        assert _state(a) == _state(b) == _state(blind) == _state(ref)
+        calls = [calls[0] + a._fast.calls, calls[1] + ref.tokenizer.calls]
+    assert calls[0] < calls[1] / 3  # the catch-up decodes little with Rust (texts learnt once per stream)
+
+
+def test_python_lossy_utf8_is_rusts(tok):
+    """``bytes.decode("utf-8", "replace")`` (the catch-up's decode) gives the byte-level decoder's text
+    (Rust's ``String::from_utf8_lossy``) for every sequence of up to 3 bytes from the boundaries of the
+    UTF-8 byte classes (ASCII, continuations, overlong and surrogate leads, 4-byte leads, invalid) and
+    random longer ones: one U+FFFD per maximal invalid subpart in both."""
+    byte_id = {b: tok.convert_tokens_to_ids(_CHAR[b]) for b in range(256)}
+    edges = [0x00, 0x41, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC1, 0xC2, 0xDF, 0xE0, 0xE1, 0xEC,
+             0xED, 0xEE, 0xEF, 0xF0, 0xF1, 0xF3, 0xF4, 0xF5, 0xFF]
+    seqs = [[a] for a in edges] + [[a, b] for a in edges for b in edges]
+    seqs += [[a, b, c] for a in edges[3:] for b in edges[3:10] for c in edges[:10]]
+    rng = random.Random(0)
+    seqs += [[rng.choice(edges) if rng.random() < 0.7 else rng.randrange(256) for _ in range(rng.randrange(4, 9))]
+             for _ in range(1500)]
+    fast = tok._tokenizer
+    for seq in seqs:
+        assert fast.decode([byte_id[b] for b in seq]) == bytes(seq).decode("utf-8", "replace"), seq

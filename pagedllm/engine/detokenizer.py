@@ -12,6 +12,7 @@ definition; only windows that end inside a character are decoded.
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from typing import Optional
 
 # Prompt tokens decoded as left context so the first output token gets its leading space right.
@@ -24,12 +25,14 @@ class IncrementalDetokenizer:
     token a step the window decoded first is the previous step's one new token, so it is looked
     up instead (half the decode calls; the same text, decoding is a function of the ids).
     ``byte_level``: whether the tokenizer decodes as byte-level BPE (``byte_level_decoder``; None: find
-    out here), which makes a one-token step a lookup of the new token's text (see ``_advance``).
+    out here), which makes a one-token step a lookup of the new token's text (see ``_advance``) and
+    ``update_each`` one UTF-8 decode of the tokens' bytes (``_catch_up_bytes``). ``one_token_bytes``: a
+    dict shared like ``one_token_texts`` (same ``skip_special_tokens``), token id -> its bytes.
     Test: tests/test_detokenize_byte_level.py (every step's state equal to decoding both windows)."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
                  include_stop_str_in_output: bool, one_token_texts: Optional[dict[int, str]] = None,
-                 byte_level: Optional[bool] = None) -> None:
+                 byte_level: Optional[bool] = None, one_token_bytes: Optional[dict[int, bytes]] = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -43,6 +46,8 @@ class IncrementalDetokenizer:
         fast = getattr(tokenizer, "_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self._one_token_texts = one_token_texts if one_token_texts is not None else {}
+        # Token id -> its bytes (_learn_bytes), for the byte-level catch-up; shared like one_token_texts.
+        self._one_token_bytes = one_token_bytes if one_token_bytes is not None else {}
         # The text of ids[prefix_offset:read_offset] decoded alone, once known (None: not yet).
         self._prefix_text: Optional[str] = None
         # The one-token step without a decode (_advance): byte_level_decoder(the Rust tokenizer), or what the
@@ -78,42 +83,134 @@ class IncrementalDetokenizer:
 
     def update_each(self, token_ids: list[int]) -> None:
         """``update([t])`` for each token in turn (the same text), for a sequence without stop strings
-        whose one-token updates were put off (OutputProcessor's deferred detokenization)."""
+        whose one-token updates were put off (OutputProcessor's deferred detokenization). Byte-level
+        (``byte_level``): once the window's text does not end in U+FFFD, all of them at once
+        (``_catch_up_bytes``)."""
         assert not self.stop, "stop strings are matched step by step: update() each step"
         ids = self.ids
         append, advance = ids.append, self._advance
-        if not self.byte_level:
-            for t in token_ids:
-                append(t)
+        i, n = 0, len(token_ids)
+        if self.byte_level:
+            # One-token steps while the window's text ends in U+FFFD (a prompt ending inside a character):
+            # those steps take the windows' difference (_advance's last part), not the byte-level step.
+            while i < n and self._window_text()[-1:] == "\ufffd":
+                append(token_ids[i])
                 advance()
-            return
-        # _advance's byte-level one-token step, inlined (a request's catch-up runs it for every token):
-        # while ``steady`` no token is pending and the window's text (``prefix``) is known and does not end
-        # in U+FFFD, so a step is a lookup; the new text is collected in ``parts``. Other steps: _advance.
-        texts, decode, skip = self._one_token_texts, self._fast.decode, self.skip_special_tokens
-        parts: list[str] = []
-        po, ro, prefix = self.prefix_offset, self.read_offset, self._prefix_text
-        steady = ro == len(ids) and prefix is not None and prefix[-1:] != "\ufffd"
-        for t in token_ids:
+                i += 1
+            if i < n:
+                first = len(ids)
+                ids.extend(token_ids[i:] if i else token_ids)
+                if self._catch_up_bytes(first):
+                    return
+                del ids[first:]  # a token without known bytes (never seen so far): the steps below
+        for t in token_ids[i:]:
             append(t)
-            if steady:
-                text = texts.get(t)
-                if text is None:
-                    text = texts[t] = decode([t], skip_special_tokens=skip)
-                if text and text[-1] != "\ufffd":
-                    parts.append(text)
-                    po, ro, prefix = ro, ro + 1, text
-                else:  # held back: the next step has two new tokens
-                    steady = False
-                continue
-            self.output_text += "".join(parts)
-            parts.clear()
-            self.prefix_offset, self.read_offset, self._prefix_text = po, ro, prefix
             advance()
-            po, ro, prefix = self.prefix_offset, self.read_offset, self._prefix_text
-            steady = ro == len(ids) and prefix is not None and prefix[-1:] != "\ufffd"
-        self.output_text += "".join(parts)
-        self.prefix_offset, self.read_offset, self._prefix_text = po, ro, prefix
+
+    def _catch_up_bytes(self, first: int) -> bool:
+        """The byte-level one-token steps (``_advance``) of the tokens ``ids[first:]``, all at once: the
+        text they add and the state they leave. False (nothing changed) where a token's bytes are not
+        known (``byte_level_token_bytes``). The window's text must not end in U+FFFD.
+
+        Why it is the steps' text: a byte-level decode is lossy UTF-8 (U+FFFD for each maximal invalid
+        subpart) of the tokens' bytes joined. A step emits its pending tokens' text when that text is
+        neither empty nor ends in U+FFFD, i.e. they end on a whole character; decoding then starts afresh,
+        so the texts the steps emit, joined, are one decode of all the bytes up to the last step that
+        emitted. A token whose own text is non-empty and ends in a character other than U+FFFD always
+        emits (that character starts with a byte no pending sequence can take, so it decodes the same
+        after any pending bytes); a token without bytes never does; a token whose own text ends in U+FFFD
+        emits only if the pending bytes before it complete a character with it (decoded here). So the
+        steps after the second-to-last always-emitting token decide where the last emission is; those
+        before it only add text. Python's ``bytes.decode("utf-8", "replace")`` substitutes maximal
+        subparts as Rust's ``String::from_utf8_lossy`` does (tests/test_detokenize_byte_level.py)."""
+        ids = self.ids
+        texts, fast, skip = self._one_token_texts, self._fast, self.skip_special_tokens
+        n = len(ids)
+        # The last two tokens (from ``first``) whose text ends in a whole character: k2 (-1: none).
+        k1 = k2 = -1
+        k = n - 1
+        while k >= first:
+            text = texts.get(ids[k])
+            if text is None:
+                text = texts[ids[k]] = fast.decode(ids[k:k + 1], skip_special_tokens=skip)
+            if text and text[-1] != "\ufffd":
+                if k1 >= 0:
+                    k2 = k
+                    break
+                k1 = k
+            k -= 1
+        # The steps after k2 (all of them without one): start, end of the last emitting step's tokens.
+        ro = self.read_offset
+        r = k2 + 1 if k2 >= 0 else ro  # the first pending token (the steps emit at k2)
+        start = end = -1
+        for k in range(k2 + 1 if k2 >= 0 else first, n):
+            text = texts.get(ids[k])
+            if text is None:
+                text = texts[ids[k]] = fast.decode(ids[k:k + 1], skip_special_tokens=skip)
+            if not text:
+                continue
+            if text[-1] != "\ufffd":
+                start, end, r = r, k + 1, k + 1
+            elif r < k:  # pending bytes before a token ending inside a character: they may complete one
+                joined = self._joined_bytes(r, k + 1)
+                if joined is None:
+                    return False
+                if joined.decode("utf-8", "replace")[-1] != "\ufffd":
+                    start, end, r = r, k + 1, k + 1
+        if end < 0:  # every step held its tokens back
+            return True
+        joined = self._joined_bytes(ro, end)
+        if joined is None:
+            return False
+        self.output_text += joined.decode("utf-8", "replace")
+        # The last emitting step's tokens are the window; its text is looked up for one token, else
+        # decoded when first needed (_window_text).
+        self.prefix_offset, self.read_offset = start, end
+        self._prefix_text = texts[ids[start]] if end - start == 1 else None
+        return True
+
+    def _joined_bytes(self, start: int, end: int) -> Optional[bytes]:
+        """The bytes of ``ids[start:end]`` joined (one token's: the shared ``_one_token_bytes``, learnt on
+        first use by ``byte_level_token_bytes``); None if a token's cannot be established."""
+        tb, span = self._one_token_bytes, self.ids[start:end]
+        try:
+            return b"".join(itemgetter(*span)(tb)) if len(span) > 1 else tb[span[0]]
+        except KeyError:
+            pass
+        texts, fast = self._one_token_texts, self._fast
+        for t in span:
+            if t in tb:
+                continue
+            text = texts.get(t)
+            if text is None:
+                text = texts[t] = fast.decode([t], skip_special_tokens=self.skip_special_tokens)
+            b = byte_level_token_bytes(fast, t, text)
+            if b is None:
+                return None
+            tb[t] = b
+        return b"".join([tb[t] for t in span])
+
+    def _window_text(self) -> str:
+        """The text of the window ``ids[prefix_offset:read_offset]`` (kept in ``_prefix_text`` once decoded):
+        one token's looked up; byte-level, its tokens' bytes decoded (``_catch_up_bytes``: the same text)."""
+        prefix = self._prefix_text
+        if prefix is None:
+            ids, po, ro = self.ids, self.prefix_offset, self.read_offset
+            skip = self.skip_special_tokens
+            if self._fast is None:
+                return self._decode(ids[po:ro])
+            if ro - po == 1:
+                prefix = self._one_token_texts.get(ids[po])
+                if prefix is None:
+                    prefix = self._one_token_texts[ids[po]] = self._fast.decode(ids[po:ro], skip_special_tokens=skip)
+            else:
+                joined = self._joined_bytes(po, ro) if self.byte_level and ro > po else None
+                if joined is not None:
+                    prefix = joined.decode("utf-8", "replace")
+                else:
+                    prefix = self._fast.decode(ids[po:ro], skip_special_tokens=skip)
+            self._prefix_text = prefix
+        return prefix
 
     def _advance(self) -> Optional[str]:
         """Decode the tokens added to ``ids`` since the last text; returns the new text (also added to
@@ -130,13 +227,7 @@ class IncrementalDetokenizer:
             skip = self.skip_special_tokens
             prefix = self._prefix_text
             if prefix is None:
-                if ro - po == 1:
-                    prefix = self._one_token_texts.get(ids[po])
-                    if prefix is None:
-                        prefix = self._one_token_texts[ids[po]] = fast.decode(ids[po:ro], skip_special_tokens=skip)
-                else:
-                    prefix = fast.decode(ids[po:ro], skip_special_tokens=skip)
-                self._prefix_text = prefix
+                prefix = self._window_text()
             if self.byte_level and prefix[-1:] != "\ufffd":
                 # Byte-level (byte_level_decoder): decoding is lossy UTF-8 of the tokens' bytes joined. A
                 # window whose text does not end in U+FFFD ends on a whole character (or has no bytes), so
@@ -200,6 +291,33 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
+def _byte_level_piece_bytes(piece: str) -> Optional[bytes]:
+    """The bytes a vocabulary entry of byte stand-ins (``_BYTE_LEVEL``) stands for; None if one of its
+    characters is not a stand-in."""
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None
+
+
+def byte_level_token_bytes(fast, token_id: int, text: str) -> Optional[bytes]:
+    """The bytes a byte-level decoder (``byte_level_decoder``) makes of the one token ``token_id`` of
+    ``fast`` (a ``tokenizers.Tokenizer``), given ``text``, its decode alone: none for an empty text (a
+    skipped special token); the text's UTF-8 when it has no U+FFFD (lossy UTF-8 that replaced nothing);
+    else, as the decoder does, its entry's stand-ins' bytes or, with a character outside them, the
+    entry's UTF-8. None where the entry is unknown or its bytes do not decode to ``text``."""
+    if not text:
+        return b""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = fast.id_to_token(token_id)
+    if not isinstance(piece, str):
+        return None
+    b = _byte_level_piece_bytes(piece)
+    if b is None:
+        b = piece.encode("utf-8")
+    return b if b.decode("utf-8", "replace") == text else None
+
+
 def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
     """The bytes of one token (OpenAI's logprob ``bytes``), given its decoded ``text``: the text's
     UTF-8, except for a token that holds part of a character (its text decodes to U+FFFD), whose
@@ -218,6 +336,7 @@ def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        if all(c in _BYTE_LEVEL for c in piece):
-            return bytes(_BYTE_LEVEL[c] for c in piece)
+        b = _byte_level_piece_bytes(piece)
+        if b is not None:
+            return b
     return text.encode("utf-8")

@@ -45,6 +45,7 @@ class OutputProcessor:
         self._token_bytes_cache: dict[int, bytes] = {}
         # Each token's text alone, for the detokenizers (skip_special_tokens False, True).
         self._one_token_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        self._one_token_bytes: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
         fast = getattr(tokenizer, "_tokenizer", None)
         self._byte_level = fast is not None and byte_level_decoder(fast)
         # Requests with a stop string (never deferred; ``drop`` keeps the count), and whether some step
@@ -54,11 +55,13 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: list[Request]) -> None:
-        dets = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params.skip_special_tokens,
-                                       c.sampling_params.stop, c.sampling_params.include_stop_str_in_output,
-                                       self._one_token_texts[bool(c.sampling_params.skip_special_tokens)],
-                                       self._byte_level)
-                for c in children]
+        dets = []
+        for c in children:
+            sp = c.sampling_params
+            skip = bool(sp.skip_special_tokens)
+            dets.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sp.skip_special_tokens, sp.stop,
+                                               sp.include_stop_str_in_output, self._one_token_texts[skip],
+                                               self._byte_level, self._one_token_bytes[skip]))
         deferrable = not any(c.sampling_params.stop for c in children)
         self.drop(request_id)  # (a reused id: the engine refuses one still running)
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children, dets,

@@ -168,37 +168,48 @@ class OutputProcessor:
             return None
         if state.deferrable and self._lagging:
             self._catch_up(state)
+        children = state.children
         outs = []
-        for req, det in zip(state.children, state.detokenizers):
-            finished = req.is_finished
-            outs.append(CompletionOutput(
-                index=req.index,
-                text=det.visible_text(finished),
-                token_ids=list(req.output_token_ids),
-                cumulative_logprob=req.cumulative_logprob if req.sampling_params.logprobs is not None else None,
-                logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-                finish_reason=req.status.finish_reason if finished else None,
-                stop_reason=req.stop_reason if finished else None,
-            ))
-        first = state.children[0]
-        metrics = RequestMetrics(arrival_time=first.metrics.arrival_time)
-        times = [c.metrics for c in state.children]
-        metrics.first_scheduled_time = min((t.first_scheduled_time for t in times if t.first_scheduled_time), default=None)
-        metrics.first_token_time = min((t.first_token_time for t in times if t.first_token_time), default=None)
-        metrics.last_token_time = max((t.last_token_time for t in times if t.last_token_time), default=None)
-        finished = all(c.is_finished for c in state.children)
-        if finished:
-            metrics.finished_time = max(t.finished_time or 0.0 for t in times)
+        finished = True
+        # (Positional arguments: keywords cost twice as much in a dataclass's __init__, per sample.)
+        for req, det in zip(children, state.detokenizers):
+            done = req.status.finished
+            finished = finished and done
+            if req.sampling_params.logprobs is None:
+                outs.append(CompletionOutput(req.index, det.visible_text(done), list(req.output_token_ids), None, None,
+                                             req.status.finish_reason if done else None,
+                                             req.stop_reason if done else None))
+            else:
+                outs.append(CompletionOutput(req.index, det.visible_text(done), list(req.output_token_ids),
+                                             req.cumulative_logprob, list(req.logprobs),
+                                             req.status.finish_reason if done else None,
+                                             req.stop_reason if done else None))
+        first = children[0]
         plp = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
-        output = RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-                               prompt_logprobs=list(plp) if plp is not None else None, outputs=outs,
-                               finished=finished, metrics=metrics, num_cached_tokens=max(0, first.num_cached_tokens),
-                               pooled=first.pooled)
+        output = RequestOutput(request_id, state.prompt, state.prompt_token_ids, list(plp) if plp is not None else None,
+                               outs, finished, _metrics(children, finished), max(0, first.num_cached_tokens),
+                               first.pooled)
         if finished:
             self.drop(request_id)
         elif self.stream_interval > 1:
             state.last_output = [(len(c.token_ids), c.finish_reason is not None) for c in outs]
         return output
+
+
+def _metrics(children: list[Request], finished: bool) -> RequestMetrics:
+    """A request's times from its samples': the first arrival's, the earliest first scheduling and first
+    token, the latest last token and (once all are) finished time; an unset (None or 0) time is left out."""
+    if len(children) == 1:  # (the same values, without the min/max over generators)
+        t = children[0].metrics
+        return RequestMetrics(t.arrival_time, t.first_scheduled_time or None, t.first_token_time or None,
+                              t.last_token_time or None, (t.finished_time or 0.0) if finished else None)
+    times = [c.metrics for c in children]
+    return RequestMetrics(
+        times[0].arrival_time,
+        min((t.first_scheduled_time for t in times if t.first_scheduled_time), default=None),
+        min((t.first_token_time for t in times if t.first_token_time), default=None),
+        max((t.last_token_time for t in times if t.last_token_time), default=None),
+        max(t.finished_time or 0.0 for t in times) if finished else None)
 
 
 def _text_tokens(req: Request, new: list[int]) -> list[int]:

@@ -311,7 +311,7 @@ def test_no_compiler_falls_back_to_pytorch_with_one_log_line(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("path", ["c"], indirect=True)
-@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (48, 49152), (5, 100003)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (4, 63), (4, 64), (3, 129), (256, 512), (48, 49152), (5, 100003)])
 def test_argmax_rows_equals_torch_argmax(shape, path):
     from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
@@ -325,10 +325,11 @@ def test_argmax_rows_equals_torch_argmax(shape, path):
 @pytest.mark.parametrize("path", ["c"], indirect=True)
 def test_argmax_rows_ties_infinities_and_nans_as_torch(path):
     """torch.argmax's rules: the first of equal maxima; a NaN beats every number, the first NaN
-    wins; a row of -inf gives 0. Positions on both sides of a 16-lane boundary and in the tail."""
+    wins; a row of -inf gives 0. Positions on both sides of a 16-lane boundary, in different chains of
+    the max, and in the tail."""
     from pagedllm.platforms.cpu import fused_ops as cpu_fused_ops
 
-    x = torch.randn(8, 1000)
+    x = torch.randn(11, 1000)
     x[0, 10] = x[0, 500] = 100.0
     x[1, :] = float("-inf")
     x[2, 37] = x[2, 900] = float("nan")
@@ -338,8 +339,12 @@ def test_argmax_rows_ties_infinities_and_nans_as_torch(path):
     x[5, :] = 0.0
     x[6, 15] = x[6, 16] = 50.0
     x[7, 994] = x[7, 999] = 50.0  # both in the tail
+    x[8, :] = -1.0
+    x[8, 700], x[8, 40], x[8, 900] = 0.0, -0.0, 0.0  # equal zeros: the first, whatever the max's sign
+    x[9, 60] = x[9, 20] = float("nan")  # NaNs in different chains of the max
+    x[10, 63] = x[10, 48] = 70.0  # equal maxima in the fourth and the first lanes of a 64-wide step
     got = cpu_fused_ops.argmax_rows(x)
-    assert got.tolist() == [10, 0, 37, 3, 998, 0, 15, 994]
+    assert got.tolist()[:11] == [10, 0, 37, 3, 998, 0, 15, 994, 40, 20, 48]
     assert torch.equal(got, x.argmax(dim=-1))
 
 

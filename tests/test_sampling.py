@@ -146,6 +146,28 @@ def test_sampler_filters_reduce_to_greedy():
         assert Sampler()(logits.clone(), rows).token_ids == expected, kw
 
 
+def test_plain_greedy_hint_and_token_tensor():
+    """The caller's ``all_plain_greedy`` gives the tokens the sampler finds itself; ``token_tensor`` holds
+    the ids of ``token_ids`` (greedy, and seeded with a greedy row); a row that is not plain greedy reads
+    as such (slotted rows)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    plain = [SamplingRow(SamplingParams(temperature=0.0), None, [1], []) for _ in range(6)]
+    for hint in (None, True):
+        out = Sampler()(logits, plain, all_plain_greedy=hint)
+        assert out.token_ids == logits.argmax(-1).tolist() and out.token_tensor.tolist() == out.token_ids
+    rows = [SamplingRow(SamplingParams(temperature=1.0, seed=i), torch.Generator().manual_seed(i), [1], [])
+            for i in range(5)] + plain[:1]
+    assert [r.plain_greedy for r in rows] == [False] * 5 + [True]
+    out = Sampler()(logits, rows)
+    again = Sampler()(logits, [SamplingRow(r.params, torch.Generator().manual_seed(r.params.seed or 0), [1], [])
+                               if r.generator is not None else r for r in rows], all_plain_greedy=False)
+    assert out.token_ids == again.token_ids == out.token_tensor.tolist()
+    assert out.token_ids[5] == int(logits[5].argmax())
+    with pytest.raises(AttributeError):
+        plain[0].extra = 1  # (slots: no per-row attribute dict)
+
+
 def test_top_k_keeps_only_top_tokens():
     torch.manual_seed(0)
     logits = torch.randn(1, 100)

@@ -7,7 +7,8 @@ depend on what else is in the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -20,8 +21,11 @@ if TYPE_CHECKING:
     from pagedllm.structured_output.matcher import GrammarMatcher
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
+    """One sequence's sampling inputs. Slots: the sampler reads ``plain_greedy`` of every row each step,
+    and a slotted row is one small object (no attribute dict to look up, fewer cache lines)."""
+
     params: SamplingParams
     generator: Optional[torch.Generator]
     prompt_token_ids: list[int]
@@ -30,6 +34,7 @@ class SamplingRow:
     banned_token_ids: Optional[list[int]] = None
     # Structured outputs: the sequence's grammar state (the engine advances it after sampling).
     grammar: Optional["GrammarMatcher"] = None
+    plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -38,13 +43,18 @@ class SamplingRow:
                              and not needs_logits_processors(self))
 
 
+_PLAIN_GREEDY = attrgetter("plain_greedy")
+
+
 @dataclass
 class SamplerOutput:
     """``token_ids`` [B]; for rows that asked for logprobs: ``logprobs[i]`` =
-    (sampled token logprob, its rank, top token ids, top logprobs), else None."""
+    (sampled token logprob, its rank, top token ids, top logprobs), else None. ``token_tensor``: the same
+    ids as an int64 [B] tensor on the logits' device (on a CPU ``.numpy()`` is free), where the sampler made one."""
 
     token_ids: list[int]
     logprobs: list[Optional[tuple[float, int, list[int], list[float]]]]
+    token_tensor: Optional[torch.Tensor] = None
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -122,11 +132,17 @@ class Sampler:
                 logits = keep_grammar_rows_alive(logits, raw, rows)
         return logits
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [B, V] (float32, one row per sequence that samples this step)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 all_plain_greedy: Optional[bool] = None) -> SamplerOutput:
+        """logits [B, V] (float32, one row per sequence that samples this step). ``all_plain_greedy``:
+        whether every row is ``plain_greedy``, where the caller keeps that (None: read here, a row at a
+        time); a wrong True would skip what the other rows ask for."""
         logits = logits.float()
-        if all(r.plain_greedy for r in rows):  # (what the general path below gives such a batch)
-            return SamplerOutput(token_ids=ops.argmax_rows(logits).tolist(), logprobs=[None] * len(rows))
+        if all_plain_greedy is None:
+            all_plain_greedy = all(map(_PLAIN_GREEDY, rows))
+        if all_plain_greedy:  # (what the general path below gives such a batch)
+            tokens = ops.argmax_rows(logits)
+            return SamplerOutput(tokens.tolist(), [None] * len(rows), tokens)
         need_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(need_logprobs) else None
         logits = self.process(logits, rows)
@@ -153,7 +169,7 @@ class Sampler:
                 if r.params.logprobs is None:
                     continue
                 logprobs[i] = topk_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+        return SamplerOutput(token_list, logprobs, tokens)
 
 
 def topk_logprobs(row_logprobs: torch.Tensor, token_id: int, k: int) -> tuple[float, int, list[int], list[float]]:

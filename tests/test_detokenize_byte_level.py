@@ -156,7 +156,10 @@ def test_update_each_equals_one_token_updates(tok, skip_special):
     window's text ends on a whole character) equals update([t]) token by token, split at up to three
     points (tokens held back between calls); with caches shared over streams or not, and without the
     bytes of partial characters (one-token steps for them)."""
-    texts, tbytes = {}, {}
+    # Shared: every token's text known from the start (a long-running engine's), so the window checks
+    # read the prompt's last token's text; not shared: nothing known yet.
+    texts = {t: tok._tokenizer.decode([t], skip_special_tokens=skip_special) for t in range(len(tok))}
+    tbytes: dict[int, bytes] = {}
     calls = [0, 0]
     for n, (rng, prompt, ids, _) in enumerate(_streams(tok, 300, seed=2 + int(skip_special))):
         shared = (texts, tbytes) if n % 2 else ({}, {})

@@ -93,7 +93,7 @@ class IncrementalDetokenizer:
         if self.byte_level:
             # One-token steps while the window's text ends in U+FFFD (a prompt ending inside a character):
             # those steps take the windows' difference (_advance's last part), not the byte-level step.
-            while i < n and self._window_text()[-1:] == "\ufffd":
+            while i < n and self._window_ends_inside_character():
                 append(token_ids[i])
                 advance()
                 i += 1
@@ -189,6 +189,17 @@ class IncrementalDetokenizer:
                 return None
             tb[t] = b
         return b"".join([tb[t] for t in span])
+
+    def _window_ends_inside_character(self) -> bool:
+        """Whether the window's text ends in U+FFFD. Without decoding it where its last token's own text
+        ends in a whole character other than U+FFFD: the window's text then ends in that character too
+        (as in ``_catch_up_bytes``: no pending bytes can take its first byte); byte-level only."""
+        prefix = self._prefix_text
+        if prefix is None and self.read_offset > self.prefix_offset:
+            last = self._one_token_texts.get(self.ids[self.read_offset - 1])
+            if last and last[-1] != "\ufffd":
+                return False
+        return self._window_text()[-1:] == "\ufffd"
 
     def _window_text(self) -> str:
         """The text of the window ``ids[prefix_offset:read_offset]`` (kept in ``_prefix_text`` once decoded):

@@ -102,7 +102,7 @@ class IncrementalDetokenizer:
                 ids.extend(token_ids[i:] if i else token_ids)
                 if self._catch_up_bytes(first):
                     return
-                del ids[first:]  # a token without known bytes (never seen so far): the steps below
+                del ids[first:]  # a token whose bytes cannot be established: the steps below
         for t in token_ids[i:]:
             append(t)
             advance()

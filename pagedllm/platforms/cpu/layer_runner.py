@@ -162,7 +162,8 @@ class _Step(ctypes.Structure):
                 ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH] + \
                [("timings", _p), ("lora", ctypes.POINTER(_LoRAStep))] + \
                [(n, _p) for n in ("input_ids", "positions", "embed", "rope_cache", "final_norm", "final_out")] + \
-               [("vocab", _i64), ("max_pos", _i64), ("final_eps", _f32), ("bad_input", _i64)]
+               [("vocab", _i64), ("max_pos", _i64), ("final_eps", _f32), ("bad_input", _i64)] + \
+               [("lm_head", _p), ("logits", _p), ("lm_head_n", _i64)]
 
 
 def _build() -> ctypes.CDLL:
@@ -297,6 +298,10 @@ class CpuLayerRunner:
         self.lora_steps_run = 0
         # whether the model's final norm (platforms/ops.py: fused_add_rms_norm) is this kernel (run_tokens)
         self.final_norm_same: Optional[bool] = None
+        # run_tokens: the model's tables (embedding, RoPE, final norm, LM head) last checked, and
+        # name -> a flat float buffer of the step's scratch, kept between steps (grown as needed)
+        self.token_tables: tuple = ()
+        self.scratch: dict[str, torch.Tensor] = {}
         attn = model.layers[0].self_attn
         self.q_size = attn.num_heads * attn.head_dim
         self.kv_size = attn.num_kv_heads * attn.head_dim
@@ -492,34 +497,71 @@ class CpuLayerRunner:
     def run_tokens(self, tokens: StepTokens, kv_caches: list, meta: Any) -> Optional[torch.Tensor]:
         """A whole step of a Llama-kind model from its tokens: the embedding rows, the RoPE rows, all
         layers and the final norm in the one C call -> the final norm's output [N, hidden] (a new
-        tensor, the model's ``forward`` output), bit-identical to those ops run one by one; None,
-        nothing touched, where ``run`` would not cover the step, the tensors are not as below, or an
-        id or position is out of range (the caller's own ops then run, and raise)."""
-        ids, pos, embed, cache, norm_w = tokens.input_ids, tokens.positions, tokens.embed, tokens.rope_cache, tokens.norm_weight
+        tensor, the model's ``forward`` output), or with ``tokens.lm_head`` the logits [N, tokens.vocab]
+        (a new tensor: the LM head's GEMM in the same call, the one ``float_gemm.linear`` makes),
+        bit-identical to those ops run one by one; None, nothing touched, where ``run`` would not cover
+        the step, the tensors are not as below, or an id or position is out of range (the caller's own
+        ops then run, and raise). Its scratch (the inputs gathered, the layers' buffers) is kept
+        between steps: nothing but the output is returned from it."""
+        ids, pos = tokens.input_ids, tokens.positions
+        if not self._token_tables_ok(tokens):
+            return None
+        if (ids.dtype != torch.int64 or pos.dtype != torch.int64 or ids.dim() != 1 or pos.shape != ids.shape
+                or not ids.is_contiguous() or not pos.is_contiguous() or not ids.is_cpu or not pos.is_cpu):
+            return None
+        n, d = ids.shape[0], self.dims
+        x = self._scratch("x", n * d.hidden).view(n, d.hidden)
+        cos_sin = self._scratch("cos_sin", n * 2 * d.rotary_dim).view(n, 2, 1, d.rotary_dim)
+        head = tokens.lm_head
+        out = self._scratch("final", n * d.hidden).view(n, d.hidden) if head is not None \
+            else torch.empty(n, d.hidden, dtype=self.dtype)
+        logits = None if head is None else torch.empty(n, tokens.lm_head_out, dtype=self.dtype)
+        cache = tokens.rope_cache
+        extra = dict(input_ids=ids.data_ptr(), positions=pos.data_ptr(), embed=tokens.embed.data_ptr(),
+                     rope_cache=cache.data_ptr(), final_norm=tokens.norm_weight.data_ptr(), final_out=out.data_ptr(),
+                     vocab=tokens.embed.shape[0], max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
+        if head is not None:
+            extra.update(lm_head=head.data_ptr(), logits=logits.data_ptr(), lm_head_n=tokens.lm_head_out)
+        if self._run(x, None, cos_sin, kv_caches, meta, extra) is None:
+            return None
+        self.token_steps_run += 1
+        if logits is None:
+            return out
+        return logits if tokens.vocab == tokens.lm_head_out else logits[:, :tokens.vocab]
+
+    def _token_tables_ok(self, tokens: StepTokens) -> bool:
+        """Whether run_tokens can take ``tokens``' tables (embedding, RoPE, final norm, LM head: the
+        model's own, the same tensors every step, so checked once while they stay the same)."""
+        tables = (tokens.embed, tokens.rope_cache, tokens.norm_weight, tokens.lm_head)
+        if len(tables) == len(self.token_tables) and all(a is b for a, b in zip(tables, self.token_tables)):
+            return True
+        embed, cache, norm_w, head = tables
         d = self.dims
         if self.final_norm_same is None:
             # The model's final norm (platforms/ops.py) runs this kernel only where the process's platform
             # is the CPU's, i.e. where torch sees no GPU (platforms/__init__.py decides so; not imported
             # here: it imports this module). A CPU device on a GPU host takes the CUDA wing's ops.
             self.final_norm_same = not torch.cuda.is_available()
-        if (not self.final_norm_same or self.layout.kind != "llama" or len(self.ropes) != 1 or ids.dtype != torch.int64 or pos.dtype != torch.int64
-                or ids.dim() != 1 or pos.shape != ids.shape or not ids.is_contiguous() or not pos.is_contiguous()
-                or not ids.is_cpu or not pos.is_cpu or embed.dtype != self.dtype or cache.dtype != self.dtype
+        if (not self.final_norm_same or self.layout.kind != "llama" or len(self.ropes) != 1
+                or embed.dtype != self.dtype or cache.dtype != self.dtype
                 or norm_w.dtype != self.dtype or not embed.is_contiguous() or not cache.is_contiguous()
                 or not norm_w.is_contiguous() or embed.dim() != 2 or embed.shape[1] != d.hidden
                 or norm_w.shape != (d.hidden,) or cache.dim() != 3 or cache.shape[1:] != (2, d.rotary_dim)):
-            return None
-        n = ids.shape[0]
-        x = torch.empty(n, d.hidden, dtype=self.dtype)
-        cos_sin = torch.empty(n, 2, 1, d.rotary_dim, dtype=self.dtype)
-        out = torch.empty(n, d.hidden, dtype=self.dtype)
-        extra = dict(input_ids=ids.data_ptr(), positions=pos.data_ptr(), embed=embed.data_ptr(),
-                     rope_cache=cache.data_ptr(), final_norm=norm_w.data_ptr(), final_out=out.data_ptr(),
-                     vocab=embed.shape[0], max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
-        if self._run(x, None, cos_sin, kv_caches, meta, extra) is None:
-            return None
-        self.token_steps_run += 1
-        return out
+            return False
+        # the LM head: the float GEMM's packed float32 weight (compute_logits' .float() is then none)
+        if head is not None and (self.dtype != torch.float32 or head.dtype != self.dtype or not head.is_contiguous()
+                                 or self.kernel_sets["auto"].gemm is None or not 0 < tokens.vocab <= tokens.lm_head_out
+                                 or head.numel() != float_gemm_cpu.packed_elems(tokens.lm_head_out, d.hidden, self.dtype)):
+            return False
+        self.token_tables = tables
+        return True
+
+    def _scratch(self, name: str, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of this runner's scratch buffer ``name`` (grown to fit)."""
+        buf = self.scratch.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.scratch[name] = torch.empty(numel, dtype=self.dtype)
+        return buf[:numel]
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
             kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -560,10 +602,13 @@ class CpuLayerRunner:
         d = self.dims
         cols = {"h": hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
                 "gate_up": 2 * d.intermediate, "act": d.intermediate}
-        # One workspace for the step's scratch rows (each part rounded up to 16 elements).
+        # One workspace for the step's scratch rows (each part rounded up to 16 elements); a token step's
+        # kept between steps (run_tokens returns neither it nor x_out)
         sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
-        work = torch.empty(sum(sizes), dtype=self.dtype)
-        x_out = torch.empty(n, hidden, dtype=self.dtype)
+        if extra is not None:
+            work, x_out = self._scratch("work", sum(sizes)), self._scratch("x_out", n * hidden).view(n, hidden)
+        else:
+            work, x_out = torch.empty(sum(sizes), dtype=self.dtype), torch.empty(n, hidden, dtype=self.dtype)
         step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
                      x_out=x_out.data_ptr(), has_residual=int(residual is not None),
                      cos_sin=(_p * 2)(*(t.data_ptr() for t in (tables * 2)[:2])),

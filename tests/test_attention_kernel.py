@@ -365,28 +365,3 @@ def test_one_plane_cache_reads_values_from_keys(d, group, dtype):
         assert torch.equal(one[0], two[0])  # the new keys written once, where the two-plane cache has them
         err = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max().item()
         assert err <= tol, f"{backend.name}: max row relative error {err:.2e} > {tol:.0e}"
-
-
-@pytest.mark.parametrize("d,hkv,group,block_size", [(16, 2, 2, 16), (32, 1, 4, 32), (16, 4, 1, 16), (32, 3, 3, 48)])
-def test_small_head_decode_path_is_bit_identical(monkeypatch, d, hkv, group, block_size):
-    """The float32 decode path of head sizes 16 and 32 (paged_attention.cpp's decode_item_small, AVX-512)
-    equals the general vector loop bit for bit: the kernel built without it (-DPAGEDLLM_NO_SMALL_DECODE)
-    on the same batch. Decodes of 1-600 keys (past 512 the general loop runs) as whole-sequence items
-    (>= 4 a thread) and as one item a KV head (3 sequences), beside prefill chunks, with and without sinks."""
-    from pagedllm.layers.attention import cpu_backend
-    from pagedllm.platforms.cpu import attention as kernels
-    with_path, _ = kernels.load_kernel()
-    if with_path is None:
-        pytest.skip("no CPU attention kernel")
-    without = kernels.build_with(kernels.FLAGS + ["-DPAGEDLLM_NO_SMALL_DECODE"])
-    rng = random.Random(d * 1000 + hkv * 10 + group)
-    many = [(rng.randrange(0, 600), 1) for _ in range(4 * torch.get_num_threads() + 5)]
-    for seed, seqs in enumerate([many + [(30, 17)], [(0, 1), (47, 1), (511, 1)]]):
-        q, k, v, cache, meta, _, _ = make_batch(seqs, block_size, hkv, group, d, torch.float32, seed)
-        write_kv(k, v, cache, meta.slot_mapping)
-        for sinks in (None, torch.randn(hkv * group, generator=torch.Generator().manual_seed(seed))):
-            outs = []
-            for lib in (with_path, without):
-                monkeypatch.setattr(cpu_backend, "load_kernel", lambda lib=lib: (lib, None))
-                outs.append(paged_attention(torch.empty_like(q), q, cache, meta, d ** -0.5, sinks=sinks))
-            assert torch.equal(outs[0], outs[1])

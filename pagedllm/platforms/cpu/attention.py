@@ -22,11 +22,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 1024
 
 
-def build_with(flags: list[str]) -> ctypes.CDLL:
-    """The library built with ``flags`` (cached by build.py), its functions typed. Tests build it with
-    ``-DPAGEDLLM_NO_SMALL_DECODE`` too (without the float32 decode path of head sizes 16 and 32,
-    which must equal the general loop bit for bit)."""
-    lib = build_library(SOURCE, flags)
+def _build() -> ctypes.CDLL:
+    lib = build_library(SOURCE, FLAGS)
     i32p, f32, i32, i64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int64
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16, lib.paged_attention_f32_i8,
                lib.paged_attention_bf16_i8):
@@ -47,7 +44,7 @@ def build_with(flags: list[str]) -> ctypes.CDLL:
     return lib
 
 
-_LIBRARY = LazyLibrary(lambda: build_with(FLAGS))
+_LIBRARY = LazyLibrary(_build)
 
 
 def load_kernel() -> tuple[Optional[ctypes.CDLL], Optional[str]]:

@@ -431,90 +431,6 @@ void paged_attention(const T* q, const C* k_cache, const C* v_cache, T* out, con
   merge_parts(parts, query_start_loc, num_heads, sinks, out);
 }
 
-#ifdef PAGEDLLM_AVX512
-// Prefetch (into L1) the K and V rows of keys [0, n) of a sequence (its block table), the `width`
-// elements at `h0` of each token row: a decode item's whole context, while the one before it runs.
-inline void prefetch_item(const float* k_cache, const float* v_cache, const int32_t* table, int n, int bs,
-                          int64_t tok_stride, int64_t blk_stride, int64_t h0, int64_t width) {
-  const bool whole_rows = width == tok_stride;  // a block's rows are then one contiguous run
-  for (int j0 = 0; j0 < n; j0 += bs) {
-    const int64_t off = table[j0 / bs] * blk_stride + h0;
-    const int nb = std::min(bs, n - j0);
-    for (int j = 0; j < (whole_rows ? 1 : nb); ++j) {
-      const int64_t bytes = 4 * (whole_rows ? nb * tok_stride : width);
-      const char* kp = reinterpret_cast<const char*>(k_cache + off + j * tok_stride);
-      const char* vp = reinterpret_cast<const char*>(v_cache + off + j * tok_stride);
-      for (int64_t c = 0; c < bytes; c += 64) {
-        __builtin_prefetch(kp + c, 0, 3);
-        __builtin_prefetch(vp + c, 0, 3);
-      }
-    }
-  }
-}
-
-// One float32 decode item (a sequence's new token, its KV heads [h_begin, h_end), n <= 512 keys, no
-// window, soft cap or split; blocks a multiple of 16 tokens) at a head size of 16 or 32: the same
-// operations in the same order as paged_attention_vec's loop below (dot16 and its add tree, the
-// scale, mask_max16, softmax_fold16, each row's P.V one key after another, store_row), so the
-// output is bit-identical, with its per-item overhead cut. At these head sizes that overhead was the
-// kernel's time: the nano model's decode (4 x 16 query heads, 2 KV heads, ~49 keys) took 0.93 us a
-// sequence with its K/V in L2 and 1.04 with them in L1 (instructions, not memory). Here each group of
-// 16 keys lies in one block (addressed directly: no pointer tables or table walk), the query rows
-// are read in place, and P.V runs every row of the item together (4 at a time), which hides the FMA
-// latency that one row's chain of dependent FMAs exposed.
-// s: [rows][512] scores; acc [rows][D], m, l [rows]: the thread's scratch.
-// (Its K/V come from L2 or L3: prefetch_item asks for the next item's while this one computes.)
-template <int D>
-void decode_item_small(const float* q, const float* k_cache, const float* v_cache, float* out, const int32_t* table,
-                       int n, int64_t tok, int h_begin, int h_end, int G, int num_heads, int bs, int64_t tok_stride,
-                       int64_t blk_stride, float scale, const float* sinks, float* s, float* acc, float* m, float* l) {
-  constexpr int KC = 512, C = D / 16;
-  const int rows = (h_end - h_begin) * G, npad = (n + 15) & ~15;
-  const F16 vscale = set1_16(scale);
-  for (int j0 = 0; j0 < n; j0 += 16) {
-    const float* kb = k_cache + table[j0 / bs] * blk_stride + (j0 % bs) * tok_stride;
-    const int last = std::min(16, n - j0) - 1;  // the padding keys repeat the last (masked)
-    for (int h = h_begin; h < h_end; ++h) {
-      const float* kp[16];
-      for (int j = 0; j < 16; ++j) kp[j] = kb + std::min(j, last) * tok_stride + h * D;
-      for (int g = 0; g < G; ++g)
-        store16(&s[static_cast<size_t>((h - h_begin) * G + g) * KC + j0],
-                mul16(dot16<D>(q + (tok * num_heads + h * G + g) * D, kp, D), vscale));
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    float* sr = &s[static_cast<size_t>(r) * KC];
-    m[r] = -INFINITY, l[r] = 0.0f;
-    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
-    softmax_fold16(sr, npad, mask_max16(sr, npad, 0, n), m[r], l[r], acc + r * D, D);
-  }
-  row_groups<4>(rows, [&](auto rr, int r0) {
-    constexpr int R = decltype(rr)::value;
-    __m512 a[R][C];
-    int64_t head_off[R];  // each row's KV head within a token's row
-    for (int r = 0; r < R; ++r) {
-      head_off[r] = static_cast<int64_t>(h_begin + (r0 + r) / G) * D;
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(acc + (r0 + r) * D + 16 * c);
-    }
-    for (int j0 = 0; j0 < n; j0 += bs) {  // block by block, each row's keys in order
-      const float* vb = v_cache + table[j0 / bs] * blk_stride;
-      const int nb = std::min(bs, n - j0);
-      for (int j = 0; j < nb; ++j, vb += tok_stride)
-        for (int r = 0; r < R; ++r) {
-          const __m512 w = _mm512_set1_ps(s[static_cast<size_t>(r0 + r) * KC + j0 + j]);
-          for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + head_off[r] + 16 * c), a[r][c]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * c, a[r][c]);
-  });
-  for (int r = 0; r < rows; ++r) {
-    const int head = h_begin * G + r;
-    store_row(acc + r * D, out + (tok * num_heads + head) * D, D, inv_denominator(m[r], l[r], sinks, head));
-  }
-}
-#endif
-
 #ifdef PAGEDLLM_VEC
 // The same computation with AVX-512 (or AVX2) for head_dim % 16 == 0, over chunks of up to KC keys rather
 // than one block at a time: the scores of a chunk (keys taken through the block table across block
@@ -571,21 +487,6 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
       const int t_new = query_start_loc[w.seq + 1] - query_start_loc[w.seq];
       const int first_pos = seq_len - t_new + w.q_begin;
       const int last_pos = seq_len - t_new + w.q_end - 1;
-#if defined(PAGEDLLM_AVX512) && !defined(PAGEDLLM_NO_SMALL_DECODE)  // (tests build without it: equal output)
-      if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float> && (kHeadDim == 16 || kHeadDim == 32)) {
-        if (t_new == 1 && w.part < 0 && window == 0 && soft_cap == 0.0f && bs % 16 == 0 && seq_len <= KC) {
-          if (it + num_threads < num_items) {  // the item this thread likely takes next: its K/V rows
-            const Item& x = items[it + num_threads];
-            prefetch_item(k_cache, v_cache, block_tables + static_cast<int64_t>(x.seq) * bt_stride, seq_lens[x.seq], bs,
-                          tok_stride, blk_stride, x.h_begin * D, (x.h_end - x.h_begin) * D);
-          }
-          decode_item_small<kHeadDim>(q, k_cache, v_cache, out, block_tables + static_cast<int64_t>(w.seq) * bt_stride,
-                                      seq_len, query_start_loc[w.seq], w.h_begin, w.h_end, G, num_heads, bs, tok_stride,
-                                      blk_stride, scale, sinks, s.data(), acc.data(), m.data(), l.data());
-          continue;
-        }
-      }
-#endif
       const int head_rows = (w.q_end - w.q_begin) * G;
       const int rows = head_rows * (w.h_end - w.h_begin);
       for (int h = w.h_begin; h < w.h_end; ++h)
@@ -687,7 +588,23 @@ void paged_attention_vec(const T* q, const C* k_cache, const C* v_cache, T* out,
             // Visible keys: j < n, position <= p, inside the window (or chunk).
             const int vis_hi = std::min(n, p - c0 + 1);                        // j < vis_hi
             const int vis_lo = std::max(0, first_visible(p, window) - c0);  // j >= vis_lo
+#ifdef PAGEDLLM_AVX512
+            // Masked to -inf, and the max, 16 at a time (GCC kept this loop scalar: a chain of maxss).
+            const __m512i lo_v = _mm512_set1_epi32(vis_lo), hi_v = _mm512_set1_epi32(vis_hi);
+            const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+            __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            __m512 vmax = neg_inf;
+            for (int j = 0; j < npad; j += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+              const __mmask16 live = _mm512_cmp_epi32_mask(idx, lo_v, _MM_CMPINT_NLT) &
+                                     _mm512_cmp_epi32_mask(idx, hi_v, _MM_CMPINT_LT);
+              const __m512 x = _mm512_mask_blend_ps(live, neg_inf, _mm512_loadu_ps(sr + j));
+              _mm512_storeu_ps(sr + j, x);
+              vmax = _mm512_max_ps(vmax, x);
+            }
+            const float bmax = _mm512_reduce_max_ps(vmax);
+#else
             const float bmax = mask_max16(sr, npad, vis_lo, vis_hi);
+#endif
             softmax_fold16(sr, npad, bmax, m[r], l[r], &acc[static_cast<size_t>(r) * D], D);
             if constexpr (kInt8<C>) {
 #pragma omp simd

@@ -289,23 +289,6 @@ inline void pv_rows_i16(const float* p, int p_stride, const int8_t* const* v, in
 }
 #endif  // AVX512-VNNI
 
-// Scores sr[0, npad) outside [vis_lo, vis_hi) set to -inf, 16 at a time (GCC kept the scalar loop
-// scalar: a chain of maxss); returns their max (-inf when none is visible).
-inline float mask_max16(float* sr, int npad, int vis_lo, int vis_hi) {
-  const __m512i lo_v = _mm512_set1_epi32(vis_lo), hi_v = _mm512_set1_epi32(vis_hi);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 vmax = neg_inf;
-  for (int j = 0; j < npad; j += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
-    const __mmask16 live = _mm512_cmp_epi32_mask(idx, lo_v, _MM_CMPINT_NLT) &
-                           _mm512_cmp_epi32_mask(idx, hi_v, _MM_CMPINT_LT);
-    const __m512 x = _mm512_mask_blend_ps(live, neg_inf, _mm512_loadu_ps(sr + j));
-    _mm512_storeu_ps(sr + j, x);
-    vmax = _mm512_max_ps(vmax, x);
-  }
-  return _mm512_reduce_max_ps(vmax);
-}
-
 // The vector path's 16 lanes (AVX2: two ymm), and its few operations beyond the helpers above.
 using F16 = __m512;
 inline F16 set1_16(float x) { return _mm512_set1_ps(x); }

@@ -282,6 +282,7 @@ class CpuLayerRunner:
         self.run_layers = getattr(lib, entry)
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
         self.token_steps_run = 0  # of those, steps run from the token ids (run_tokens)
+        self.logit_steps_run = 0  # of those, steps that returned the logits (the LM head in the call too)
         self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
@@ -525,6 +526,7 @@ class CpuLayerRunner:
         self.token_steps_run += 1
         if logits is None:
             return out
+        self.logit_steps_run += 1
         return logits if tokens.vocab == tokens.lm_head_out else logits[:, :tokens.vocab]
 
     def _token_tables_ok(self, tokens: StepTokens) -> bool:

@@ -102,8 +102,9 @@ def _check_runner_equals_layer_loop(wide_dir, block_size):
     loop = _run(llm, prompts, False)
     runner = _run(llm, prompts, True)
     assert runner == loop  # tokens and logprobs, exactly
-    if wide_dir.endswith("_llama"):  # Llama's steps from their token ids (embedding, RoPE, final norm in C too)
-        assert _model(llm).__dict__["_cpu_layer_runner"].token_steps_run > 0
+    if wide_dir.endswith("_llama"):  # Llama's steps from their token ids (embedding, RoPE, final norm in C too),
+        stack = _model(llm).__dict__["_cpu_layer_runner"]  # plain decode steps with the LM head too
+        assert stack.token_steps_run > 0 and stack.logit_steps_run > 0
     assert [t for t, _ in runner] == [t for t, _ in reference(wide_dir, prompts)]  # transformers' greedy
     assert_pool_empty(llm)
 

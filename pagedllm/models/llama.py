@@ -25,6 +25,7 @@ from pagedllm.layers.attention.backend import SlidingWindowBackend
 from pagedllm.layers.fused_moe import verify_experts_loaded
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.weights import load_stacked
@@ -325,6 +326,30 @@ class LlamaForCausalLM(nn.Module):
             return None
         return StepTokens(input_ids, positions, self.embed_tokens.weight, self.rotary_emb.cos_sin_cache,
                           self.norm.weight, self.norm.eps)
+
+    def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Optional[torch.Tensor]],
+                    meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """The float32 logits [N, vocab_size] of every row of a whole step in the layer stack's one call,
+        the LM head's matmul included (``StepTokens.lm_head``: the CPU layer runner), the values
+        ``compute_logits(forward(...))`` gives; None, nothing run, where there is no such stack or this
+        model's step (``step_tokens``) or LM head is not the plain one: a float32 head packed for the
+        float GEMM on one rank, without bias, this class's ``compute_logits`` (not Granite's scaling)."""
+        if self.layer_stack is None:
+            return None
+        head = self.__dict__.get("_plain_lm_head")
+        if head is None:
+            lm = self.lm_head
+            w = getattr(lm, "gemm_weight", None)
+            plain = (type(lm) is ParallelLMHead and lm.tp_size == 1 and type(lm.quant_method) is UnquantizedLinearMethod
+                     and w is not None and w.dtype == torch.float32
+                     and type(self).compute_logits is LlamaForCausalLM.compute_logits)
+            head = (w, lm.out_features, lm.vocab_size) if plain else ()
+            self.__dict__["_plain_lm_head"] = head
+        tokens = self.step_tokens(input_ids, positions) if head else None
+        if tokens is None:
+            return None
+        tokens.lm_head, tokens.lm_head_out, tokens.vocab = head
+        return self.layer_stack(None, None, None, kv_caches, meta, tokens=tokens)
 
     def rotary_embs(self) -> list:
         """The RotaryEmbeddings whose tables ``rope_tables`` gathers (each layer's is one of them)."""

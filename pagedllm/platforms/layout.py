@@ -81,7 +81,12 @@ class StepTokens:
     [N] int64 tensors, the embedding table [vocab, hidden], the RoPE table [max_pos, 2, rotary_dim]
     (``RotaryEmbedding.cos_sin_cache``), the final RMSNorm's weight [hidden] and eps. A model passes
     them (``layer_stack(None, None, None, kv_caches, meta, tokens=...)``) only where its embedding, RoPE
-    gather and final norm are those plain ops (models/llama.py)."""
+    gather and final norm are those plain ops (models/llama.py).
+
+    ``lm_head`` (None: the step returns the final norm's output [N, hidden]): the LM head's weight as
+    the float GEMM packed it (``gemm_weight``, ``lm_head_out`` output columns, no bias), for a step
+    that returns the logits [N, vocab] (the first ``vocab`` columns) of every row instead, its matmul
+    in the same call (``LlamaForCausalLM.step_logits``)."""
 
     input_ids: Any
     positions: Any
@@ -89,3 +94,6 @@ class StepTokens:
     rope_cache: Any
     norm_weight: Any
     norm_eps: float
+    lm_head: Any = None
+    lm_head_out: int = 0
+    vocab: int = 0

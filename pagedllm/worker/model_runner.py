@@ -221,6 +221,15 @@ class ModelRunner:
             hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
                                 model_input.attn_metadata, inputs_embeds=self.embed_with_images(model_input))
         else:
+            if (model_input.logits_all_rows and not model_input.return_hidden and not self.pooling
+                    and self.lora is None and self.cuda_graphs is None):
+                # a plain decode step, LM head included, in one call where the model has one (Llama's
+                # family on the CPU layer runner: StepTokens.lm_head); the same values as below
+                step_logits = getattr(self.model, "step_logits", None)
+                logits = None if step_logits is None else step_logits(
+                    model_input.input_ids, model_input.positions, self.kv_caches, model_input.attn_metadata)
+                if logits is not None:
+                    return logits
             # a decode-only step replays its graph (None: it runs eagerly); not where the hidden states are returned
             if self.cuda_graphs is not None and not model_input.return_hidden:
                 meta = model_input.attn_metadata

@@ -163,6 +163,11 @@ struct RunnerStep {
   int64_t vocab, max_pos;
   float final_eps;
   int64_t bad_input;
+  // null, or with final_norm: logits [N, lm_head_n] <- final_out @ the LM head's packed float weight
+  // lm_head (no bias), the one GEMM call float_gemm.linear makes for the model's compute_logits.
+  const void* lm_head;
+  void* logits;
+  int64_t lm_head_n;
 };
 
 namespace {
@@ -382,6 +387,9 @@ void run_decoder_layers(const RunnerKernels* k, const RunnerDims* d, const Runne
   }
   if (s->final_norm != nullptr)  // the model's final norm (residual += x_out first)
     k->add_rms_norm(s->x_out, hidden, s->residual, s->final_norm, s->final_out, n, hidden, s->final_eps);
+  if (s->logits != nullptr)
+    k->gemm(s->final_out, hidden, s->lm_head, nullptr, s->logits, s->lm_head_n, static_cast<int>(n),
+            static_cast<int>(s->lm_head_n), static_cast<int>(hidden));
 }
 
 // Gemma 2 and 3 (models/gemma2.py: Gemma2DecoderLayer.forward): the residual stream is s->residual

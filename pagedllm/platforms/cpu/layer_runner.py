@@ -162,7 +162,8 @@ class _Step(ctypes.Structure):
                 ("query_start_loc", _p), ("bt_stride", _i64), ("num_seqs", _i64)] + [(n, _p) for n in _SCRATCH] + \
                [("timings", _p), ("lora", ctypes.POINTER(_LoRAStep))] + \
                [(n, _p) for n in ("input_ids", "positions", "embed", "rope_cache", "final_norm", "final_out")] + \
-               [("vocab", _i64), ("max_pos", _i64), ("final_eps", _f32), ("bad_input", _i64)]
+               [("vocab", _i64), ("max_pos", _i64), ("final_eps", _f32), ("bad_input", _i64)] + \
+               [("lm_head", _p), ("logits", _p), ("lm_head_n", _i64)]
 
 
 def _build() -> ctypes.CDLL:
@@ -281,6 +282,7 @@ class CpuLayerRunner:
         self.run_layers = getattr(lib, entry)
         self.steps_run = 0  # steps it ran (the rest went to the Python loop)
         self.token_steps_run = 0  # of those, steps run from the token ids (run_tokens)
+        self.logit_steps_run = 0  # of those, steps that returned the logits (the LM head in the call too)
         self.max_rows: Optional[int] = None  # steps of more tokens go to the loop (int8 layers' panel_max_rows)
         # None, or seconds per phase (GEMMA_PHASES' length) summed over layers and steps (set by timing_on)
         self.timings: Optional[ctypes.Array] = None
@@ -297,6 +299,12 @@ class CpuLayerRunner:
         self.lora_steps_run = 0
         # whether the model's final norm (platforms/ops.py: fused_add_rms_norm) is this kernel (run_tokens)
         self.final_norm_same: Optional[bool] = None
+        # run_tokens: the model's tables (embedding, RoPE, final norm) and LM head last checked, and the
+        # step struct over the scratch kept between steps (grown as needed)
+        self.token_tables: tuple = ()
+        self.token_head: Optional[torch.Tensor] = None
+        # (rows it fits, (its _Step, x, cos_sin, final norm's output), the tensors it holds) or None
+        self.token_step: Optional[tuple] = None
         attn = model.layers[0].self_attn
         self.q_size = attn.num_heads * attn.head_dim
         self.kv_size = attn.num_kv_heads * attn.head_dim
@@ -492,34 +500,96 @@ class CpuLayerRunner:
     def run_tokens(self, tokens: StepTokens, kv_caches: list, meta: Any) -> Optional[torch.Tensor]:
         """A whole step of a Llama-kind model from its tokens: the embedding rows, the RoPE rows, all
         layers and the final norm in the one C call -> the final norm's output [N, hidden] (a new
-        tensor, the model's ``forward`` output), bit-identical to those ops run one by one; None,
-        nothing touched, where ``run`` would not cover the step, the tensors are not as below, or an
-        id or position is out of range (the caller's own ops then run, and raise)."""
-        ids, pos, embed, cache, norm_w = tokens.input_ids, tokens.positions, tokens.embed, tokens.rope_cache, tokens.norm_weight
+        tensor, the model's ``forward`` output), or with ``tokens.lm_head`` the logits [N, tokens.vocab]
+        (a new tensor: the LM head's GEMM in the same call, the one ``float_gemm.linear`` makes),
+        bit-identical to those ops run one by one; None, nothing touched, where ``run`` would not cover
+        the step, the tensors are not as below, or an id or position is out of range (the caller's own
+        ops then run, and raise). Its scratch (the inputs gathered, the layers' buffers) and the step
+        struct pointing into it are kept between steps (a decode step's Python is per-step cost: issue
+        37's nano model); nothing but the output is returned from them."""
+        ids, pos, head = tokens.input_ids, tokens.positions, tokens.lm_head
+        if (not self._token_tables_ok(tokens) or ids.dtype != torch.int64 or pos.dtype != torch.int64 or ids.dim() != 1
+                or pos.shape != ids.shape or not ids.is_contiguous() or not pos.is_contiguous() or not ids.is_cpu
+                or not pos.is_cpu):
+            return None
+        n = ids.shape[0]
+        step, x, cos_sin, final = self._token_step(n, tokens)
+        out = final[:n] if head is not None else torch.empty(n, self.dims.hidden, dtype=self.dtype)
+        logits = None if head is None else torch.empty(n, tokens.lm_head_out, dtype=self.dtype)
+        step.input_ids, step.positions, step.final_out = ids.data_ptr(), pos.data_ptr(), out.data_ptr()
+        if head is not None:
+            step.lm_head, step.logits, step.lm_head_n = head.data_ptr(), logits.data_ptr(), tokens.lm_head_out
+        else:
+            step.logits = None
+        if self._run(x[:n], None, cos_sin[:n], kv_caches, meta, step) is None:
+            return None
+        self.token_steps_run += 1
+        if logits is None:
+            return out
+        self.logit_steps_run += 1
+        return logits if tokens.vocab == tokens.lm_head_out else logits[:, :tokens.vocab]
+
+    def _token_tables_ok(self, tokens: StepTokens) -> bool:
+        """Whether run_tokens can take ``tokens``' tables (embedding, RoPE, final norm, LM head: the
+        model's own, the same tensors every step, so checked once while they stay the same)."""
+        tables, head = (tokens.embed, tokens.rope_cache, tokens.norm_weight), tokens.lm_head
+        known = len(self.token_tables) == 3 and all(a is b for a, b in zip(tables, self.token_tables))
+        if known and (head is None or head is self.token_head):
+            return True
+        embed, cache, norm_w = tables
         d = self.dims
         if self.final_norm_same is None:
             # The model's final norm (platforms/ops.py) runs this kernel only where the process's platform
             # is the CPU's, i.e. where torch sees no GPU (platforms/__init__.py decides so; not imported
             # here: it imports this module). A CPU device on a GPU host takes the CUDA wing's ops.
             self.final_norm_same = not torch.cuda.is_available()
-        if (not self.final_norm_same or self.layout.kind != "llama" or len(self.ropes) != 1 or ids.dtype != torch.int64 or pos.dtype != torch.int64
-                or ids.dim() != 1 or pos.shape != ids.shape or not ids.is_contiguous() or not pos.is_contiguous()
-                or not ids.is_cpu or not pos.is_cpu or embed.dtype != self.dtype or cache.dtype != self.dtype
+        if (not self.final_norm_same or self.layout.kind != "llama" or len(self.ropes) != 1
+                or embed.dtype != self.dtype or cache.dtype != self.dtype
                 or norm_w.dtype != self.dtype or not embed.is_contiguous() or not cache.is_contiguous()
                 or not norm_w.is_contiguous() or embed.dim() != 2 or embed.shape[1] != d.hidden
                 or norm_w.shape != (d.hidden,) or cache.dim() != 3 or cache.shape[1:] != (2, d.rotary_dim)):
-            return None
-        n = ids.shape[0]
-        x = torch.empty(n, d.hidden, dtype=self.dtype)
-        cos_sin = torch.empty(n, 2, 1, d.rotary_dim, dtype=self.dtype)
-        out = torch.empty(n, d.hidden, dtype=self.dtype)
-        extra = dict(input_ids=ids.data_ptr(), positions=pos.data_ptr(), embed=embed.data_ptr(),
-                     rope_cache=cache.data_ptr(), final_norm=norm_w.data_ptr(), final_out=out.data_ptr(),
-                     vocab=embed.shape[0], max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
-        if self._run(x, None, cos_sin, kv_caches, meta, extra) is None:
-            return None
-        self.token_steps_run += 1
-        return out
+            return False
+        # the LM head: the float GEMM's packed float32 weight (compute_logits' .float() is then none)
+        if head is not None and (self.dtype != torch.float32 or head.dtype != self.dtype or not head.is_contiguous()
+                                 or self.kernel_sets["auto"].gemm is None or not 0 < tokens.vocab <= tokens.lm_head_out
+                                 or head.numel() != float_gemm_cpu.packed_elems(tokens.lm_head_out, d.hidden, self.dtype)):
+            return False
+        if not known:
+            self.token_tables, self.token_step = tables, None  # (the step struct points at the tables)
+        if head is not None:
+            self.token_head = head
+        return True
+
+    def _scratch_columns(self) -> dict[str, int]:
+        """Columns a token row takes in each of the layers' scratch buffers (_SCRATCH)."""
+        d = self.dims
+        return {"h": d.hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
+                "gate_up": 2 * d.intermediate, "act": d.intermediate}
+
+    def _token_step(self, n: int, tokens: StepTokens) -> tuple:
+        """(the token steps' _Step, x [cap, hidden], cos_sin [cap, 2, 1, rotary_dim], final [cap, hidden]),
+        cap >= n: the struct's scratch and table fields set, kept while n fits and the tables stay
+        (``token_tables``); run_tokens and _run set the per-step ones."""
+        kept = self.token_step
+        if kept is not None and kept[0] >= n:
+            return kept[1]
+        cap = max(n, 2 * kept[0] if kept is not None else 0)
+        d, cols = self.dims, self._scratch_columns()
+        sizes = [-(-cap * cols[k] // 16) * 16 for k in _SCRATCH]  # each part rounded up to 16 elements
+        work = torch.empty(sum(sizes), dtype=self.dtype)
+        x, x_out, final = (torch.empty(cap, d.hidden, dtype=self.dtype) for _ in range(3))
+        cos_sin = torch.empty(cap, 2, 1, d.rotary_dim, dtype=self.dtype)
+        cache = tokens.rope_cache
+        step = _Step(x=x.data_ptr(), residual=x.data_ptr(), x_out=x_out.data_ptr(), has_residual=0,
+                     cos_sin=(_p * 2)(cos_sin.data_ptr(), cos_sin.data_ptr()), embed=tokens.embed.data_ptr(),
+                     rope_cache=cache.data_ptr(), final_norm=tokens.norm_weight.data_ptr(), vocab=tokens.embed.shape[0],
+                     max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
+        base, es = work.data_ptr(), work.element_size()
+        for k, size in zip(_SCRATCH, sizes):
+            setattr(step, k, base)
+            base += size * es
+        self.token_step = (cap, (step, x, cos_sin, final), work, x_out)  # (work, x_out: held)
+        return self.token_step[1]
 
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any,
             kv_caches: list, meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -531,9 +601,9 @@ class CpuLayerRunner:
         return self._run(x, residual, cos_sin, kv_caches, meta, None)
 
     def _run(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos_sin: Any, kv_caches: list, meta: Any,
-             extra: Optional[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``run``; ``extra``: the step's token fields (``run_tokens``: x and cos_sin are then filled by
-        the C call)."""
+             token_step: Optional[_Step]) -> Optional[tuple[Optional[torch.Tensor], torch.Tensor]]:
+        """``run``; ``token_step``: run_tokens' struct (x and cos_sin are its scratch, filled by the C
+        call; the first item returned is then None)."""
         if (meta.block_tables is None or cos_sin is None or x.dtype != self.dtype or not x.is_cpu or x.dim() != 2
                 or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())
                 or (self.gemma and residual is not None)):
@@ -558,30 +628,31 @@ class CpuLayerRunner:
             return None
         n, hidden = x.shape
         d = self.dims
-        cols = {"h": hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
-                "gate_up": 2 * d.intermediate, "act": d.intermediate}
-        # One workspace for the step's scratch rows (each part rounded up to 16 elements).
-        sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
-        work = torch.empty(sum(sizes), dtype=self.dtype)
-        x_out = torch.empty(n, hidden, dtype=self.dtype)
-        step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
-                     x_out=x_out.data_ptr(), has_residual=int(residual is not None),
-                     cos_sin=(_p * 2)(*(t.data_ptr() for t in (tables * 2)[:2])),
-                     slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
-                     query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
-        if extra is not None:
-            for k, v in extra.items():
-                setattr(step, k, v)
-        if self.timings is not None:
-            step.timings = ctypes.addressof(self.timings)
+        if token_step is not None:
+            step, x_out = token_step, None
+            step.num_tokens, step.slot_mapping, step.block_tables = n, slots.data_ptr(), bt.data_ptr()
+            step.seq_lens, step.query_start_loc, step.bt_stride = sl.data_ptr(), qsl.data_ptr(), bt.stride(0)
+            step.num_seqs, step.bad_input, step.lora = sl.shape[0], 0, None
+        else:
+            cols = self._scratch_columns()
+            # One workspace for the step's scratch rows (each part rounded up to 16 elements).
+            sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
+            work = torch.empty(sum(sizes), dtype=self.dtype)
+            x_out = torch.empty(n, hidden, dtype=self.dtype)
+            step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
+                         x_out=x_out.data_ptr(), has_residual=int(residual is not None),
+                         cos_sin=(_p * 2)(*(t.data_ptr() for t in (tables * 2)[:2])),
+                         slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
+                         query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
+            base, es = work.data_ptr(), work.element_size()
+            for k, size in zip(_SCRATCH, sizes):
+                setattr(step, k, base)
+                base += size * es
+        step.timings = ctypes.addressof(self.timings) if self.timings is not None else None
         lora_held: list = []
         if with_lora:
             lora_step, lora_held = self._lora_step()
             step.lora = ctypes.pointer(lora_step)
-        base, es = work.data_ptr(), work.element_size()
-        for k, size in zip(_SCRATCH, sizes):
-            setattr(step, k, base)
-            base += size * es
         self.run_layers(ctypes.byref(self.kernels), ctypes.byref(d), layers, len(layers), ctypes.byref(step))
         if step.bad_input:
             return None

@@ -22,7 +22,7 @@ def _client(model_dir: str):
     """A CoreClient over no core process (its sockets discard what it sends), with the server's metrics."""
     config = EngineArgs(model=model_dir, max_model_len=128).create_engine_config()
     c = object.__new__(CC.CoreClient)
-    c.replicas, c._route, c._reader, c._closed, c._on_pool, c._lazy = [], {}, None, False, None, set()
+    c.replicas, c._route, c._reader, c._closed, c._on_pool, c._unread = [], {}, None, False, None, {}
     c._encoder, c._decoder = P.front_codec()
     c.replicas.append(CC._Replica(0, None, _NoSocket(), encoder=c._encoder))
     AsyncLLM.__init__(c, CC.FrontEngine(config))
@@ -56,7 +56,7 @@ def _run(model_dir: str, num: int, steps: int, read_every: int):
         await asyncio.gather(*tasks)
 
     asyncio.run(main())
-    assert not c._lazy and not c.engine.output_processor.states and not c._streams
+    assert not c._unread and not c.engine.output_processor.states and not c._streams
     itl_count = [s.value for family in metrics.registry.collect() for s in family.samples
                  if s.name == "pagedllm:inter_token_latency_seconds_count"]
     return outputs, itl_count

@@ -55,8 +55,8 @@ class EngineSnapshot:
 
 
 # Delivered instead of a RequestOutput by a front end that builds a running request's output when its
-# caller reads it (CoreClient: under a slow reader, the steps in between would each build one only for
-# the next to replace it); ``generate`` then asks ``_lazy_output`` for the newest one.
+# caller reads it (CoreClient, for a caller that has not taken the last one yet: each step would build
+# one only for the next to replace it); ``generate`` then asks ``_lazy_output`` for the newest one.
 LAZY_OUTPUT = object()
 
 
@@ -190,6 +190,8 @@ class AsyncLLM:
                 await stream.event.wait()
                 stream.event.clear()
                 item, stream.latest = stream.latest, None
+                if item is not None:
+                    self._taken(request_id)
                 if item is LAZY_OUTPUT:
                     item = self._lazy_output(request_id)  # None: it finished meanwhile; the final is on its way
                 if item is not None:
@@ -212,6 +214,9 @@ class AsyncLLM:
         """Hand a new request to the engine (called with ``_lock`` held; the data-parallel
         front end overrides it to route the request to a replica)."""
         self._new.append((request_id, prompt, params, arrival, priority))
+
+    def _taken(self, request_id: str) -> None:
+        """Its caller has taken ``request_id``'s newest output (caller side; no lock)."""
 
     def _lazy_output(self, request_id: str) -> Optional[RequestOutput]:
         """The newest output of a request that was delivered ``LAZY_OUTPUT`` (caller side); this engine

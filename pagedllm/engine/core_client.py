@@ -236,8 +236,9 @@ class CoreClient(AsyncLLM):
         self._reader: Optional[threading.Thread] = None
         self._closed = False
         self._on_pool: Optional[Callable] = None
-        # running requests delivered LAZY_OUTPUT that their caller has not taken yet (under _lock)
-        self._lazy: set[str] = set()
+        # Requests whose last delivered output their caller has not taken yet: False (a built output),
+        # True (LAZY_OUTPUT). The reader adds (under _lock); the caller pops (_taken, atomic).
+        self._unread: dict[str, bool] = {}
         front = FrontEngine(config)
         threads = replica_threads(num_cores, config.parallel_config.tensor_parallel_size)
         devices = replica_devices(config, num_cores)
@@ -382,7 +383,7 @@ class CoreClient(AsyncLLM):
 
     def _forget(self, request_id: str) -> Optional[_Replica]:
         self.engine.output_processor.drop(request_id)
-        self._lazy.discard(request_id)
+        self._unread.pop(request_id, None)
         r = self._route.pop(request_id, None)
         if r is not None:
             r.outstanding.pop(request_id, None)
@@ -510,7 +511,7 @@ class CoreClient(AsyncLLM):
         op = self.engine.output_processor
         states = op.states
         streams = self._streams
-        pending = self._lazy
+        unread = self._unread
         with self._lock:
             for d in deltas:
                 state = states.get(d.request_id)
@@ -549,12 +550,13 @@ class CoreClient(AsyncLLM):
                 if not op.output_due(d.request_id):
                     continue  # --stream-interval: its tokens wait for the next output
                 rid = d.request_id
-                if len(children) == 1 and not children[0].status.finished and rid in streams:
-                    # Running, one sample: its caller builds the output when it reads it (_lazy_output),
-                    # once for all the steps since its last read; the metrics still see every step.
+                if rid in unread and len(children) == 1 and not children[0].status.finished:
+                    # Running, one sample, and its caller has not taken the last output yet (it lags):
+                    # it builds the newest when it reads it (_lazy_output), once for all the steps
+                    # since; the metrics still see every step.
                     m = children[0]
-                    if rid not in pending:
-                        pending.add(rid)
+                    if not unread[rid]:
+                        unread[rid] = True
                         lazy.append(rid)
                     outputs.append(_Progress(rid, m.metrics, (m,)))
                     if rid in r.outstanding:
@@ -564,6 +566,8 @@ class CoreClient(AsyncLLM):
                 if out is None:
                     continue
                 outputs.append(out)
+                if rid in streams:
+                    unread[rid] = False
                 if out.finished:
                     self._forget(d.request_id)
                 elif d.request_id in r.outstanding:  # prefilled: what is left is decoding
@@ -584,11 +588,13 @@ class CoreClient(AsyncLLM):
         """The newest output of a running request delivered ``LAZY_OUTPUT`` (its caller's thread); None
         when it has finished or gone meanwhile (its final output, or error, is delivered by the reader)."""
         with self._lock:
-            self._lazy.discard(request_id)
             state = self.engine.output_processor.states.get(request_id)
             if state is None or all(m.status.finished for m in state.children):
                 return None
             return self.engine.output_processor.make_output(request_id)
+
+    def _taken(self, request_id: str) -> None:
+        self._unread.pop(request_id, None)
 
     # ---- AsyncLLM interface ----------------------------------------------------------------
     def _take_snapshot(self) -> EngineSnapshot:

@@ -550,12 +550,13 @@ class CoreClient(AsyncLLM):
                 if not op.output_due(d.request_id):
                     continue  # --stream-interval: its tokens wait for the next output
                 rid = d.request_id
-                if rid in unread and len(children) == 1 and not children[0].status.finished:
+                was_lazy = unread.get(rid)  # (one read: the caller pops it from its own thread)
+                if was_lazy is not None and len(children) == 1 and not children[0].status.finished:
                     # Running, one sample, and its caller has not taken the last output yet (it lags):
                     # it builds the newest when it reads it (_lazy_output), once for all the steps
                     # since; the metrics still see every step.
                     m = children[0]
-                    if not unread[rid]:
+                    if not was_lazy:
                         unread[rid] = True
                         lazy.append(rid)
                     outputs.append(_Progress(rid, m.metrics, (m,)))

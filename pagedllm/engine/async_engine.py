@@ -185,6 +185,7 @@ class AsyncLLM:
                 self._loras.pop(request_id, None)
                 raise
         self._wake.set()
+        read = 0  # tokens (all samples) of the newest output yielded
         try:
             while True:
                 await stream.event.wait()
@@ -194,6 +195,14 @@ class AsyncLLM:
                     self._taken(request_id)
                 if item is LAZY_OUTPUT:
                     item = self._lazy_output(request_id)  # None: it finished meanwhile; the final is on its way
+                if item is not None and not item.finished:
+                    # A step's output built before a lazy one that was read first is older than what was
+                    # yielded: outputs are cumulative, so it adds nothing (and would step back).
+                    count = sum(len(c.token_ids) for c in item.outputs)
+                    if count < read:
+                        item = None
+                    else:
+                        read = count
                 if item is not None:
                     stream.finished = item.finished
                     yield item

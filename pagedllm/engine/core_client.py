@@ -15,7 +15,9 @@ and one PULL socket all cores push to (``StepOutputs`` and the rest); msgspec St
 (``engine/core_protocol.py``). One reader thread here turns each core's token-id deltas into
 cumulative ``RequestOutput``s (incremental detokenization and stop strings: ``OutputProcessor`` over
 ``_Mirror`` samples), tells the core which samples a stop string ended, and hands the outputs to the
-callers' event loops.
+callers' event loops. A running one-sample request whose caller has not taken its last output yet
+gets ``LAZY_OUTPUT`` instead: the caller builds the newest output when it reads (``_lazy_output``), so
+a caller that lags a few steps costs one output build per read, not one per step.
 
 Failure is loud: a core that dies (its process sentinel fires, or it reports ``Dead``) fails every
 pending request with EngineDeadError and makes ``check_health()`` False, so the server answers

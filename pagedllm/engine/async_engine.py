@@ -54,6 +54,12 @@ class EngineSnapshot:
     spec_decode: Optional[SpecDecodeStats] = None
 
 
+# Delivered instead of a RequestOutput by a front end that builds a running request's output when its
+# caller reads it (CoreClient, for a caller that has not taken the last one yet: each step would build
+# one only for the next to replace it); ``generate`` then asks ``_lazy_output`` for the newest one.
+LAZY_OUTPUT = object()
+
+
 class _Stream:
     """One caller's mailbox on its event loop. Outputs are cumulative, so only the newest
     undelivered one is kept: a slow reader never makes the server buffer more than one output."""
@@ -179,11 +185,24 @@ class AsyncLLM:
                 self._loras.pop(request_id, None)
                 raise
         self._wake.set()
+        read = 0  # tokens (all samples) of the newest output yielded
         try:
             while True:
                 await stream.event.wait()
                 stream.event.clear()
                 item, stream.latest = stream.latest, None
+                if item is not None:
+                    self._taken(request_id)
+                if item is LAZY_OUTPUT:
+                    item = self._lazy_output(request_id)  # None: it finished meanwhile; the final is on its way
+                if item is not None and not item.finished:
+                    # A step's output built before a lazy one that was read first is older than what was
+                    # yielded: outputs are cumulative, so it adds nothing (and would step back).
+                    count = sum(len(c.token_ids) for c in item.outputs)
+                    if count < read:
+                        item = None
+                    else:
+                        read = count
                 if item is not None:
                     stream.finished = item.finished
                     yield item
@@ -204,6 +223,14 @@ class AsyncLLM:
         """Hand a new request to the engine (called with ``_lock`` held; the data-parallel
         front end overrides it to route the request to a replica)."""
         self._new.append((request_id, prompt, params, arrival, priority))
+
+    def _taken(self, request_id: str) -> None:
+        """Its caller has taken ``request_id``'s newest output (caller side; no lock)."""
+
+    def _lazy_output(self, request_id: str) -> Optional[RequestOutput]:
+        """The newest output of a request that was delivered ``LAZY_OUTPUT`` (caller side); this engine
+        loop never delivers that."""
+        return None
 
     def register_lora(self, lora_request: LoRARequest) -> None:
         """Serve an adapter already read and checked (``serving_models``): the engine does not read it

@@ -15,7 +15,9 @@ and one PULL socket all cores push to (``StepOutputs`` and the rest); msgspec St
 (``engine/core_protocol.py``). One reader thread here turns each core's token-id deltas into
 cumulative ``RequestOutput``s (incremental detokenization and stop strings: ``OutputProcessor`` over
 ``_Mirror`` samples), tells the core which samples a stop string ended, and hands the outputs to the
-callers' event loops.
+callers' event loops. A running one-sample request whose caller has not taken its last output yet
+gets ``LAZY_OUTPUT`` instead: the caller builds the newest output when it reads (``_lazy_output``), so
+a caller that lags a few steps costs one output build per read, not one per step.
 
 Failure is loud: a core that dies (its process sentinel fires, or it reports ``Dead``) fails every
 pending request with EngineDeadError and makes ``check_health()`` False, so the server answers
@@ -41,7 +43,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.engine import core_protocol as P
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineSnapshot
+from pagedllm.engine.async_engine import LAZY_OUTPUT, AsyncLLM, EngineDeadError, EngineSnapshot
 from pagedllm.engine.core import core_main
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
@@ -113,6 +115,24 @@ class _Mirror:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def token_ids(self) -> list[int]:  # (as CompletionOutput's, for _Progress readers)
+        return self.output_token_ids
+
+
+class _Progress:
+    """What ``on_outputs`` (the server's metrics) reads of a running one-sample request's output
+    (request_id, metrics, outputs[i].token_ids, finished), for a step whose output is built later by
+    its caller (``CoreClient._lazy_output``)."""
+
+    __slots__ = ("request_id", "metrics", "outputs")
+    finished = False
+
+    def __init__(self, request_id: str, metrics: RequestMetrics, outputs: tuple) -> None:
+        self.request_id = request_id
+        self.metrics = metrics
+        self.outputs = outputs
 
 
 def _position(rows: Optional[list]) -> Optional[dict[int, Logprob]]:
@@ -218,6 +238,9 @@ class CoreClient(AsyncLLM):
         self._reader: Optional[threading.Thread] = None
         self._closed = False
         self._on_pool: Optional[Callable] = None
+        # Requests whose last delivered output their caller has not taken yet: False (a built output),
+        # True (LAZY_OUTPUT). The reader adds (under _lock); the caller pops (_taken, atomic).
+        self._unread: dict[str, bool] = {}
         front = FrontEngine(config)
         threads = replica_threads(num_cores, config.parallel_config.tensor_parallel_size)
         devices = replica_devices(config, num_cores)
@@ -362,6 +385,7 @@ class CoreClient(AsyncLLM):
 
     def _forget(self, request_id: str) -> Optional[_Replica]:
         self.engine.output_processor.drop(request_id)
+        self._unread.pop(request_id, None)
         r = self._route.pop(request_id, None)
         if r is not None:
             r.outstanding.pop(request_id, None)
@@ -484,9 +508,12 @@ class CoreClient(AsyncLLM):
     def _on_outputs(self, r: _Replica, deltas: list[P.RequestDelta]) -> None:
         """Apply one step's deltas: detokenize, match stop strings, build the outputs (reader thread)."""
         outputs: list[RequestOutput] = []
+        lazy: list[str] = []  # running requests whose caller builds its output when it reads it
         stopped: list[str] = []
         op = self.engine.output_processor
         states = op.states
+        streams = self._streams
+        unread = self._unread
         with self._lock:
             for d in deltas:
                 state = states.get(d.request_id)
@@ -524,10 +551,26 @@ class CoreClient(AsyncLLM):
                     stopped.append(sid)
                 if not op.output_due(d.request_id):
                     continue  # --stream-interval: its tokens wait for the next output
+                rid = d.request_id
+                was_lazy = unread.get(rid)  # (one read: the caller pops it from its own thread)
+                if was_lazy is not None and len(children) == 1 and not children[0].status.finished:
+                    # Running, one sample, and its caller has not taken the last output yet (it lags):
+                    # it builds the newest when it reads it (_lazy_output), once for all the steps
+                    # since; the metrics still see every step.
+                    m = children[0]
+                    if not was_lazy:
+                        unread[rid] = True
+                        lazy.append(rid)
+                    outputs.append(_Progress(rid, m.metrics, (m,)))
+                    if rid in r.outstanding:
+                        r.outstanding[rid] = max(0, r.max_new[rid] - len(m.output_token_ids))
+                    continue
                 out = op.make_output(d.request_id)
                 if out is None:
                     continue
                 outputs.append(out)
+                if rid in streams:
+                    unread[rid] = False
                 if out.finished:
                     self._forget(d.request_id)
                 elif d.request_id in r.outstanding:  # prefilled: what is left is decoding
@@ -539,8 +582,22 @@ class CoreClient(AsyncLLM):
             except EngineDeadError:
                 pass
         if outputs:
-            self._callback(self.on_outputs, outputs)
-            self._deliver({o.request_id: o for o in outputs})
+            self._callback(self.on_outputs, outputs)  # (metrics: _Progress stands in for a lazy output)
+            items: dict[str, Any] = dict.fromkeys(lazy, LAZY_OUTPUT)
+            items.update((o.request_id, o) for o in outputs if o.__class__ is not _Progress)
+            self._deliver(items)
+
+    def _lazy_output(self, request_id: str) -> Optional[RequestOutput]:
+        """The newest output of a running request delivered ``LAZY_OUTPUT`` (its caller's thread); None
+        when it has finished or gone meanwhile (its final output, or error, is delivered by the reader)."""
+        with self._lock:
+            state = self.engine.output_processor.states.get(request_id)
+            if state is None or all(m.status.finished for m in state.children):
+                return None
+            return self.engine.output_processor.make_output(request_id)
+
+    def _taken(self, request_id: str) -> None:
+        self._unread.pop(request_id, None)
 
     # ---- AsyncLLM interface ----------------------------------------------------------------
     def _take_snapshot(self) -> EngineSnapshot:

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from pagedllm.entrypoints.openai.serving_completion import SSE_HEADERS
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, run_unless_disconnected, sse, sse_error
+from pagedllm.entrypoints.openai.stream_chunks import TEXT_SENTINEL, text_chunk
 from pagedllm.entrypoints.openai.tool_parsers.tool_call_output import ToolCallOutput
 from pagedllm.entrypoints.openai.template_probe import TemplateToolSupport
 from pagedllm.entrypoints.openai.tool_parsers.tool_choice import resolve_tool_choice, tool_choice_structured_outputs
@@ -254,6 +255,9 @@ class OpenAIServingChat(OpenAIServing):
                                                     choices=[choice], usage=usage,
                                                     system_fingerprint=self.system_fingerprint).model_dump_json())
 
+        # per choice: its content-only chunk template (stream_chunks.py), made at its first such chunk;
+        # False where none can be made
+        templates: list = [None] * n
         try:
             for i in range(n):
                 yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
@@ -285,6 +289,17 @@ class OpenAIServingChat(OpenAIServing):
                         done[i] = True
                         completion_tokens[i] = len(c.token_ids)
                         final_ids[i] = c.token_ids
+                    if logprobs is None and thoughts is None and streamers is None and c.finish_reason is None \
+                            and c.stop_reason is None and not continuous:
+                        template = templates[i]
+                        if template is None:
+                            template = templates[i] = text_chunk(ChatCompletionStreamResponse(
+                                id=request_id, created=created, model=model, system_fingerprint=self.system_fingerprint,
+                                choices=[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=TEXT_SENTINEL))]
+                            )) or False
+                        if template:
+                            yield template(new_text)
+                            continue
                     delta, finish_reason = DeltaMessage(content=new_text), c.finish_reason
                     if thoughts is not None:  # a reasoning step sends no empty content
                         delta = DeltaMessage(content=new_text or None)

@@ -14,6 +14,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionStreamResponse, RequestError, UsageInfo, json_logprob, prompt_logprobs_of, random_id)
 from pagedllm.entrypoints.openai.serving_engine import (
     BIG_PROMPT_CHARS, OpenAIServing, merge_streams, run_unless_disconnected, sse, sse_error)
+from pagedllm.entrypoints.openai.stream_chunks import TEXT_SENTINEL, text_chunk
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -213,6 +214,9 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and req.stream_options.continuous_usage_stats
         cached = [0] * len(gens)  # per prompt: its tokens from the prefix cache
         fp = self.system_fingerprint
+        # per choice: its text-only chunk template (stream_chunks.py), made at its first such chunk;
+        # False where none can be made
+        templates: list = [None] * num_choices
         try:
             async for i, out in merge_streams(gens):
                 cached[i] = out.num_cached_tokens
@@ -244,6 +248,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     if c.finish_reason is not None:
                         done[idx] = True
                         completion_tokens[idx] = len(c.token_ids)
+                    if logprobs is None and c.finish_reason is None and c.stop_reason is None and not continuous:
+                        template = templates[idx]
+                        if template is None:
+                            template = templates[idx] = text_chunk(CompletionStreamResponse(
+                                id=request_id, created=created, model=model, system_fingerprint=fp,
+                                choices=[CompletionResponseChoice(index=idx, text=TEXT_SENTINEL)])) or False
+                        if template:
+                            yield template(text)
+                            continue
                     usage = None
                     if continuous:  # vLLM's continuous_usage_stats: this choice's usage so far
                         usage = UsageInfo(prompt_tokens=len(prompt_ids[i]), completion_tokens=sent_tokens[idx],

@@ -238,7 +238,7 @@ class InputBatch:
             self.tables[n:len(self.rows)] = 0
             self.num_blocks[n:len(self.rows)] = 0
         self.steady[n:] = False
-        self.rows = list(decodes)
+        self.rows = decodes  # (a list nobody modifies: prepare's own, or the scheduler's table rows)
         self.row_of = dict(zip(self.rows, range(n)))
 
     def _refresh(self, i: int, r: Request) -> None:
@@ -254,10 +254,13 @@ class InputBatch:
         """The batch of ``out`` (the scheduler's plan). ``forks``: leader id -> samples that fork from
         it once its prompt is done; they sample from the leader's logits row in the same step."""
         kv, bs, device = self.kv, self.block_size, self.device
-        decodes = [r for r, n in out.scheduled if n == 1]
-        prefills = [(r, n) for r, n in out.scheduled if n > 1] if len(decodes) < len(out.scheduled) else []
+        if out.table_rows is not None and len(out.table_rows) == len(out.scheduled):
+            decodes, prefills = out.table_rows, []  # (the scheduler's list: the same while the rows stay)
+        else:
+            decodes = [r for r, n in out.scheduled if n == 1]
+            prefills = [(r, n) for r, n in out.scheduled if n > 1] if len(decodes) < len(out.scheduled) else []
         changes = kv.take_table_changes()
-        if decodes != self.rows:  # (list equality: identity first, so an unchanged batch is cheap)
+        if decodes is not self.rows and decodes != self.rows:  # (list equality: identity first)
             self._reorder(decodes)
         n = len(decodes)
         if n >= len(self._arange):
@@ -309,7 +312,9 @@ class InputBatch:
                 break
         if plain:
             sample_src = None  # row i samples token i
-            sampling_requests.extend(decodes)
+            # (the rows' own list when nothing is appended: the engine keeps the sampling rows while
+            # the list is the same)
+            sampling_requests = decodes if not prefills else list(decodes)
             sample_idx_np = self._arange[:n]
         else:  # the general bookkeeping, row by row
             sample_src = np.full(n, -1, np.int64)

@@ -197,6 +197,52 @@ class KVCacheManager:
             request.kv_free_end = 0
         return True
 
+    def allocate_decode_slots(self, requests: list[Request]) -> int:
+        """``allocate_slots(r, 1)`` for each of ``requests`` in order (decodes that hold blocks and take no
+        prefix hit), stopping at the first that cannot get its block. Returns how many succeeded.
+
+        The same changes as those calls (the tests compare the whole pool after every step), with the two
+        cases a decode meets once a block each inlined: its token needs a new block, or fills the last
+        one (hashed and cached). A shared block to copy, images, or a sliding window: ``allocate_slots``.
+        """
+        if self.sliding_window is not None:
+            for k, r in enumerate(requests):
+                if not self.allocate_slots(r, 1):
+                    return k
+            return len(requests)
+        bs = self.block_size
+        caching = self.enable_caching
+        pool = self.block_pool
+        free_queue = pool.free_block_queue
+        req_to_blocks, num_cached_blocks = self.req_to_blocks, self.num_cached_blocks
+        for k, r in enumerate(requests):
+            rid = r.request_id
+            blocks = req_to_blocks.get(rid)
+            computed = r.num_computed_tokens
+            held = len(blocks) if blocks else 0
+            if (not held or r.mm_features
+                    or (computed % bs and computed // bs < held and blocks[computed // bs].ref_cnt > 1)):
+                if not self.allocate_slots(r, 1):  # (no blocks yet, images, or copy-on-write)
+                    return k
+                continue
+            end = computed + 1
+            if end > held * bs:  # one new block (end is one past a full table)
+                if not free_queue:
+                    return k
+                blocks.append(pool.get_new_blocks(1)[0])
+                self._table_changed(r, held)
+                held += 1
+            num_cached = num_cached_blocks.get(rid, 0)
+            if caching and end // bs > num_cached:
+                self._cache_full_blocks(r, blocks, end)
+                num_cached = num_cached_blocks[rid]
+            # (allocate_slots' kv_free_end: the block written next is not shared, no window)
+            if end % bs == 0 or blocks[end // bs].ref_cnt <= 1:
+                r.kv_free_end = min(held * bs, (num_cached + 1) * bs - 1) if caching else held * bs
+            else:
+                r.kv_free_end = 0
+        return len(requests)
+
     def _table_changed(self, request: Request, first: int) -> None:
         """``request``'s block table changed from entry ``first`` on."""
         self._block_ids.pop(request.request_id, None)

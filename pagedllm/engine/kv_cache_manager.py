@@ -234,8 +234,15 @@ class KVCacheManager:
                 held += 1
             num_cached = num_cached_blocks.get(rid, 0)
             if caching and end // bs > num_cached:
-                self._cache_full_blocks(r, blocks, end)
-                num_cached = num_cached_blocks[rid]
+                i = end // bs - 1
+                hashes = r.block_hashes
+                if end % bs == 0 and num_cached == i == len(hashes) > 0:  # fills block i, the ones before hashed
+                    hashes.append(hash_block_tokens(hashes[-1], r.all_token_ids[i * bs:end]))
+                    pool.cache_block(blocks[i], hashes[i])
+                    num_cached = num_cached_blocks[rid] = i + 1
+                else:
+                    self._cache_full_blocks(r, blocks, end)
+                    num_cached = num_cached_blocks[rid]
             # (allocate_slots' kv_free_end: the block written next is not shared, no window)
             if end % bs == 0 or blocks[end // bs].ref_cnt <= 1:
                 r.kv_free_end = min(held * bs, (num_cached + 1) * bs - 1) if caching else held * bs

@@ -366,6 +366,10 @@ def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None, table: 
         steady_steps += bool(batch.rows) and bool(batch.steady[:len(batch.rows)].all())
         plan = batch.prepare(out, sched.forks)
         assert_plan_equal(plan, reference_prepare_inputs(out, kv, "cpu", sched.forks))
+        for i, r in enumerate(batch.rows):  # every kept row is its table, zero past it (not only the used width)
+            ids = kv.get_block_ids(r.request_id)
+            assert batch.num_blocks[i] == len(ids) and batch.tables[i, :len(ids)].tolist() == ids, step
+            assert not batch.tables[i, len(ids):].any(), step
         sampled = {r.request_id: rng.randrange(100) for r in plan.sampling_requests}
         tokens = [sampled[r.request_id] for r in plan.sampling_requests]
         batch.record_sampled(plan, tokens)

@@ -336,8 +336,11 @@ class InputBatch:
             decodes = [r for r, n in out.scheduled if n == 1]
             prefills = [(r, n) for r, n in out.scheduled if n > 1] if len(decodes) < len(out.scheduled) else []
         changes = kv.take_table_changes()
-        if decodes is not self.rows and decodes != self.rows:  # (list equality: identity first)
-            self._reorder(decodes)
+        if decodes is not self.rows:
+            if decodes != self.rows:  # (list equality: identity first)
+                self._reorder(decodes)
+            else:  # the kept list: the same object step after step (the engine keeps its sampling rows)
+                decodes = self.rows
         n = len(decodes)
         if n >= len(self._arange):
             self._arange = np.arange(2 * n + 1, dtype=np.int64)

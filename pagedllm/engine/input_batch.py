@@ -346,7 +346,7 @@ class InputBatch:
             self._arange = np.arange(2 * n + 1, dtype=np.int64)
         if changes:
             self._apply_table_changes(changes)
-        unsteady = [] if self.steady[:n].all() else np.flatnonzero(~self.steady[:n]).tolist()
+        unsteady = [] if np.count_nonzero(self.steady[:n]) == n else np.flatnonzero(~self.steady[:n]).tolist()
         if unsteady:
             self._refresh_rows(unsteady, decodes)
 

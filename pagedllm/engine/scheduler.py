@@ -327,7 +327,7 @@ class Scheduler:
         table = self.table
         table.sync(running)
         n = len(running)
-        if not table.known[:n].all():
+        if np.count_nonzero(table.known[:n]) < n:
             forks = self.forks
             for i in np.flatnonzero(~table.known[:n]).tolist():
                 r = running[i]

@@ -474,7 +474,7 @@ class LLMEngine:
         elif num_sample:
             reqs = plan.sampling_requests
             rows, plain = self._sampling_rows(reqs)
-            out = self.sampler(logits[:num_sample], rows)
+            out = self.sampler(logits if len(logits) == num_sample else logits[:num_sample], rows)
             token_ids = out.token_ids
             token_array = np.fromiter(token_ids, np.int64, num_sample)  # (once, for the batch and the table)
             if not isinstance(plan, SpecStepPlan):

@@ -90,19 +90,21 @@ class RequestTable:
         if not n:  # nothing runs: forget the stop ids of requests gone
             self.stop_lut = np.zeros(2, bool)
 
-    def refresh(self, i: int, r: Request) -> None:
-        """Row i (request ``r``) read from its request; the caller has checked it is a plain decode."""
-        self.computed[i] = r.num_computed_tokens
-        self.free_end[i] = r.kv_free_end
-        self.check_from[i] = -1 if r.grammar is not None else r.length_cap - 1
-        if r.stop_ids:
-            top = max(r.stop_ids)
+    def refresh(self, rows: list[int], reqs: list[Request]) -> None:
+        """Rows ``rows`` read from their requests ``reqs`` (the caller has checked they are plain decodes):
+        one write per array."""
+        self.computed[rows] = [r.num_computed_tokens for r in reqs]
+        self.free_end[rows] = [r.kv_free_end for r in reqs]
+        self.check_from[rows] = [-1 if r.grammar is not None else r.length_cap - 1 for r in reqs]
+        stop_ids = set().union(*[r.stop_ids for r in reqs])
+        if stop_ids:
+            top = max(stop_ids)
             if top + 2 > len(self.stop_lut):
                 lut = np.zeros(top + 2, bool)
                 lut[:len(self.stop_lut)] = self.stop_lut
                 self.stop_lut = lut
-            self.stop_lut[list(r.stop_ids)] = True
-        self.known[i] = True
+            self.stop_lut[list(stop_ids)] = True
+        self.known[rows] = True
 
     def scheduled(self) -> list[tuple[Request, int]]:
         """``[(r, 1) for r in rows]``, the same list while the rows stay (callers must not modify it)."""

@@ -329,13 +329,14 @@ class Scheduler:
         n = len(running)
         if np.count_nonzero(table.known[:n]) < n:
             forks = self.forks
-            for i in np.flatnonzero(~table.known[:n]).tolist():
-                r = running[i]
+            rows = np.flatnonzero(~table.known[:n]).tolist()
+            reqs = [running[i] for i in rows]
+            for r in reqs:
                 if not (r.num_computed_tokens + 1 == len(r.all_token_ids) and r.num_computed_tokens >= r.num_prompt_tokens
                         and not r.spec_token_ids and r.status is RequestStatus.RUNNING
                         and r.metrics.first_token_time is not None and r.request_id not in forks):
                     return 0
-                table.refresh(i, r)
+            table.refresh(rows, reqs)
         need = table.rows_to_allocate(n)
         if need:
             reqs = [running[i] for i in need]

@@ -24,6 +24,13 @@ vLLM V0's one scheduler per virtual engine; otherwise one batch would take every
 leave the other stages idle). Blocks are allocated at schedule time as without pipelining; a
 prefix-cache hit on blocks a batch in flight is still computing is correct because every stage
 runs the batches in order.
+
+The request table (``engine/request_table.py``): when at least ``TABLE_MIN_ROWS`` requests run and every
+one is a plain decode (one token to compute), the running part of ``schedule`` and the update of those
+rows in ``update_from_output`` are array operations over per-row mirrors of their bookkeeping; only rows
+that need a block (``KVCacheManager.allocate_decode_slots``) or whose token may stop them go through
+per-request Python. The decisions are the general loop's (``tests/test_host_fast_paths.py`` compares
+both after every step); not pipelined, not with speculative decoding.
 """
 from __future__ import annotations
 
@@ -331,8 +338,9 @@ class Scheduler:
             forks = self.forks
             rows = np.flatnonzero(~table.known[:n]).tolist()
             reqs = [running[i] for i in rows]
-            for r in reqs:
-                if not (r.num_computed_tokens + 1 == len(r.all_token_ids) and r.num_computed_tokens >= r.num_prompt_tokens
+            for r in reqs:  # (past its prompt: it sampled before, no prompt logprobs, images or forks left)
+                computed = r.num_computed_tokens
+                if not (computed + 1 == len(r.all_token_ids) and computed >= r.num_prompt_tokens
                         and not r.spec_token_ids and r.status is RequestStatus.RUNNING
                         and r.metrics.first_token_time is not None and r.request_id not in forks):
                     return 0

@@ -324,7 +324,9 @@ class KVCacheManager:
         self._block_ids.pop(request.request_id, None)
         self.table_changes.pop(request, None)
         if blocks:
-            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
+            null = self.null_block
+            self.block_pool.free_blocks(reversed(blocks) if null is None else
+                                        (b for b in reversed(blocks) if b is not null))
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

@@ -42,7 +42,7 @@ class RequestTable:
     ``stop_lut`` [V] bool over token ids (V = the largest stop id seen + 2, so its last entry is False
     and ``take(..., mode="clip")`` maps any larger sampled id to False).
 
-    ``rows`` is replaced, never modified (``SchedulerOutput.decodes`` and the input batch hold it).
+    ``rows`` is replaced, never modified (``SchedulerOutput.table_rows`` and the input batch hold it).
     """
 
     def __init__(self, capacity: int = 8) -> None:

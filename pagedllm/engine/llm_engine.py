@@ -479,8 +479,8 @@ class LLMEngine:
             token_array = np.fromiter(token_ids, np.int64, num_sample)  # (once, for the batch and the table)
             if not isinstance(plan, SpecStepPlan):
                 self.input_batch.record_sampled(plan, token_array)
-                if sched_out.table_rows is not None:
-                    num_table = len(sched_out.table_rows)
+                if sched_out.table_rows is not None and sched_out.table_rows is self.scheduler.table.rows:
+                    num_table = len(sched_out.table_rows)  # (update_from_output advances them from token_ids)
             sampled = (dict(zip([r.request_id for r in reqs[num_table:]], token_ids[num_table:]))
                        if num_table < num_sample else {})
             if not plain:  # (plain rows: no grammar, no logprobs)

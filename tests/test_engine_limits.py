@@ -19,8 +19,8 @@ def _record_running(llm, monkeypatch) -> list[int]:
         counts.append(sched.num_running_seqs())
         return out
 
-    def update(out, sampled):
-        updated = real_update(out, sampled)
+    def update(out, sampled, *tokens):
+        updated = real_update(out, sampled, *tokens)
         counts.append(len(sched.running))
         return updated
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import random
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -21,6 +22,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_batch import InputBatch
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine import scheduler as scheduler_module
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -228,17 +230,6 @@ def assert_plan_equal(plan, ref) -> None:
     assert plan.sampling_requests == sreqs and plan.prompt_logprob_spans == spans
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_persistent_batch_matches_the_list_built_batch(seed):
-    """A scheduler, a KV manager and the persistent batch without a model: random token streams
-    stand in for the sampler. Requests (some sharing prefixes: prefix hits; some n > 1: forks with
-    copy-on-write; some with prompt logprobs; priorities under the priority policy, so rows move) join
-    over the run and stop at random lengths, so sequences join and leave at every row; a small pool
-    forces preemption and resume; a small token budget chunks prefills (one-token chunks included).
-    Every step's batch equals the original list-built one, and the pool is empty at the end."""
-    drive_random_scheduler(seed, KVCacheManager)
-
-
 class AlwaysAsked(KVCacheManager):
     """allocate_slots never promises free tokens (Request.kv_free_end stays 0): the scheduler calls it
     for every running request, as before the skip."""
@@ -250,44 +241,79 @@ class AlwaysAsked(KVCacheManager):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_skipped_allocations_change_nothing(seed):
-    """The scheduler skips allocate_slots where Request.kv_free_end says it has nothing to do: the same
-    random workloads (forks, copy-on-write, prefix hits, preemption, chunked prefill, sliding windows,
-    caching on and off) give the same schedule, block tables, reference counts, free queue, cached
-    hashes and copies after every step as with every call made; and the skip is taken."""
-    a, b = [], []
-    calls_skipping, bs = drive_random_scheduler(seed, KVCacheManager, a)
-    calls_all, _ = drive_random_scheduler(seed, AlwaysAsked, b)
-    assert len(a) == len(b)
-    for step, (x, y) in enumerate(zip(a, b)):
-        assert x == y, step
-    if seed % 4 != 3 and bs >= 4:  # (under a sliding window none is skipped; nor, with caching, at 1-2 a block)
-        assert calls_skipping < calls_all
+def test_persistent_batch_and_skipped_allocations_and_request_table(seed):
+    """A scheduler, a KV manager and the persistent batch without a model, on random workloads
+    (drive_random_scheduler: rows joining and leaving at every position, forks, copy-on-write, prefix
+    hits, preemption and resume, chunked prefill, stop token ids, aborts, sliding windows, caching on
+    and off), run three ways: as the engine runs (allocate_slots skipped where Request.kv_free_end says
+    it has nothing to do), with every allocate_slots call made (AlwaysAsked), and with the scheduler's
+    request table (engine/request_table.py) driving every step it can, from one running request on.
+
+    - Every step's batch equals the original list-built one (inside each run), and the pool is empty
+      at the end.
+    - The three runs give the same schedule, block tables, reference counts, free queue, cached hashes,
+      copies and each request's tokens, computed count and status after every step (and the same
+      kv_free_end, with and without the table); the skip is taken and the table drove steps."""
+    a, b, c = [], [], []
+    skipping = drive_random_scheduler(seed, KVCacheManager, a, table=False)
+    every = drive_random_scheduler(seed, AlwaysAsked, b, table=False)
+    tabled = drive_random_scheduler(seed, KVCacheManager, c, table=True)
+    assert len(a) == len(b) == len(c)
+    for step, (x, y, z) in enumerate(zip(a, b, c)):
+        assert x == z, step
+        assert x[:4] == y[:4] and [st[:-1] for st in x[4]] == [st[:-1] for st in y[4]], step  # (not kv_free_end)
+    if seed % 4 != 3 and skipping.bs >= 4:  # (under a sliding window none is skipped; nor, with caching, at 1-2 a block)
+        assert skipping.calls < every.calls
     else:
-        assert calls_skipping <= calls_all
+        assert skipping.calls <= every.calls
+    assert tabled.table_steps > 10 and tabled.table_allocations > 0
 
 
-def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None) -> tuple[int, int]:
-    """The random workload of test_persistent_batch_matches_the_list_built_batch; with ``trace``, each
-    step's (scheduled (id, tokens), preempted, KV state, table changes) is appended to it. Returns the
-    number of allocate_slots calls (counted with ``trace`` only) and the block size."""
+class DriveStats:
+    """What drive_random_scheduler saw: allocate_slots calls (counted with a trace only), the block
+    size, steps whose running part the request table drove, and blocks it allocated in them."""
+
+    def __init__(self) -> None:
+        self.calls = self.bs = self.table_steps = self.table_allocations = 0
+
+
+def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None, table: bool = False) -> DriveStats:
+    """Random token streams stand in for the sampler. Requests (some sharing prefixes: prefix hits; some
+    n > 1: forks with copy-on-write; some with prompt logprobs, some with stop token ids and min_tokens;
+    priorities under the priority policy, so rows move) join over the run and stop at random lengths, so
+    sequences join and leave at every row; a small pool forces preemption and resume; a small token
+    budget chunks prefills (one-token chunks included); some are aborted. Every step's batch is checked
+    against the original list-built one, and every kept row against its block table; the pool must be
+    empty at the end. With ``trace``, each step's (scheduled (id, tokens), preempted, KV state, table
+    changes, requests' (id, computed, tokens, status, kv_free_end)) is appended to it. ``table``: the
+    scheduler's request table off (False) or on from one running request (True). Returns a DriveStats."""
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 16])
     priority = seed % 3 == 2
     kv = kv_cls(rng.choice([12, 24, 64]) * (16 // bs if bs < 16 else 1), bs,
                 enable_caching=seed % 4 != 1, sliding_window=3 * bs + 1 if seed % 4 == 3 else None)
-    calls = [0]
+    stats = DriveStats()
+    stats.bs = bs
     if trace is not None:
         real = kv.allocate_slots
 
         def counted(*a, **kw):
-            calls[0] += 1
+            stats.calls += 1
             return real(*a, **kw)
         kv.allocate_slots = counted
+        real_decodes = kv.allocate_decode_slots
+
+        def counted_decodes(reqs):  # (its general cases call allocate_slots, counted there)
+            done = real_decodes(reqs)
+            stats.calls += done
+            stats.table_allocations += done
+            return done
+        kv.allocate_decode_slots = counted_decodes
     max_len = 96
     cfg = SchedulerConfig(max_num_batched_tokens=rng.choice([17, 33, 64]), max_num_seqs=rng.choice([3, 8, 32]),
                           max_model_len=max_len, policy="priority" if priority else "fcfs")
     sched = Scheduler(cfg, kv)
+    sched.use_table, sched.table_min_rows = table, 1
     batch = InputBatch(kv, 2, 8, "cpu")  # (small: its rows and table width grow)
     shared = [rng.randrange(100) for _ in range(40)]
     pending = 40
@@ -298,7 +324,10 @@ def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None) -> tupl
             prompt = (shared[:rng.randrange(1, 40)] if rng.random() < 0.5 else []) + \
                 [rng.randrange(100) for _ in range(rng.randrange(1, 30))]
             n = 2 if rng.random() < 0.2 else 1
-            sp = SamplingParams(max_tokens=rng.randrange(1, 40), n=n, ignore_eos=True,
+            stops = rng.sample(range(100), 3) if rng.random() < 0.25 else None  # (tokens are 0-99)
+            max_tokens = rng.randrange(1, 40)
+            sp = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, stop_token_ids=stops,
+                                min_tokens=min(rng.randrange(4), max_tokens) if stops else 0,
                                 prompt_logprobs=1 if rng.random() < 0.1 else None)
             rid = f"r{step}"
             kids = [Request(rid if n == 1 else f"{rid}#{i}", prompt, sp, None, max_tokens=sp.max_tokens,
@@ -310,19 +339,31 @@ def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None) -> tupl
                 break
             continue
         out = sched.schedule()
+        stats.table_steps += out.table_rows is not None
         if trace is not None:
             trace.append(([(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted],
-                          kv_state(kv, list(sched.requests)), {r.request_id: f for r, f in kv.table_changes.items()}))
+                          kv_state(kv, list(sched.requests)), {r.request_id: f for r, f in kv.table_changes.items()},
+                          [(r.request_id, r.num_computed_tokens, r.all_token_ids, r.status, r.kv_free_end)
+                           for r in sched.requests.values()]))
         if out.is_empty:
             continue
         steady_steps += bool(batch.rows) and bool(batch.steady[:len(batch.rows)].all())
         plan = batch.prepare(out, sched.forks)
         assert_plan_equal(plan, reference_prepare_inputs(out, kv, "cpu", sched.forks))
+        for i, r in enumerate(batch.rows):  # every kept row is its table, zero past it (not only the used width)
+            ids = kv.get_block_ids(r.request_id)
+            assert batch.num_blocks[i] == len(ids) and batch.tables[i, :len(ids)].tolist() == ids, step
+            assert not batch.tables[i, len(ids):].any(), step
         sampled = {r.request_id: rng.randrange(100) for r in plan.sampling_requests}
-        batch.record_sampled(plan, [sampled[r.request_id] for r in plan.sampling_requests])
+        tokens = [sampled[r.request_id] for r in plan.sampling_requests]
+        batch.record_sampled(plan, tokens)
         for r, n_pos in [(r, n) for r, _, n in plan.prompt_logprob_spans]:
             r.prompt_logprobs.extend([None] * n_pos)  # (what the engine appends: one entry a position)
-        sched.update_from_output(out, sampled)
+        if step % 2:  # (the engine's call: tokens in sampling order, as a list and an array)
+            updated = sched.update_from_output(out, sampled, tokens, np.array(tokens, np.int64))
+        else:
+            updated = sched.update_from_output(out, sampled, tokens)
+        assert sched.last_finished == [r for r in updated if r.is_finished]
         if rng.random() < 0.03 and sched.running:  # an abort (or a stop string) in the middle of the batch
             sched.finish_requests([rng.choice(sched.running).request_id], RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished_requests() and not pending
@@ -331,7 +372,7 @@ def drive_random_scheduler(seed: int, kv_cls, trace: list | None = None) -> tupl
     pool = kv.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks if b is not pool.null_block)
-    return calls[0], bs
+    return stats
 
 
 def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
@@ -339,12 +380,14 @@ def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
     position of the batch), the cache holds 17 blocks (preemption and resume), with prefix hits
     (prompts sharing a 64-token prefix), n = 2 forks (greedy: both samples equal transformers;
     seeded: run twice, equal), prompt logprobs and chunked prefill. Every step's batch equals
-    reference_prepare_inputs', and the greedy outputs transformers' tokens."""
+    reference_prepare_inputs', and the greedy outputs transformers' tokens. The first run has the
+    scheduler's request table drive every step it can (from one running request), the second none:
+    every output (tokens, text, finish reason) is the same."""
     prompts = make_prompts(256, [1, 2, 5, 17, 40, 96, 150, 231], seed=5)
     prompts += [prompts[6][:64] + p for p in make_prompts(256, [3, 20, 70], seed=6)]
     ref = reference(llama_dir, prompts, n=30)
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # as test_correctness: 17 blocks of 16 tokens
-    checked = {"steps": 0, "decode_only": 0}
+    checked = {"steps": 0, "decode_only": 0, "table": 0}
     real = InputBatch.prepare
 
     def checking(self, out, forks=None):
@@ -356,10 +399,18 @@ def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
 
     monkeypatch.setattr(InputBatch, "prepare", checking)
 
-    def run():
+    def run(table_min_rows):
+        monkeypatch.setattr(scheduler_module, "TABLE_MIN_ROWS", table_min_rows)
         llm = LLM(llama_dir, kv_cache_memory=17 * bytes_per_block, max_model_len=272, max_num_batched_tokens=64,
                   max_num_seqs=6)
         engine = llm.llm_engine
+        real_schedule = engine.scheduler.schedule
+
+        def counting():
+            out = real_schedule()
+            checked["table"] += out.table_rows is not None
+            return out
+        engine.scheduler.schedule = counting
         order = list(range(len(prompts)))
         random.Random(1).shuffle(order)
         finals = {}
@@ -386,16 +437,20 @@ def test_every_step_batch_matches_the_list_built_batch(llama_dir, monkeypatch):
         assert_pool_empty(llm)
         return finals
 
-    finals = run()
+    finals = run(1)
+    assert checked["table"] > 10
     for i, p in enumerate(prompts):
         n_tok = 1 + (7 * i) % 30
         outs = finals[f"g{i}"].outputs
         assert len(outs) == (2 if i % 4 == 1 else 1)
         for c in outs:
             assert c.token_ids == ref[i][0][:n_tok] and c.finish_reason == "length"
-    again = run()
+    checked["table"] = 0
+    again = run(10**9)
+    assert checked["table"] == 0
     for rid, o in finals.items():
-        assert [(c.token_ids, c.text) for c in o.outputs] == [(c.token_ids, c.text) for c in again[rid].outputs]
+        assert [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] == \
+            [(c.token_ids, c.text, c.finish_reason) for c in again[rid].outputs]
     assert checked["decode_only"] > 10 and checked["steps"] > checked["decode_only"]
 
 

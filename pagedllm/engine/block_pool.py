@@ -101,14 +101,15 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue (evicting their cache entry)."""
-        if num_blocks > len(self.free_block_queue):
-            raise RuntimeError(f"cannot get {num_blocks} free blocks, only {len(self.free_block_queue)} left")
+        queue = self.free_block_queue
+        if num_blocks > len(queue):
+            raise RuntimeError(f"cannot get {num_blocks} free blocks, only {len(queue)} left")
         out = []
         for _ in range(num_blocks):
-            _, block = self.free_block_queue.popitem(last=False)
+            _, block = queue.popitem(last=False)
             if block.block_hash is not None:
                 self.num_cached_free_blocks -= 1
-            self._evict(block)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -144,16 +145,18 @@ class BlockPool:
         Pass a request's blocks in reverse order so that its last (least shareable) blocks are
         evicted first.
         """
+        queue = self.free_block_queue
         for block in blocks:
-            if block.ref_cnt <= 0:
+            ref_cnt = block.ref_cnt
+            if ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_block_queue[block.block_id] = block
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                queue[block.block_id] = block
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
                 else:
-                    self.free_block_queue.move_to_end(block.block_id, last=False)
+                    queue.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Record that ``block`` holds the full block ``block_hash``. First writer wins: a second

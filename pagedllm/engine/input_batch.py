@@ -27,6 +27,7 @@ lengths and block tables always follow the token's index.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -56,6 +57,10 @@ class StepPlan:
     # (request, new tokens) of every sequence of the step but the rows that advanced in place (those
     # decoded and sampled last step): prefill chunks, joining rows, rows read from their requests
     fresh: list[tuple[Request, int]] = field(default_factory=list)
+
+
+# Rows from which InputBatch writes its arrays with one NumPy call for all (below, row by row is faster).
+_MANY_ROWS = 8
 
 
 def _t(a: np.ndarray, device: str) -> torch.Tensor:
@@ -238,7 +243,7 @@ class InputBatch:
             self.tables[n:len(self.rows)] = 0
             self.num_blocks[n:len(self.rows)] = 0
         self.steady[n:] = False
-        self.rows = list(decodes)
+        self.rows = decodes  # (a list nobody modifies: prepare's own, or the scheduler's table rows)
         self.row_of = dict(zip(self.rows, range(n)))
 
     def _refresh(self, i: int, r: Request) -> None:
@@ -249,34 +254,101 @@ class InputBatch:
         self.delta[i] = r.mrope_position_delta
         self._write_table(i, self.kv.get_block_ids(r.request_id), 0)
 
+    def _refresh_rows(self, rows: list[int], decodes: list[Request]) -> None:
+        """Rows ``rows`` (ascending) read from their requests (``decodes[i]`` for row i): ``_refresh`` row
+        by row for a few, else as one write per array (whole tables scattered at once)."""
+        if len(rows) < _MANY_ROWS:
+            for i in rows:
+                self._refresh(i, decodes[i])
+            return
+        reqs = [decodes[i] for i in rows]
+        idx = np.array(rows, np.int64)
+        starts = [r.num_computed_tokens for r in reqs]
+        self.token[idx] = [r.all_token_ids[p] for r, p in zip(reqs, starts)]
+        self.pos[idx] = starts
+        self.delta[idx] = [r.mrope_position_delta for r in reqs]
+        get_block_ids = self.kv.get_block_ids
+        tables = [get_block_ids(r.request_id) for r in reqs]
+        self._scatter_tables(idx, tables)
+
+    def _scatter_tables(self, idx: np.ndarray, tables: list[list[int]]) -> None:
+        """Rows ``idx`` [k] int64 (distinct) := the block tables ``tables`` (each zero past its table)."""
+        lens = np.fromiter(map(len, tables), np.int64, len(tables))
+        total = int(lens.sum())
+        if total and int(lens.max()) > self.tables.shape[1]:
+            self._grow(0, int(lens.max()))
+        old = int(self.num_blocks[idx].max())
+        if old:
+            self.tables[idx, :old] = 0
+        if total:
+            ends = np.cumsum(lens)
+            cols = np.arange(total, dtype=np.int64) - np.repeat(ends - lens, lens)
+            self.tables[np.repeat(idx, lens), cols] = np.fromiter(itertools.chain.from_iterable(tables), np.int32,
+                                                                   total)
+        self.num_blocks[idx] = lens
+
+    def _apply_table_changes(self, changes: dict[Request, int]) -> None:
+        """The block tables that changed (request -> first entry changed; ``take_table_changes``): the
+        changed tails of the rows of those requests. Most changes are one block appended (one entry a
+        row, written together when there are many); the rest are rewritten from their first change."""
+        # (self.tables / self.num_blocks are read at each use: _write_table may grow them, new arrays)
+        row_of, req_to_blocks = self.row_of, self.kv.req_to_blocks
+        many = len(changes) >= _MANY_ROWS
+        app_rows: list[int] = []
+        app_first: list[int] = []
+        app_ids: list[int] = []
+        for req, first in changes.items():
+            i = row_of.get(req)
+            if i is None:
+                continue
+            blocks = req_to_blocks.get(req.request_id, ())
+            if len(blocks) == first + 1 and first < self.tables.shape[1]:  # one block appended?
+                if many:  # (checked against num_blocks below, all at once)
+                    app_rows.append(i)
+                    app_first.append(first)
+                    app_ids.append(blocks[first].block_id)
+                    continue
+                if self.num_blocks[i] == first:
+                    self.tables[i, first] = blocks[first].block_id
+                    self.num_blocks[i] = first + 1
+                    continue
+            self._write_table(i, self.kv.get_block_ids(req.request_id), first)
+        if app_rows:
+            rows, firsts = np.array(app_rows, np.int64), np.array(app_first, np.int64)
+            appended = self.num_blocks[rows] == firsts
+            if not appended.all():  # (a row whose table was not as long as its first change)
+                for j in np.flatnonzero(~appended).tolist():
+                    i = app_rows[j]
+                    self._write_table(i, self.kv.get_block_ids(self.rows[i].request_id), app_first[j])
+                rows, firsts = rows[appended], firsts[appended]
+                app_ids = np.array(app_ids, np.int32)[appended]
+            self.tables[rows, firsts] = app_ids
+            self.num_blocks[rows] = firsts + 1
+
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, forks: Optional[dict[str, list[Request]]] = None) -> StepPlan:
         """The batch of ``out`` (the scheduler's plan). ``forks``: leader id -> samples that fork from
         it once its prompt is done; they sample from the leader's logits row in the same step."""
         kv, bs, device = self.kv, self.block_size, self.device
-        decodes = [r for r, n in out.scheduled if n == 1]
-        prefills = [(r, n) for r, n in out.scheduled if n > 1] if len(decodes) < len(out.scheduled) else []
+        if out.table_rows is not None and len(out.table_rows) == len(out.scheduled):
+            decodes, prefills = out.table_rows, []  # (the scheduler's list: the same while the rows stay)
+        else:
+            decodes = [r for r, n in out.scheduled if n == 1]
+            prefills = [(r, n) for r, n in out.scheduled if n > 1] if len(decodes) < len(out.scheduled) else []
         changes = kv.take_table_changes()
-        if decodes != self.rows:  # (list equality: identity first, so an unchanged batch is cheap)
-            self._reorder(decodes)
+        if decodes is not self.rows:
+            if decodes != self.rows:  # (list equality: identity first)
+                self._reorder(decodes)
+            else:  # the kept list: the same object step after step (the engine keeps its sampling rows)
+                decodes = self.rows
         n = len(decodes)
         if n >= len(self._arange):
             self._arange = np.arange(2 * n + 1, dtype=np.int64)
-        row_of = self.row_of
-        req_to_blocks, num_blocks = kv.req_to_blocks, self.num_blocks
-        for req, first in changes.items():  # the block tables that changed: their changed tails
-            i = row_of.get(req)
-            if i is None:
-                continue
-            blocks = req_to_blocks.get(req.request_id, ())
-            if len(blocks) == first + 1 and num_blocks[i] == first and first < self.tables.shape[1]:
-                self.tables[i, first] = blocks[first].block_id  # one block appended (most changes)
-                num_blocks[i] = first + 1
-            else:
-                self._write_table(i, kv.get_block_ids(req.request_id), first)
-        unsteady = [] if self.steady[:n].all() else np.flatnonzero(~self.steady[:n]).tolist()
-        for i in unsteady:
-            self._refresh(i, decodes[i])
+        if changes:
+            self._apply_table_changes(changes)
+        unsteady = [] if np.count_nonzero(self.steady[:n]) == n else np.flatnonzero(~self.steady[:n]).tolist()
+        if unsteady:
+            self._refresh_rows(unsteady, decodes)
 
         # Which rows sample (and which prompt positions get logprobs). A row "samples plainly" when its
         # token is its sequence's last (so it samples), no fork samples from it and it has no prompt
@@ -309,7 +381,9 @@ class InputBatch:
                 break
         if plain:
             sample_src = None  # row i samples token i
-            sampling_requests.extend(decodes)
+            # (the rows' own list when nothing is appended: the engine keeps the sampling rows while
+            # the list is the same)
+            sampling_requests = decodes if not prefills else list(decodes)
             sample_idx_np = self._arange[:n]
         else:  # the general bookkeeping, row by row
             sample_src = np.full(n, -1, np.int64)

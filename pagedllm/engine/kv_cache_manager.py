@@ -197,6 +197,59 @@ class KVCacheManager:
             request.kv_free_end = 0
         return True
 
+    def allocate_decode_slots(self, requests: list[Request]) -> int:
+        """``allocate_slots(r, 1)`` for each of ``requests`` in order (decodes that hold blocks and take no
+        prefix hit), stopping at the first that cannot get its block. Returns how many succeeded.
+
+        The same changes as those calls (the tests compare the whole pool after every step), with the two
+        cases a decode meets once a block each inlined: its token needs a new block, or fills the last
+        one (hashed and cached). A shared block to copy, images, or a sliding window: ``allocate_slots``.
+        """
+        if self.sliding_window is not None:
+            for k, r in enumerate(requests):
+                if not self.allocate_slots(r, 1):
+                    return k
+            return len(requests)
+        bs = self.block_size
+        caching = self.enable_caching
+        pool = self.block_pool
+        free_queue = pool.free_block_queue
+        req_to_blocks, num_cached_blocks = self.req_to_blocks, self.num_cached_blocks
+        for k, r in enumerate(requests):
+            rid = r.request_id
+            blocks = req_to_blocks.get(rid)
+            computed = r.num_computed_tokens
+            held = len(blocks) if blocks else 0
+            if (not held or r.mm_features
+                    or (computed % bs and computed // bs < held and blocks[computed // bs].ref_cnt > 1)):
+                if not self.allocate_slots(r, 1):  # (no blocks yet, images, or copy-on-write)
+                    return k
+                continue
+            end = computed + 1
+            if end > held * bs:  # one new block (end is one past a full table)
+                if not free_queue:
+                    return k
+                blocks.append(pool.get_new_blocks(1)[0])
+                self._table_changed(r, held)
+                held += 1
+            num_cached = num_cached_blocks.get(rid, 0)
+            if caching and end // bs > num_cached:
+                i = end // bs - 1
+                hashes = r.block_hashes
+                if end % bs == 0 and num_cached == i == len(hashes) > 0:  # fills block i, the ones before hashed
+                    hashes.append(hash_block_tokens(hashes[-1], r.all_token_ids[i * bs:end]))
+                    pool.cache_block(blocks[i], hashes[i])
+                    num_cached = num_cached_blocks[rid] = i + 1
+                else:
+                    self._cache_full_blocks(r, blocks, end)
+                    num_cached = num_cached_blocks[rid]
+            # (allocate_slots' kv_free_end: the block written next is not shared, no window)
+            if end % bs == 0 or blocks[end // bs].ref_cnt <= 1:
+                r.kv_free_end = min(held * bs, (num_cached + 1) * bs - 1) if caching else held * bs
+            else:
+                r.kv_free_end = 0
+        return len(requests)
+
     def _table_changed(self, request: Request, first: int) -> None:
         """``request``'s block table changed from entry ``first`` on."""
         self._block_ids.pop(request.request_id, None)
@@ -271,7 +324,9 @@ class KVCacheManager:
         self._block_ids.pop(request.request_id, None)
         self.table_changes.pop(request, None)
         if blocks:
-            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
+            null = self.null_block
+            self.block_pool.free_blocks(reversed(blocks) if null is None else
+                                        (b for b in reversed(blocks) if b is not null))
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

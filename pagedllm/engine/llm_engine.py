@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import Iterable, Optional, Union
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
@@ -95,6 +96,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             self.speculator = Speculator(config, self.kv_cache_manager, self.scheduler, self.sampler,
                                          self.eos_token_id, self.draft)
+            self.scheduler.use_table = False  # (proposals make rows other than plain decodes)
             logger.info(self.speculator.startup_line())
         self.log_stats = log_stats
         # Offline batches only need each request's final output (saves per-step work).
@@ -103,6 +105,9 @@ class LLMEngine:
         self._last_log = time.time()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # (the last step's sampling requests list, their SamplingRows, whether all are plain greedy):
+        # kept while the input batch hands out the same list and every row is its request's kept one
+        self._rows_cache: Optional[tuple[list[Request], list[SamplingRow], bool]] = None
         # The pooling runner: a request ends with its prompt, its output is the embedding (``pooled``).
         self.pooling = mc.runner == "pooling"
         # LoRA (--enable-lora): the slot table of the batch builder, and the adapters checked so far
@@ -460,18 +465,26 @@ class LLMEngine:
         """Sample, update the requests of one batch and make their outputs."""
         num_sample = len(plan.sampling_requests)
         sampled: dict[str, int] = {}
+        token_ids = token_array = None
+        num_table = 0  # leading sampling requests that are the request table's rows (no dict entry)
         if self.pooling:  # rows are embeddings: no token is sampled and the requests end (scheduler)
             rows = logits[:num_sample].cpu()
             for i, r in enumerate(plan.sampling_requests):
                 r.pooled = rows[i]
         elif num_sample:
-            rows = [r.sampling_row or self._sampling_row(r) for r in plan.sampling_requests]
-            out = self.sampler(logits[:num_sample], rows)
+            reqs = plan.sampling_requests
+            rows, plain = self._sampling_rows(reqs)
+            out = self.sampler(logits if len(logits) == num_sample else logits[:num_sample], rows)
+            token_ids = out.token_ids
+            token_array = np.fromiter(token_ids, np.int64, num_sample)  # (once, for the batch and the table)
             if not isinstance(plan, SpecStepPlan):
-                self.input_batch.record_sampled(plan, out.token_ids)
-            sampled = dict(zip([r.request_id for r in plan.sampling_requests], out.token_ids))
-            if not all(row.plain_greedy for row in rows):  # (plain rows: no grammar, no logprobs)
-                for r, tok, lp in zip(plan.sampling_requests, out.token_ids, out.logprobs):
+                self.input_batch.record_sampled(plan, token_array)
+                if sched_out.table_rows is not None and sched_out.table_rows is self.scheduler.table.rows:
+                    num_table = len(sched_out.table_rows)  # (update_from_output advances them from token_ids)
+            sampled = (dict(zip([r.request_id for r in reqs[num_table:]], token_ids[num_table:]))
+                       if num_table < num_sample else {})
+            if not plain:  # (plain rows: no grammar, no logprobs)
+                for r, tok, lp in zip(reqs, token_ids, out.logprobs):
                     if r.grammar is not None:
                         r.grammar.accept(tok)
                     if lp is not None:
@@ -491,8 +504,8 @@ class LLMEngine:
         self.num_prompt_tokens_total += sum(
             r.num_prompt_tokens for r, n in plan.fresh
             if r.metrics.first_token_time is None and r.num_computed_tokens + n >= r.num_prompt_tokens)
-        updated = self.scheduler.update_from_output(sched_out, sampled)
-        self.num_generation_tokens_total += len(sampled)
+        updated = self.scheduler.update_from_output(sched_out, sampled, token_ids, token_array)
+        self.num_generation_tokens_total += len(sampled) + num_table
         # Offline final outputs: requests without stop strings are detokenized once they finish (one
         # token a sample a step is what makes that exact: not with speculative decoding).
         stopped = self.output_processor.process(updated, self.final_outputs_only and self.speculator is None)
@@ -506,7 +519,9 @@ class LLMEngine:
         # Only requests with a sequence that finished this step can be finished (so only those are
         # looked at when only final outputs are wanted).
         if self.final_outputs_only:
-            for parent_id in dict.fromkeys(r.parent_id for r in updated if r.status.finished):
+            # (what update_from_output finished, unless stop strings finished more)
+            done = self.scheduler.last_finished if not stopped else [r for r in updated if r.status.finished]
+            for parent_id in dict.fromkeys(r.parent_id for r in done):
                 if op.is_finished(parent_id):
                     out_ = make_output(parent_id)
                     if out_ is not None:
@@ -522,6 +537,19 @@ class LLMEngine:
         if self.log_stats and time.time() - self._last_log > 10.0:
             self._log_stats()
         return outputs
+
+    def _sampling_rows(self, reqs: list[Request]) -> tuple[list[SamplingRow], bool]:
+        """(the SamplingRow of each request of ``reqs``, whether all are plain greedy). The same list
+        object as last step (the input batch hands out the request table's rows while they stay) with
+        every row its request's kept one (``Request.sampling_row``, never changed once set) gives the
+        same rows: they are kept with it."""
+        cache = self._rows_cache
+        if cache is not None and cache[0] is reqs:
+            return cache[1], cache[2]
+        rows = [r.sampling_row or self._sampling_row(r) for r in reqs]
+        plain = all(row.plain_greedy for row in rows)
+        self._rows_cache = (reqs, rows, plain) if all(r.sampling_row is not None for r in reqs) else None
+        return rows, plain
 
     def _sampling_row(self, r: Request) -> SamplingRow:
         """The sampler's view of ``r``; kept on the request (``r.sampling_row``) once nothing in it

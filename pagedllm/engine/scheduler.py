@@ -24,6 +24,13 @@ vLLM V0's one scheduler per virtual engine; otherwise one batch would take every
 leave the other stages idle). Blocks are allocated at schedule time as without pipelining; a
 prefix-cache hit on blocks a batch in flight is still computing is correct because every stage
 runs the batches in order.
+
+The request table (``engine/request_table.py``): when at least ``TABLE_MIN_ROWS`` requests run and every
+one is a plain decode (one token to compute), the running part of ``schedule`` and the update of those
+rows in ``update_from_output`` are array operations over per-row mirrors of their bookkeeping; only rows
+that need a block (``KVCacheManager.allocate_decode_slots``) or whose token may stop them go through
+per-request Python. The decisions are the general loop's (``tests/test_host_fast_paths.py`` compares
+both after every step); not pipelined, not with speculative decoding.
 """
 from __future__ import annotations
 
@@ -33,22 +40,35 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
+
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request_table import RequestTable
 
 
 # stop_reason of a request aborted because its grammar could not follow the output (finish_reason "abort")
 GRAMMAR_FAILED = "structured output: the grammar could not be followed (see the server log)"
 
+# Running requests from which the request table drives a step (measured: at 8 its few NumPy calls cost
+# about what the per-request loops they replace do).
+TABLE_MIN_ROWS = 8
+
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: ``scheduled`` lists (request, number of new tokens) in batch order."""
+    """One step's plan: ``scheduled`` lists (request, number of new tokens) in batch order.
+
+    ``table_rows``: when the request table drove the step's running part, its rows (the first
+    ``len(table_rows)`` entries of ``scheduled``, one token each; the table's own list, unchanged from
+    step to step while they stay: do not modify it); ``update_from_output`` then advances them as arrays.
+    """
 
     scheduled: list[tuple[Request, int]]
     preempted: list[Request] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    table_rows: Optional[list[Request]] = None
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +102,14 @@ class Scheduler:
         self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.priority = config.policy == "priority"
+        # The running decode batch's bookkeeping in arrays (engine/request_table.py): used when at least
+        # ``table_min_rows`` requests run (below that, a NumPy call costs more than the Python it saves),
+        # not pipelined, and ``use_table`` (the engine turns it off under speculative decoding).
+        self.table = RequestTable(config.max_num_seqs)
+        self.use_table = True
+        self.table_min_rows = TABLE_MIN_ROWS
+        # The requests the last update_from_output finished, in the order of the list it returned.
+        self.last_finished: list[Request] = []
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
@@ -119,6 +147,8 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         """Sequences that hold (or will hold once their leader's prefill ends) a running slot:
         the running ones plus the not-yet-forked siblings of running leaders."""
+        if not self.forks:
+            return len(self.running)
         return len(self.running) + sum(len(self.forks[r.request_id]) for r in self.running
                                        if r.request_id in self.forks)
 
@@ -192,6 +222,20 @@ class Scheduler:
         running = self.running  # (preemption pops from this same list)
         allocate_slots = self.kv.allocate_slots
         i = 0
+        table_rows = None
+        if (self.use_table and not pipelined and self.table_min_rows <= len(running) <= budget):
+            i = self._schedule_table_rows()
+            if i == len(running):  # every running request a decode the table drove
+                table_rows = self.table.rows
+                scheduled = self.table.scheduled()
+                budget -= i
+            elif i > 0:  # out of blocks at row i: the general loop goes on from there (it preempts)
+                scheduled = self.table.scheduled()[:i]
+                budget -= i
+            else:
+                i = 0
+        if table_rows is None:
+            self.table.invalidate()  # (the general loop below changes what the rows mirror)
         while i < len(running) and budget > 0:
             req = running[i]
             if pipelined:
@@ -230,7 +274,9 @@ class Scheduler:
 
         # 2. Admit waiting requests (not in a step that had to preempt: memory is short).
         # max_num_seqs counts sequences, so a running leader's siblings waiting to fork count too.
-        num_seqs = self.num_running_seqs()
+        if table_rows is not None and self.waiting:
+            scheduled = list(scheduled)  # (the table's list is kept: admissions go on a copy)
+        num_seqs = self.num_running_seqs() if self.waiting else 0
         loras: Optional[set[int]] = None  # adapters of the running requests, once one is needed
         while not preempted and self.waiting and budget > 0 and num_seqs < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -275,21 +321,69 @@ class Scheduler:
         if pipelined:
             self.inflight.update(r.request_id for r, _ in scheduled)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted,
-                               total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget)
+                               total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+                               table_rows=table_rows)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def _schedule_table_rows(self) -> int:
+        """The running part of a step through the request table: every running request must be a plain
+        decode (one token, see ``engine/request_table.py``); only the rows whose token needs a block call
+        ``allocate_slots``. Returns how many leading running requests were scheduled one token each:
+        all of them, or the row whose allocation failed (the general loop goes on there and preempts;
+        a failed allocate_slots changes nothing), or 0 when a request is not a plain decode."""
+        running = self.running
+        table = self.table
+        table.sync(running)
+        n = len(running)
+        if np.count_nonzero(table.known[:n]) < n:
+            forks = self.forks
+            rows = np.flatnonzero(~table.known[:n]).tolist()
+            reqs = [running[i] for i in rows]
+            for r in reqs:  # (past its prompt: it sampled before, no prompt logprobs, images or forks left)
+                computed = r.num_computed_tokens
+                if not (computed + 1 == len(r.all_token_ids) and computed >= r.num_prompt_tokens
+                        and not r.spec_token_ids and r.status is RequestStatus.RUNNING
+                        and r.metrics.first_token_time is not None and r.request_id not in forks):
+                    return 0
+            table.refresh(rows, reqs)
+        need = table.rows_to_allocate(n)
+        if need:
+            reqs = [running[i] for i in need]
+            done = self.kv.allocate_decode_slots(reqs)
+            table.free_end[need[:done]] = [r.kv_free_end for r in reqs[:done]]
+            if done < len(need):
+                return need[done]
+        return n
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           tokens: Optional[Sequence[int]] = None,
+                           token_array: Optional[np.ndarray] = None) -> list[Request]:
         """Advance computed-token counts, append sampled tokens, finish requests that hit EOS, a
         stop token id, ``max_tokens`` or ``max_model_len`` (freeing their blocks now).
 
+        ``sampled``: request id -> its sampled token. ``tokens``: optional, the step's sampled tokens in
+        sampling order, whose first ``len(out.table_rows)`` are the table rows' (one each, in order:
+        what the input batch gives them); those rows are then advanced as arrays and need no entry in
+        ``sampled``. ``token_array``: optional, ``tokens`` as an int64 array (made once by the caller).
+
         Returns the requests that received a new token this step (under the pooling runner, with no
-        ``sampled`` token: those whose prompt is done, now finished).
+        ``sampled`` token: those whose prompt is done, now finished); ``last_finished`` holds those
+        of them that finished.
         """
         updated = []
+        self.last_finished = finished = []
         forks = self.forks
         inflight = self.inflight
         check_stop = self._check_stop
         now = time.time()  # one timestamp for the step's tokens (they come from one forward)
-        for req, n in out.scheduled:
+        scheduled = out.scheduled
+        rows = out.table_rows
+        if rows is not None:
+            if tokens is not None and rows is self.table.rows:
+                self._update_table_rows(rows, tokens, token_array, now, updated)
+                scheduled = scheduled[len(rows):]
+            else:
+                self.table.invalidate()
+        for req, n in scheduled:
             if inflight:
                 self.inflight.discard(req.request_id)
                 status = self._deferred.pop(req.request_id, None)
@@ -323,6 +417,7 @@ class Scheduler:
                     self.running.remove(r)
                     self._finish(r, RequestStatus.FINISHED_STOPPED)
                     updated.append(r)
+                    finished.append(r)
                     continue
                 r.output_token_ids.append(token)  # (Request.append_output_token, inlined: once a token)
                 r.all_token_ids.append(token)
@@ -335,8 +430,39 @@ class Scheduler:
                     if status is not None:
                         self.running.remove(r)
                         self._finish(r, status)
+                        finished.append(r)
                 updated.append(r)
         return updated
+
+    def _update_table_rows(self, rows: list[Request], tokens: Sequence[int], token_array: Optional[np.ndarray],
+                           now: float, updated: list[Request]) -> None:
+        """update_from_output for the table rows (plain decodes, row i sampled ``tokens[i]``): the same
+        changes as its general loop, the stop filter as array operations (``RequestTable.advance``) and
+        ``_check_stop`` only for the rows it flags, in row order (so blocks are freed in the same order)."""
+        n = len(rows)
+        toks = tokens if len(tokens) == n else tokens[:n]
+        arr = token_array[:n] if token_array is not None else np.fromiter(toks, np.int64, n)
+        flagged = self.table.advance(n, arr)
+        for r, tok in zip(rows, toks):  # (what the general loop does to a plain decode, nothing else)
+            r.num_computed_tokens += 1
+            r.output_token_ids.append(tok)
+            r.all_token_ids.append(tok)
+            r.metrics.last_token_time = now
+        updated.extend(rows)
+        finished = self.last_finished
+        for i in flagged:
+            r = rows[i]
+            status = self._check_stop(r, toks[i])
+            if status is not None:
+                self._finish(r, status)
+                finished.append(r)
+        if finished:  # out of the running list at once (one remove a request is O(running) each)
+            if len(finished) <= 2:
+                for r in finished:
+                    self.running.remove(r)
+            else:
+                gone = set(finished)
+                self.running[:] = [r for r in self.running if r not in gone]
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -474,9 +474,12 @@ class LLMEngine:
         elif num_sample:
             reqs = plan.sampling_requests
             rows, plain = self._sampling_rows(reqs)
-            out = self.sampler(logits if len(logits) == num_sample else logits[:num_sample], rows)
+            out = self.sampler(logits if len(logits) == num_sample else logits[:num_sample], rows,
+                               all_plain_greedy=plain)
             token_ids = out.token_ids
-            token_array = np.fromiter(token_ids, np.int64, num_sample)  # (once, for the batch and the table)
+            tokens = out.token_tensor  # (int64 [num_sample]: once, for the batch and the table)
+            token_array = (tokens.numpy() if tokens is not None and tokens.device.type == "cpu"
+                           else np.fromiter(token_ids, np.int64, num_sample))
             if not isinstance(plan, SpecStepPlan):
                 self.input_batch.record_sampled(plan, token_array)
                 if sched_out.table_rows is not None and sched_out.table_rows is self.scheduler.table.rows:

@@ -187,15 +187,21 @@ class KVCacheManager:
         if self.enable_caching and end // bs > num_cached:
             self._cache_full_blocks(request, blocks, end)
             num_cached = self.num_cached_blocks[rid]
-        # The tokens the next calls may add with nothing to do (see Request.kv_free_end): up to the end of
-        # the blocks held and, with caching, short of filling the next block (it is then hashed); none
-        # while the block written next is shared (copy-on-write) or under a sliding window.
+        self._set_free_end(request, blocks, end, num_cached)
+        return True
+
+    def _set_free_end(self, request: Request, blocks: list[KVCacheBlock], end: int, num_cached: int) -> None:
+        """``request.kv_free_end`` after an allocation for its first ``end`` tokens (``blocks`` its table,
+        ``num_cached`` of them cached): the tokens the next calls may add with nothing to do (see
+        Request.kv_free_end), up to the end of the blocks held and, with caching, short of filling the
+        next block (it is then hashed); none while the block written next is shared (copy-on-write) or
+        under a sliding window."""
+        bs = self.block_size
         if self.sliding_window is None and not (end % bs and blocks[end // bs].ref_cnt > 1):
             limit = len(blocks) * bs
             request.kv_free_end = min(limit, (num_cached + 1) * bs - 1) if self.enable_caching else limit
         else:
             request.kv_free_end = 0
-        return True
 
     def allocate_decode_slots(self, requests: list[Request]) -> int:
         """``allocate_slots(r, 1)`` for each of ``requests`` in order (decodes that hold blocks and take no
@@ -231,7 +237,6 @@ class KVCacheManager:
                     return k
                 blocks.append(pool.get_new_blocks(1)[0])
                 self._table_changed(r, held)
-                held += 1
             num_cached = num_cached_blocks.get(rid, 0)
             if caching and end // bs > num_cached:
                 i = end // bs - 1
@@ -243,11 +248,7 @@ class KVCacheManager:
                 else:
                     self._cache_full_blocks(r, blocks, end)
                     num_cached = num_cached_blocks[rid]
-            # (allocate_slots' kv_free_end: the block written next is not shared, no window)
-            if end % bs == 0 or blocks[end // bs].ref_cnt <= 1:
-                r.kv_free_end = min(held * bs, (num_cached + 1) * bs - 1) if caching else held * bs
-            else:
-                r.kv_free_end = 0
+            self._set_free_end(r, blocks, end, num_cached)
         return len(requests)
 
     def _table_changed(self, request: Request, first: int) -> None:

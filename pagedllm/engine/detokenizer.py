@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
         fast = getattr(tokenizer, "_tokenizer", None)
         self._fast = fast if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
         self._one_token_texts = one_token_texts if one_token_texts is not None else {}
-        # Token id -> its bytes (_learn_bytes), for the byte-level catch-up; shared like one_token_texts.
+        # Token id -> its bytes (_joined_bytes), for the byte-level catch-up; shared like one_token_texts.
         self._one_token_bytes = one_token_bytes if one_token_bytes is not None else {}
         # The text of ids[prefix_offset:read_offset] decoded alone, once known (None: not yet).
         self._prefix_text: Optional[str] = None
@@ -124,15 +124,13 @@ class IncrementalDetokenizer:
         before it only add text. Python's ``bytes.decode("utf-8", "replace")`` substitutes maximal
         subparts as Rust's ``String::from_utf8_lossy`` does (tests/test_detokenize_byte_level.py)."""
         ids = self.ids
-        texts, fast, skip = self._one_token_texts, self._fast, self.skip_special_tokens
+        texts, token_text = self._one_token_texts, self._token_text
         n = len(ids)
         # The last two tokens (from ``first``) whose text ends in a whole character: k2 (-1: none).
         k1 = k2 = -1
         k = n - 1
         while k >= first:
-            text = texts.get(ids[k])
-            if text is None:
-                text = texts[ids[k]] = fast.decode(ids[k:k + 1], skip_special_tokens=skip)
+            text = token_text(ids[k])
             if text and text[-1] != "\ufffd":
                 if k1 >= 0:
                     k2 = k
@@ -144,9 +142,7 @@ class IncrementalDetokenizer:
         r = k2 + 1 if k2 >= 0 else ro  # the first pending token (the steps emit at k2)
         start = end = -1
         for k in range(k2 + 1 if k2 >= 0 else first, n):
-            text = texts.get(ids[k])
-            if text is None:
-                text = texts[ids[k]] = fast.decode(ids[k:k + 1], skip_special_tokens=skip)
+            text = token_text(ids[k])
             if not text:
                 continue
             if text[-1] != "\ufffd":
@@ -177,14 +173,10 @@ class IncrementalDetokenizer:
             return b"".join(itemgetter(*span)(tb)) if len(span) > 1 else tb[span[0]]
         except KeyError:
             pass
-        texts, fast = self._one_token_texts, self._fast
         for t in span:
             if t in tb:
                 continue
-            text = texts.get(t)
-            if text is None:
-                text = texts[t] = fast.decode([t], skip_special_tokens=self.skip_special_tokens)
-            b = byte_level_token_bytes(fast, t, text)
+            b = byte_level_token_bytes(self._fast, t, self._token_text(t))
             if b is None:
                 return None
             tb[t] = b
@@ -201,6 +193,15 @@ class IncrementalDetokenizer:
                 return False
         return self._window_text()[-1:] == "\ufffd"
 
+    def _token_text(self, token_id: int) -> str:
+        """The text of ``token_id`` decoded alone (looked up in the shared ``one_token_texts``; decoded and
+        kept there on first use). Needs the Rust tokenizer (``_fast``)."""
+        text = self._one_token_texts.get(token_id)
+        if text is None:
+            text = self._one_token_texts[token_id] = self._fast.decode([token_id],
+                                                                        skip_special_tokens=self.skip_special_tokens)
+        return text
+
     def _window_text(self) -> str:
         """The text of the window ``ids[prefix_offset:read_offset]`` (kept in ``_prefix_text`` once decoded):
         one token's looked up; byte-level, its tokens' bytes decoded (``_catch_up_bytes``: the same text)."""
@@ -211,9 +212,7 @@ class IncrementalDetokenizer:
             if self._fast is None:
                 return self._decode(ids[po:ro])
             if ro - po == 1:
-                prefix = self._one_token_texts.get(ids[po])
-                if prefix is None:
-                    prefix = self._one_token_texts[ids[po]] = self._fast.decode(ids[po:ro], skip_special_tokens=skip)
+                prefix = self._token_text(ids[po])
             else:
                 joined = self._joined_bytes(po, ro) if self.byte_level and ro > po else None
                 if joined is not None:
@@ -245,9 +244,7 @@ class IncrementalDetokenizer:
                 # decoding starts afresh at the new tokens' bytes: full = prefix + new, the difference is
                 # the new tokens' text alone (one token's: looked up), and that is the next window's text.
                 if len(ids) == ro + 1:
-                    new = self._one_token_texts.get(ids[ro])
-                    if new is None:
-                        new = self._one_token_texts[ids[ro]] = fast.decode(ids[ro:], skip_special_tokens=skip)
+                    new = self._token_text(ids[ro])
                 else:
                     new = fast.decode(ids[ro:], skip_special_tokens=skip)
                 if not new or new[-1] == "\ufffd":

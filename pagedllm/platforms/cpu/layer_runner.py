@@ -560,11 +560,20 @@ class CpuLayerRunner:
             self.token_head = head
         return True
 
-    def _scratch_columns(self) -> dict[str, int]:
-        """Columns a token row takes in each of the layers' scratch buffers (_SCRATCH)."""
+    def _scratch(self, step: _Step, rows: int) -> torch.Tensor:
+        """One workspace for the layers' scratch buffers (_SCRATCH) of ``rows`` token rows, each part
+        rounded up to 16 elements; ``step``'s scratch fields point into it. Returns it (the caller holds
+        it while the step runs)."""
         d = self.dims
-        return {"h": d.hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
+        cols = {"h": d.hidden, "qkv": self.q_size + 2 * self.kv_size, "q": self.q_size, "attn": self.q_size,
                 "gate_up": 2 * d.intermediate, "act": d.intermediate}
+        sizes = [-(-rows * cols[k] // 16) * 16 for k in _SCRATCH]
+        work = torch.empty(sum(sizes), dtype=self.dtype)
+        base, es = work.data_ptr(), work.element_size()
+        for k, size in zip(_SCRATCH, sizes):
+            setattr(step, k, base)
+            base += size * es
+        return work
 
     def _token_step(self, n: int, tokens: StepTokens) -> tuple:
         """(the token steps' _Step, x [cap, hidden], cos_sin [cap, 2, 1, rotary_dim], final [cap, hidden]),
@@ -574,9 +583,7 @@ class CpuLayerRunner:
         if kept is not None and kept[0] >= n:
             return kept[1]
         cap = max(n, 2 * kept[0] if kept is not None else 0)
-        d, cols = self.dims, self._scratch_columns()
-        sizes = [-(-cap * cols[k] // 16) * 16 for k in _SCRATCH]  # each part rounded up to 16 elements
-        work = torch.empty(sum(sizes), dtype=self.dtype)
+        d = self.dims
         x, x_out, final = (torch.empty(cap, d.hidden, dtype=self.dtype) for _ in range(3))
         cos_sin = torch.empty(cap, 2, 1, d.rotary_dim, dtype=self.dtype)
         cache = tokens.rope_cache
@@ -584,10 +591,7 @@ class CpuLayerRunner:
                      cos_sin=(_p * 2)(cos_sin.data_ptr(), cos_sin.data_ptr()), embed=tokens.embed.data_ptr(),
                      rope_cache=cache.data_ptr(), final_norm=tokens.norm_weight.data_ptr(), vocab=tokens.embed.shape[0],
                      max_pos=cache.shape[0], final_eps=float(tokens.norm_eps))
-        base, es = work.data_ptr(), work.element_size()
-        for k, size in zip(_SCRATCH, sizes):
-            setattr(step, k, base)
-            base += size * es
+        work = self._scratch(step, cap)
         self.token_step = (cap, (step, x, cos_sin, final), work, x_out)  # (work, x_out: held)
         return self.token_step[1]
 
@@ -634,20 +638,13 @@ class CpuLayerRunner:
             step.seq_lens, step.query_start_loc, step.bt_stride = sl.data_ptr(), qsl.data_ptr(), bt.stride(0)
             step.num_seqs, step.bad_input, step.lora = sl.shape[0], 0, None
         else:
-            cols = self._scratch_columns()
-            # One workspace for the step's scratch rows (each part rounded up to 16 elements).
-            sizes = [-(-n * cols[k] // 16) * 16 for k in _SCRATCH]
-            work = torch.empty(sum(sizes), dtype=self.dtype)
             x_out = torch.empty(n, hidden, dtype=self.dtype)
             step = _Step(num_tokens=n, x=x.data_ptr(), residual=(x if residual is None else residual).data_ptr(),
                          x_out=x_out.data_ptr(), has_residual=int(residual is not None),
                          cos_sin=(_p * 2)(*(t.data_ptr() for t in (tables * 2)[:2])),
                          slot_mapping=slots.data_ptr(), block_tables=bt.data_ptr(), seq_lens=sl.data_ptr(),
                          query_start_loc=qsl.data_ptr(), bt_stride=bt.stride(0), num_seqs=sl.shape[0])
-            base, es = work.data_ptr(), work.element_size()
-            for k, size in zip(_SCRATCH, sizes):
-                setattr(step, k, base)
-                base += size * es
+            work = self._scratch(step, n)
         step.timings = ctypes.addressof(self.timings) if self.timings is not None else None
         lora_held: list = []
         if with_lora:
